@@ -1,0 +1,30 @@
+"""Pure-jnp reference of the causal depthwise conv1d + SiLU of the Gated DeltaNet (width K, usually 4).
+
+Layouts (shared with the kernels): weight [K, C] (w[K-1] multiplies the current token, PyTorch cross-correlation
+order); conv state pool [slots, K-1, C] holding each slot's last K-1 *pre-conv* inputs, oldest first; padded
+batch x [N, T, C] with lens[n] real tokens per row. fp32 accumulation, output in x.dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def conv_prefill(x, w, pool, slots, lens):
+    """Conv of each row continuing from its slot's state; the last K-1 real inputs become the new state."""
+    km1 = w.shape[0] - 1
+    t = x.shape[1]
+    ext = jnp.concatenate([pool[slots].astype(x.dtype), x], axis=1)            # [N, K-1+T, C]
+    extf = ext.astype(jnp.float32)
+    wf = w.astype(jnp.float32)
+    y = sum(extf[:, j:j + t] * wf[j] for j in range(km1 + 1))
+    y = jax.nn.silu(y).astype(x.dtype)
+    take = lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, km1, axis=0)        # inputs lens-K+1 .. lens
+    new_state = jax.vmap(take)(ext, lens)
+    return y, pool.at[slots].set(new_state.astype(pool.dtype))
+
+
+def conv_decode(x, w, pool, slots):
+    """One token per row: x [N, C]."""
+    y, pool = conv_prefill(x[:, None], w, pool, slots, jnp.ones(x.shape[:1], jnp.int32))
+    return y[:, 0], pool

@@ -1,0 +1,93 @@
+"""Read tensor slices from HF safetensors checkpoints without loading whole files.
+
+safetensors' numpy backend cannot slice bf16 tensors, so this reads the (tiny, documented) header itself and
+memory-maps exactly the slice asked for: a rank that needs rows [a, b) of a tensor touches only those bytes.
+Keys are normalised to the text decoder's names (`embed_tokens.weight`, `layers.N...`, `norm.weight`,
+`lm_head.weight`); the vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are skipped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+          "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_}
+PREFIXES = ("model.language_model.", "model.")
+SKIPPED = ("model.visual.", "mtp.", "visual.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int          # absolute byte offset of the tensor data in the file
+
+
+def _read_header(path: str) -> dict[str, TensorInfo]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        if meta["dtype"] not in DTYPES:
+            raise ValueError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
+        out[key] = TensorInfo(path, np.dtype(DTYPES[meta["dtype"]]), tuple(meta["shape"]),
+                              8 + n + meta["data_offsets"][0])
+    return out
+
+
+def normalize_key(key: str) -> str | None:
+    """Checkpoint key -> text-decoder key, or None for tensors that are not part of the language model."""
+    if key.startswith(SKIPPED):
+        return None
+    for prefix in PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+class Checkpoint:
+    """The tensors of a model directory: `model.safetensors`, or shards listed in `model.safetensors.index.json`."""
+
+    def __init__(self, model_dir: str):
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(p for p in os.listdir(model_dir) if p.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+        self.tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is listed in model.safetensors.index.json but missing")
+            for key, info in _read_header(path).items():
+                norm = normalize_key(key)
+                if norm is not None:
+                    self.tensors[norm] = info
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key].shape
+
+    def read(self, key: str, axis: int = 0, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """A copy of tensor[..., start:stop, ...] along `axis`, in the file's dtype."""
+        info = self.tensors[key]
+        mm = np.memmap(info.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
+        index = [slice(None)] * len(info.shape)
+        index[axis] = slice(start, stop)
+        out = np.array(mm[tuple(index)])
+        del mm
+        return out

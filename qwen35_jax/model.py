@@ -1,0 +1,190 @@
+"""The Qwen3.5 text decoder as pure functions of (weights, state, batch), run per rank inside one `shard_map`.
+
+One code path serves prefill and decode: a batch is N rows of T tokens (a prompt chunk per row, or T = 1 for
+decode), each row continuing its own request from `start` with `lens` real tokens, its GDN state in slot
+`slots[n]` and its K/V in pages `pages[n]`. Inside `shard_map` every array has its per-rank shape; the only
+collectives are the `psum`s after the row-parallel projections (o_proj, out_proj, down_proj) and the embedding
+lookup, all over `tp`. The recurrent and conv states are never all-reduced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from qwen35_jax import attention as attn_ops
+from qwen35_jax.config import ModelConfig
+from qwen35_jax.sharding import TP, Layout
+from qwen35_jax.state import State
+from qwen35_jax.weights import Attention, GatedDeltaNet, Weights
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    tokens: Any   # [N, T] int32
+    start: Any    # [N] int32: tokens already in this request's state (position of tokens[:, 0])
+    lens: Any     # [N] int32: real tokens in the row (0 = padded row)
+    slots: Any    # [N] int32: GDN state slot (0 = null slot)
+    pages: Any    # [N, P] int32: KV page table (0 = null page)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The GDN/conv operations the model runs; a backend supplies them (see qwen35_jax.backends)."""
+    gdn_prefill: Callable
+    gdn_decode: Callable
+    conv_prefill: Callable
+    conv_decode: Callable
+
+
+def rms_norm_1p(x, w, eps):
+    """Zero-centred RMSNorm: normalise in fp32, scale by (1 + w), cast last."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_norm(o, z, w, eps):
+    """GDN output norm: RMS-normalise o (plain weight w), then gate by silu(z); norm before gate."""
+    of = o.astype(jnp.float32)
+    y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+def row_parallel(x, w):
+    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding."""
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    return jax.lax.psum(y, TP).astype(x.dtype)
+
+
+def rope(x, positions, rotary_dim, theta):
+    """Half-split RoPE on the first rotary_dim dims of each head. x [N,T,H,D], positions [N,T]."""
+    inv = theta ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * inv
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xr = x[..., :rotary_dim].astype(jnp.float32)
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = (xr * cos + rotated * sin).astype(x.dtype)
+    return jnp.concatenate([out, x[..., rotary_dim:]], axis=-1)
+
+
+def embed(cfg: ModelConfig, table, tokens):
+    """Vocab-sharded lookup: each rank fills the rows it owns, one psum assembles them (exact)."""
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(TP) * rows
+    ok = (local >= 0) & (local < rows)
+    x = jnp.where(ok[..., None], table[jnp.clip(local, 0, rows - 1)], 0)
+    return jax.lax.psum(x, TP)
+
+
+def attention_block(cfg: ModelConfig, layout: Layout, w: Attention, x, k_pages, v_pages, batch: Batch, positions):
+    n, t, _ = x.shape
+    d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
+    with jax.named_scope("qkv_proj"):
+        qkv = x @ w.qkv
+        qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
+        qg = qg.reshape(n, t, hq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
+        k, v = k.reshape(n, t, hkv, d), v.reshape(n, t, hkv, d)
+    with jax.named_scope("qk_norm_rope"):
+        q = rope(rms_norm_1p(q, w.q_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+        k = rope(rms_norm_1p(k, w.k_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+    with jax.named_scope("kv_write"):
+        k_pages, v_pages = attn_ops.write_kv(k_pages, v_pages, k, v, batch.pages, positions, batch.lens)
+    with jax.named_scope("attention"):
+        o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, batch.start + batch.lens)
+        o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
+    with jax.named_scope("o_proj"):
+        return row_parallel(o, w.o_proj), k_pages, v_pages
+
+
+def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
+              batch: Batch):
+    n, t, _ = x.shape
+    hk, hv = layout.k_heads, layout.v_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kl, vl = hk * dk, hv * dv
+    with jax.named_scope("in_proj"):
+        proj = x @ w.in_proj
+        mixed, z, b, a = jnp.split(proj, [2 * kl + vl, 2 * kl + 2 * vl, 2 * kl + 2 * vl + hv], axis=-1)
+    decode = t == 1
+    with jax.named_scope("conv1d"):
+        if decode:
+            y, conv_pool = kernels.conv_decode(mixed[:, 0], w.conv, conv_pool, batch.slots)
+            y = y[:, None]
+        else:
+            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens)
+    q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
+    q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
+    with jax.named_scope("gated_delta_rule"):
+        if decode:
+            o, rec_pool = kernels.gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], w.A_log, w.dt_bias,
+                                             rec_pool, batch.slots)
+            o = o[:, None]
+        else:
+            o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens)
+    with jax.named_scope("gated_norm"):
+        o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
+    with jax.named_scope("out_proj"):
+        return row_parallel(o, w.out_proj), conv_pool, rec_pool
+
+
+def mlp_block(w, x):
+    with jax.named_scope("gate_up"):
+        gate, up = jnp.split(x @ w.gate_up, 2, axis=-1)
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    with jax.named_scope("down_proj"):
+        return row_parallel(h, w.down)
+
+
+def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
+            all_logits: bool):
+    """Per-rank forward. Returns (fp32 logits over this rank's vocab shard, new state).
+    Logits are [N, T, V/tp] when all_logits, else [N, V/tp] at each row's last real token."""
+    n, t = batch.tokens.shape
+    positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    with jax.named_scope("embed"):
+        x = embed(cfg, weights.embed, batch.tokens)
+    conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
+    gi = ai = 0
+    for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
+        with jax.named_scope(f"layer{i}"):
+            h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
+            if kind == "full_attention":
+                with jax.named_scope("attention"):
+                    h, kp[ai], vp[ai] = attention_block(cfg, layout, layer.mixer, h, kp[ai], vp[ai], batch, positions)
+                ai += 1
+            else:
+                with jax.named_scope("gdn"):
+                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
+                gi += 1
+            x = x + h
+            with jax.named_scope("mlp"):
+                x = x + mlp_block(layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
+    with jax.named_scope("lm_head"):
+        x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
+        if not all_logits:
+            x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
+        head = weights.lm_head if weights.lm_head is not None else weights.embed.T
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        # Vocab padding (rows added so tp divides the vocab) must never be sampled.
+        col = jax.lax.axis_index(TP) * head.shape[1] + jnp.arange(head.shape[1])
+        logits = jnp.where(col < cfg.vocab_size, logits, -jnp.inf)
+    return logits, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
+
+
+def make_forward(cfg: ModelConfig, layout: Layout, mesh: Mesh, kernels: Kernels, weight_specs, state_specs,
+                 all_logits: bool):
+    """The SPMD program: forward under shard_map over `tp`; logits come out vocab-sharded."""
+    body = functools.partial(forward, cfg, layout, kernels, all_logits=all_logits)
+    logit_spec = P(None, None, TP) if all_logits else P(None, TP)
+    batch_spec = Batch(tokens=P(), start=P(), lens=P(), slots=P(), pages=P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, state_specs, batch_spec),
+                         out_specs=(logit_spec, state_specs), check_vma=False)

@@ -1,0 +1,28 @@
+"""Results of generation, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None    # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob} (sampled + top-N)
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False

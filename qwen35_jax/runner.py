@@ -1,0 +1,62 @@
+"""Owns the device side: mesh, weights, state pools, and the jitted SPMD forward (state donated every call)."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from qwen35_jax.backends import get_kernels
+from qwen35_jax.config import ModelConfig
+from qwen35_jax.model import Batch, make_forward
+from qwen35_jax.sharding import Layout
+from qwen35_jax.state import State, abstract_state, init_state, state_specs
+from qwen35_jax.weights import abstract_weights, weight_specs
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, dtype, *, num_slots: int, num_pages: int,
+                 page_size: int, kernel_backend: str | None = None):
+        self.cfg, self.mesh, self.weights, self.dtype = cfg, mesh, weights, dtype
+        self.layout = Layout.build(cfg, mesh.shape["tp"])
+        self.page_size, self.num_slots, self.num_pages = page_size, num_slots, num_pages
+        self.backend, self.kernels = get_kernels(kernel_backend)
+        log.info("kernel_backend=%s (tp=%d, %s)", self.backend, self.layout.tp, jax.default_backend())
+        self.abstract_state = abstract_state(cfg, self.layout, num_slots, num_pages, page_size, dtype)
+        self.state: State = init_state(self.abstract_state, mesh)
+        self._w_specs = weight_specs(abstract_weights(cfg, self.layout, dtype))
+        self._s_specs = state_specs(self.abstract_state)
+        self._forward = {}
+        self._reset = jax.jit(_reset_slots, donate_argnums=(0,))
+
+    def forward_fn(self, all_logits: bool):
+        if all_logits not in self._forward:
+            fn = make_forward(self.cfg, self.layout, self.mesh, self.kernels, self._w_specs, self._s_specs, all_logits)
+            self._forward[all_logits] = jax.jit(fn, donate_argnums=(1,))
+        return self._forward[all_logits]
+
+    def run(self, batch: Batch, all_logits: bool = False):
+        """One forward over the batch; the state is replaced by the new state. Returns the global logits array
+        ([N, T, V'] or [N, V'], vocab padding masked to -inf)."""
+        logits, self.state = self.forward_fn(all_logits)(self.weights, self.state, batch)
+        return logits
+
+    def reset_slots(self, slots):
+        """Zero the GDN state of these slots (a new request must not see its predecessor's state)."""
+        self.state = self._reset(self.state, jnp.asarray(slots, jnp.int32))
+
+
+def _reset_slots(state: State, slots):
+    zero = lambda pool: pool.at[slots].set(0)
+    return State(conv=[zero(c) for c in state.conv], recurrent=[zero(r) for r in state.recurrent],
+                 k_pages=state.k_pages, v_pages=state.v_pages)
+
+
+def make_batch(tokens, start, lens, slots, pages) -> Batch:
+    as_i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    return Batch(tokens=as_i32(tokens), start=as_i32(start), lens=as_i32(lens), slots=as_i32(slots),
+                 pages=as_i32(pages))

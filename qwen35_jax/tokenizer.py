@@ -1,0 +1,35 @@
+"""Tokenizer and chat template, always read from the model directory (HF `tokenizer.json` + `tokenizer_config.json`)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")   # transformers warns that torch is absent; we only tokenize
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str):
+        from transformers import AutoTokenizer
+        if not os.path.exists(os.path.join(model_dir, "tokenizer.json")) and \
+                not os.path.exists(os.path.join(model_dir, "tokenizer_config.json")):
+            raise FileNotFoundError(f"no tokenizer.json / tokenizer_config.json in {model_dir!r}")
+        self.hf = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_token_id = self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("the model directory's tokenizer has no chat template")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+
+    def token_to_text(self, token_id: int) -> str:
+        return self.hf.convert_tokens_to_string([self.hf.convert_ids_to_tokens(int(token_id))])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)

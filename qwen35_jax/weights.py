@@ -1,0 +1,301 @@
+"""Weights as pytrees of small dataclasses, their abstract description, and per-rank loading from HF checkpoints.
+
+Every leaf of the abstract tree is a `Param`: global shape, dtype, logical sharding axes, and where its values come
+from in the checkpoint. Tensor-parallel re-layout happens here, once: matrices are stored [in, out] for `x @ w`,
+and column-parallel projections are re-stitched so that rank r's contiguous block holds exactly its own heads
+(e.g. the GDN input projection becomes [q_r | k_r | v_r | z_r | b_r | a_r] per rank, the conv weight
+[q_r | k_r | v_r]). Loading builds each device's shard from only the bytes it needs
+(`jax.make_array_from_callback`), so host memory stays bounded by one slice at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from qwen35_jax.checkpoint import Checkpoint
+from qwen35_jax.config import ModelConfig
+from qwen35_jax.sharding import Layout, named, spec
+
+log = logging.getLogger(__name__)
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """`length` consecutive entries of checkpoint tensor `key` along its stitched axis, from `start`.
+    key None means zeros (vocab padding)."""
+    key: str | None
+    start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """Abstract leaf: a global array, how it is sharded, and how to read it from a checkpoint."""
+    shape: tuple[int, ...]
+    dtype: Any
+    axes: tuple[str | None, ...]          # logical axes (see sharding.RULES)
+    runs: tuple[Run, ...] = ()            # concatenated along the stitched axis
+    hf_axis: int = 0                      # stitched axis in the checkpoint tensor
+    transpose: bool = False               # checkpoint [out, in] (or conv [C, 1, K]) -> stored [in, out] / [K, C]
+    expect: tuple[tuple[str, tuple[int, ...]], ...] = ()   # checkpoint key -> shape it must have
+    init: str = "normal"                  # random init: normal | zeros | ones | a_log
+
+    @property
+    def stored_axis(self) -> int:
+        return (1 - self.hf_axis) if self.transpose else self.hf_axis
+
+
+def _leaf(x):
+    return isinstance(x, Param)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLP:
+    gate_up: Any     # [H, 2*I] as [gate_r | up_r] per rank
+    down: Any        # [I, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Attention:
+    qkv: Any         # [H, Hq*2D + 2*Hkv'*D] as [q/gate interleaved per head | k | v] per rank
+    o_proj: Any      # [Hq*D, H]
+    q_norm: Any      # [D] (1+w)
+    k_norm: Any      # [D] (1+w)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GatedDeltaNet:
+    in_proj: Any     # [H, conv_dim + value_dim + 2*Hv] as [q_r | k_r | v_r | z_r | b_r | a_r] per rank
+    conv: Any        # [K, conv_dim] as [q_r | k_r | v_r] per rank
+    dt_bias: Any     # [Hv] fp32
+    A_log: Any       # [Hv] fp32
+    norm: Any        # [dv] fp32, plain weight of the gated RMSNorm
+    out_proj: Any    # [value_dim, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layer:
+    input_norm: Any  # [H] (1+w)
+    post_norm: Any   # [H] (1+w)
+    mixer: Any       # Attention | GatedDeltaNet
+    mlp: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    embed: Any               # [V', H] vocab-sharded
+    layers: list
+    final_norm: Any          # [H]
+    lm_head: Any = None      # [H, V'] vocab-sharded; None when tied to the embedding
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The abstract tree
+
+
+def _linear(key_runs, in_dim, out_axis, dtype, expect, in_axis="embed"):
+    """Column-parallel linear from checkpoint [out, in] rows: stored [in, sum(lengths)]."""
+    out = sum(r.length for r in key_runs)
+    return Param((in_dim, out), dtype, (in_axis, out_axis), tuple(key_runs), hf_axis=0, transpose=True,
+                 expect=tuple(expect))
+
+
+def _row_parallel(key, in_dim, out_dim, in_axis, dtype):
+    """Row-parallel linear from checkpoint [out, in]: stored [in, out], sharded on `in`."""
+    return Param((in_dim, out_dim), dtype, (in_axis, "embed"), (Run(key, 0, in_dim),), hf_axis=1, transpose=True,
+                 expect=((key, (out_dim, in_dim)),))
+
+
+def _vector(key, n, axis, init, dtype=jnp.float32):
+    return Param((n,), dtype, (axis,), (Run(key, 0, n),), expect=((key, (n,)),), init=init)
+
+
+def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> Weights:
+    h, tp = cfg.hidden_size, layout.tp
+    norm = lambda key, n=h: _vector(key, n, None, "zeros")
+
+    def mlp(p):
+        i = cfg.intermediate_size
+        runs = [Run(f"{p}.{name}.weight", r * layout.ffn, layout.ffn) for r in range(tp) for name in ("gate_proj", "up_proj")]
+        exp = [(f"{p}.gate_proj.weight", (i, h)), (f"{p}.up_proj.weight", (i, h))]
+        return MLP(gate_up=_linear(runs, h, "ffn", dtype, exp), down=_row_parallel(f"{p}.down_proj.weight", i, h, "ffn", dtype))
+
+    def attention(p):
+        d = cfg.head_dim
+        runs = []
+        for r in range(tp):
+            kv0 = layout.kv_head_of_rank(cfg, r)
+            runs += [Run(f"{p}.q_proj.weight", r * layout.q_heads * 2 * d, layout.q_heads * 2 * d),
+                     Run(f"{p}.k_proj.weight", kv0 * d, layout.kv_heads * d),
+                     Run(f"{p}.v_proj.weight", kv0 * d, layout.kv_heads * d)]
+        exp = [(f"{p}.q_proj.weight", (cfg.num_heads * 2 * d, h)), (f"{p}.k_proj.weight", (cfg.num_kv_heads * d, h)),
+               (f"{p}.v_proj.weight", (cfg.num_kv_heads * d, h))]
+        return Attention(qkv=_linear(runs, h, "q_heads", dtype, exp),
+                         o_proj=_row_parallel(f"{p}.o_proj.weight", cfg.num_heads * d, h, "q_heads", dtype),
+                         q_norm=norm(f"{p}.q_norm.weight", d), k_norm=norm(f"{p}.k_norm.weight", d))
+
+    def gdn(p):
+        kd, vd = cfg.key_dim, cfg.value_dim
+        kl, vl, hl = layout.k_heads * cfg.linear_key_head_dim, layout.v_heads * cfg.linear_value_head_dim, layout.v_heads
+        qkv = lambda r: [Run(f"{p}.in_proj_qkv.weight", r * kl, kl), Run(f"{p}.in_proj_qkv.weight", kd + r * kl, kl),
+                         Run(f"{p}.in_proj_qkv.weight", 2 * kd + r * vl, vl)]
+        runs = []
+        for r in range(tp):
+            runs += qkv(r) + [Run(f"{p}.in_proj_z.weight", r * vl, vl), Run(f"{p}.in_proj_b.weight", r * hl, hl),
+                              Run(f"{p}.in_proj_a.weight", r * hl, hl)]
+        hv = cfg.linear_num_value_heads
+        exp = [(f"{p}.in_proj_qkv.weight", (cfg.conv_dim, h)), (f"{p}.in_proj_z.weight", (vd, h)),
+               (f"{p}.in_proj_b.weight", (hv, h)), (f"{p}.in_proj_a.weight", (hv, h))]
+        conv_runs = tuple(Run(f"{p}.conv1d.weight", x.start, x.length) for r in range(tp) for x in qkv(r))
+        conv = Param((cfg.conv_kernel, cfg.conv_dim), dtype, ("taps", "conv_ch"), conv_runs, hf_axis=0, transpose=True,
+                     expect=((f"{p}.conv1d.weight", (cfg.conv_dim, 1, cfg.conv_kernel)),))
+        return GatedDeltaNet(in_proj=_linear(runs, h, "gdn_in", dtype, exp), conv=conv,
+                             dt_bias=_vector(f"{p}.dt_bias", hv, "gdn_heads", "zeros"),
+                             A_log=_vector(f"{p}.A_log", hv, "gdn_heads", "a_log"),
+                             norm=_vector(f"{p}.norm.weight", cfg.linear_value_head_dim, None, "ones"),
+                             out_proj=_row_parallel(f"{p}.out_proj.weight", vd, h, "gdn_heads", dtype))
+
+    layers = []
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}"
+        mixer = attention(f"{p}.self_attn") if kind == "full_attention" else gdn(f"{p}.linear_attn")
+        layers.append(Layer(input_norm=norm(f"{p}.input_layernorm.weight"),
+                            post_norm=norm(f"{p}.post_attention_layernorm.weight"), mixer=mixer, mlp=mlp(f"{p}.mlp")))
+    v, vp = cfg.vocab_size, layout.vocab_padded
+    vocab_runs = (Run("embed_tokens.weight", 0, v),) + ((Run(None, 0, vp - v),) if vp > v else ())
+    embed = Param((vp, h), dtype, ("vocab", "embed"), vocab_runs, hf_axis=0, expect=(("embed_tokens.weight", (v, h)),))
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        head_runs = (Run("lm_head.weight", 0, v),) + vocab_runs[1:]
+        lm_head = Param((h, vp), dtype, ("embed", "vocab"), head_runs, hf_axis=0, transpose=True,
+                        expect=(("lm_head.weight", (v, h)),))
+    return Weights(embed=embed, layers=layers, final_norm=norm("norm.weight"), lm_head=lm_head)
+
+
+def weight_specs(abstract: Weights):
+    return jax.tree.map(lambda p: spec(p.axes), abstract, is_leaf=_leaf)
+
+
+def shardings(abstract: Weights, mesh: Mesh):
+    return jax.tree.map(lambda p: named(mesh, p.axes), abstract, is_leaf=_leaf)
+
+
+def nbytes(abstract: Weights) -> int:
+    return sum(int(np.prod(p.shape)) * jnp.dtype(p.dtype).itemsize
+               for p in jax.tree.leaves(abstract, is_leaf=_leaf))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def validate(ckpt: Checkpoint, abstract: Weights):
+    """Every tensor the model needs is present with its expected shape; raise before anything is built."""
+    for p in jax.tree.leaves(abstract, is_leaf=_leaf):
+        for key, shape in p.expect:
+            if key not in ckpt:
+                raise ValueError(f"checkpoint is missing tensor {key!r} (expected shape {list(shape)})")
+            if tuple(ckpt.shape(key)) != tuple(shape):
+                raise ValueError(f"checkpoint tensor {key!r} has shape {list(ckpt.shape(key))}, "
+                                 f"expected {list(shape)}")
+
+
+def _read_stitched(ckpt: Checkpoint, p: Param, lo: int, hi: int) -> np.ndarray:
+    """Entries [lo, hi) of the stitched axis, in checkpoint orientation (stitched axis = p.hf_axis), as p.dtype."""
+    parts, pos = [], 0
+    for run in p.runs:
+        a, b = max(lo, pos), min(hi, pos + run.length)
+        if a < b:
+            if run.key is None:                       # vocab padding rows: [n, H] in checkpoint orientation
+                parts.append(np.zeros((b - a, p.shape[1 - p.stored_axis]), p.dtype))
+            else:
+                x = ckpt.read(run.key, p.hf_axis, run.start + a - pos, run.start + b - pos)
+                if x.ndim == 3:                       # conv1d [C, 1, K]
+                    x = x[:, 0, :]
+                parts.append(x.astype(p.dtype))
+        pos += run.length
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=p.hf_axis)
+
+
+def load_param(ckpt: Checkpoint, p: Param, sharding) -> Array:
+    axis = p.stored_axis
+
+    def shard(index):
+        sl = index[axis]
+        lo, hi, _ = sl.indices(p.shape[axis])
+        x = _read_stitched(ckpt, p, lo, hi)
+        if p.transpose:
+            x = x.T
+        rest = list(index)
+        rest[axis] = slice(None)
+        return np.ascontiguousarray(x[tuple(rest)])
+
+    return jax.make_array_from_callback(p.shape, sharding, shard)
+
+
+def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, progress: bool = False) -> Weights:
+    """Checkpoint -> sharded device arrays, each device reading only its own slices."""
+    layout = Layout.build(cfg, mesh.shape["tp"])
+    abstract = abstract_weights(cfg, layout, dtype)
+    ckpt = Checkpoint(model_dir)
+    validate(ckpt, abstract)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_leaf)
+    if progress:
+        from tqdm.auto import tqdm
+        leaves_iter = tqdm(leaves, desc="loading weights", unit="tensor")
+    else:
+        leaves_iter = leaves
+    arrays = [load_param(ckpt, p, named(mesh, p.axes)) for p in leaves_iter]
+    return jax.tree.unflatten(treedef, arrays)
+
+
+def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int = 0, scale: float = 0.02) -> Weights:
+    """Random weights made directly on the devices, sharded (for benchmarks at real shapes)."""
+    layout = Layout.build(cfg, mesh.shape["tp"])
+    abstract = abstract_weights(cfg, layout, dtype)
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_leaf)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def make(p: Param, key):
+        def f(key):
+            if p.init == "zeros":
+                return jnp.zeros(p.shape, p.dtype)
+            if p.init == "ones":
+                return jnp.ones(p.shape, p.dtype)
+            if p.init == "a_log":
+                return jnp.log(jax.random.uniform(key, p.shape, jnp.float32, 1.0, 16.0)).astype(p.dtype)
+            return (scale * jax.random.normal(key, p.shape, jnp.float32)).astype(p.dtype)
+        return jax.jit(f, out_shardings=named(mesh, p.axes))(key)
+
+    return jax.tree.unflatten(treedef, [make(p, k) for p, k in zip(leaves, keys)])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Converted-weight checkpoints (orbax): a restart restores the already re-laid-out shards directly.
+
+
+def save_converted(weights: Weights, path: str):
+    import orbax.checkpoint as ocp
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, weights)
+
+
+def restore_converted(path: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16) -> Weights:
+    import orbax.checkpoint as ocp
+    abstract = abstract_weights(cfg, Layout.build(cfg, mesh.shape["tp"]), dtype)
+    target = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=named(mesh, p.axes)),
+                          abstract, is_leaf=_leaf)
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path, target)
