@@ -91,3 +91,22 @@ class Checkpoint:
         out = np.array(mm[tuple(index)])
         del mm
         return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None):
+    """Write numpy arrays (bf16 via ml_dtypes included) in the safetensors format."""
+    names = {np.dtype(v): k for k, v in DTYPES.items()}
+    header, offset = {}, 0
+    for key, arr in tensors.items():
+        n = arr.nbytes
+        header[key] = {"dtype": names[arr.dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())

@@ -224,25 +224,26 @@ def _read_stitched(ckpt: Checkpoint, p: Param, lo: int, hi: int) -> np.ndarray:
                 x = ckpt.read(run.key, p.hf_axis, run.start + a - pos, run.start + b - pos)
                 if x.ndim == 3:                       # conv1d [C, 1, K]
                     x = x[:, 0, :]
-                parts.append(x.astype(p.dtype))
+                parts.append(x.astype(p.dtype, copy=False))
         pos += run.length
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=p.hf_axis)
 
 
 def load_param(ckpt: Checkpoint, p: Param, sharding) -> Array:
+    """One global array, built shard by shard: each device's slice is read, put on its device and released
+    before the next is read, so host memory holds at most one shard of one tensor at a time."""
     axis = p.stored_axis
-
-    def shard(index):
-        sl = index[axis]
-        lo, hi, _ = sl.indices(p.shape[axis])
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(p.shape).items():
+        lo, hi, _ = index[axis].indices(p.shape[axis])
         x = _read_stitched(ckpt, p, lo, hi)
         if p.transpose:
             x = x.T
         rest = list(index)
         rest[axis] = slice(None)
-        return np.ascontiguousarray(x[tuple(rest)])
-
-    return jax.make_array_from_callback(p.shape, sharding, shard)
+        shards.append(jax.device_put(np.ascontiguousarray(x[tuple(rest)]), device))
+        del x
+    return jax.make_array_from_single_device_arrays(p.shape, sharding, shards)
 
 
 def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, progress: bool = False) -> Weights:

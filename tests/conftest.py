@@ -1,0 +1,27 @@
+"""Test setup: 8 simulated CPU devices (tp up to 8), the HF fixtures, and the embedded tiny model."""
+import os
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+CASES = sorted(d for d in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, d)))
+
+
+def fixture_dir(name: str) -> str:
+    return os.path.join(FIXTURES, name)
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(FIXTURES, name, "reference.npz")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from qwen35_jax.tools.make_tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
