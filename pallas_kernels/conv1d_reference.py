@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 
 
-def conv_prefill(x, w, pool, slots, lens):
-    """Conv of each row continuing from its slot's state; the last K-1 real inputs become the new state."""
+def conv_prefill(x, w, pool, slots, lens, use_state):
+    """Conv of each row continuing from its slot's state (zeros where use_state is False: a fresh request);
+    the last K-1 real inputs become the new state."""
     km1 = w.shape[0] - 1
     t = x.shape[1]
-    ext = jnp.concatenate([pool[slots].astype(x.dtype), x], axis=1)            # [N, K-1+T, C]
+    init = jnp.where(use_state[:, None, None], pool[slots].astype(x.dtype), 0)
+    ext = jnp.concatenate([init, x], axis=1)                                   # [N, K-1+T, C]
     extf = ext.astype(jnp.float32)
     wf = w.astype(jnp.float32)
     y = sum(extf[:, j:j + t] * wf[j] for j in range(km1 + 1))
@@ -26,5 +28,6 @@ def conv_prefill(x, w, pool, slots, lens):
 
 def conv_decode(x, w, pool, slots):
     """One token per row: x [N, C]."""
-    y, pool = conv_prefill(x[:, None], w, pool, slots, jnp.ones(x.shape[:1], jnp.int32))
+    n = x.shape[0]
+    y, pool = conv_prefill(x[:, None], w, pool, slots, jnp.ones(n, jnp.int32), jnp.ones(n, bool))
     return y[:, 0], pool

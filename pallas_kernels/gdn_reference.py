@@ -7,8 +7,9 @@ Conventions (shared with the kernels):
 - State: fp32, V-first ("K-last") [.., Hv, dv, dk] so a decode row reads contiguous dk vectors; o = S q.
 - Padded layout: row n holds lens[n] real tokens then padding. Padding is made inert (g = 0, beta = 0 leave the
   state unchanged), so the final state is the state after the last real token.
-- The pool functions read each row's initial state from `pool[slots[n]]` and write the final state back there;
-  slot 0 is the null slot that padded rows use.
+- The pool functions read each row's initial state from `pool[slots[n]]` (or start from zeros where
+  use_state[n] is False: a fresh request on a recycled slot) and write the final state back there; slot 0 is the
+  null slot that padded rows use.
 """
 from __future__ import annotations
 
@@ -110,13 +111,14 @@ def chunked(q, k, v, g, beta, state, chunk=64):
     return o, state
 
 
-def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, *, method="chunked"):
-    """Prefill rows of a padded batch from their slots' states; returns (o in q.dtype, updated pool)."""
+def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *, method="chunked"):
+    """Prefill rows of a padded batch from their slots' states; returns (o in v.dtype, updated pool)."""
     hv = v.shape[-2]
     g, beta = _mask_padding(*gates(a, b, A_log, dt_bias), lens)
     qf, kf, vf = _prepare(q, k, v, hv)
     fn = chunked if method == "chunked" else recurrent_scan
-    o, final = fn(qf, kf, vf, g, beta, pool[slots])
+    init = jnp.where(use_state[:, None, None, None], pool[slots], 0.0)
+    o, final = fn(qf, kf, vf, g, beta, init)
     return o.astype(v.dtype), pool.at[slots].set(final)
 
 

@@ -13,7 +13,7 @@ def write_kv(k_pages, v_pages, k, v, pages, positions, lens):
     """Scatter k, v [N, T, Hkv, D] of the real tokens into their pages; padding tokens go to the null page."""
     page_size = k_pages.shape[2]
     t = k.shape[1]
-    real = jnp.arange(t)[None, :] < lens[:, None]
+    real = (jnp.arange(t)[None, :] < lens[:, None]) & (positions < pages.shape[1] * page_size)
     idx = jnp.clip(positions // page_size, 0, pages.shape[1] - 1)
     page = jnp.where(real, jnp.take_along_axis(pages, idx, axis=1), 0)
     off = jnp.where(real, positions % page_size, 0)

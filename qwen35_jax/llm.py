@@ -91,8 +91,7 @@ class LLM:
         return 1 + (slot - 1) * self.pages_per_seq + np.arange(self.pages_per_seq)
 
     def _prefill(self, slot: int, ids: list[int], all_logits: bool):
-        """Run the whole prompt through the model from a zeroed slot; one row padded to a power-of-two bucket."""
-        self.runner.reset_slots([slot])
+        """Run the whole prompt through the model from a fresh state (start 0); one row padded to a power of two."""
         t = max(16, 1 << (len(ids) - 1).bit_length())
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :len(ids)] = ids

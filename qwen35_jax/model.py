@@ -35,7 +35,9 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The GDN/conv operations the model runs; a backend supplies them (see qwen35_jax.backends)."""
+    """The GDN/conv operations the model runs; a backend supplies them (see qwen35_jax.backends). Contracts:
+    pallas_kernels/gdn_reference.py and conv1d_reference.py. Prefill rows starting at position 0 begin from
+    zero state (use_state False), so a recycled slot never leaks its previous request's state."""
     gdn_prefill: Callable
     gdn_decode: Callable
     conv_prefill: Callable
@@ -120,7 +122,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
             y, conv_pool = kernels.conv_decode(mixed[:, 0], w.conv, conv_pool, batch.slots)
             y = y[:, None]
         else:
-            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens)
+            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
     q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
     q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
     with jax.named_scope("gated_delta_rule"):
@@ -129,7 +131,8 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
                                              rec_pool, batch.slots)
             o = o[:, None]
         else:
-            o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens)
+            o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,
+                                              batch.start > 0)
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):

@@ -31,7 +31,6 @@ class ModelRunner:
         self._w_specs = weight_specs(abstract_weights(cfg, self.layout, dtype))
         self._s_specs = state_specs(self.abstract_state)
         self._forward = {}
-        self._reset = jax.jit(_reset_slots, donate_argnums=(0,))
 
     def forward_fn(self, all_logits: bool):
         if all_logits not in self._forward:
@@ -44,16 +43,6 @@ class ModelRunner:
         ([N, T, V'] or [N, V'], vocab padding masked to -inf)."""
         logits, self.state = self.forward_fn(all_logits)(self.weights, self.state, batch)
         return logits
-
-    def reset_slots(self, slots):
-        """Zero the GDN state of these slots (a new request must not see its predecessor's state)."""
-        self.state = self._reset(self.state, jnp.asarray(slots, jnp.int32))
-
-
-def _reset_slots(state: State, slots):
-    zero = lambda pool: pool.at[slots].set(0)
-    return State(conv=[zero(c) for c in state.conv], recurrent=[zero(r) for r in state.recurrent],
-                 k_pages=state.k_pages, v_pages=state.v_pages)
 
 
 def make_batch(tokens, start, lens, slots, pages) -> Batch:

@@ -26,8 +26,12 @@ def test_chunked_equals_token_scan(t, ratio):
     q, k, v, a, b, A_log, dt_bias, pool = inputs(jax.random.key(t), 3, t, 2, 2 * ratio, 16, 8)
     slots = jnp.array([3, 1, 5])
     lens = jnp.array([t, max(t - 5, 0), t // 2])
-    o1, p1 = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, method="chunked")
-    o2, p2 = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, method="scan")
+    use = jnp.array([True, False, True])
+    o1, p1 = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use, method="chunked")
+    o2, p2 = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use, method="scan")
+    o3, _ = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool.at[1].set(0.0), slots, lens, jnp.ones(3, bool),
+                            method="scan")
+    np.testing.assert_array_equal(o2[1], o3[1])          # use_state False == starting from a zeroed slot
     real = (jnp.arange(t)[None] < lens[:, None])[..., None, None]
     np.testing.assert_allclose(np.where(real, o1, 0), np.where(real, o2, 0), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(p1, p2, atol=2e-5, rtol=1e-4)
@@ -39,7 +43,8 @@ def test_decode_steps_equal_prefill():
     t = 9
     q, k, v, a, b, A_log, dt_bias, pool = inputs(jax.random.key(0), 2, t, 2, 4, 16, 16)
     slots = jnp.array([2, 6])
-    o_ref, p_ref = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, jnp.array([t, t]), method="scan")
+    o_ref, p_ref = gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, jnp.array([t, t]),
+                                   jnp.ones(2, bool), method="scan")
     p = pool
     for i in range(t):
         o, p = gdn.gdn_decode(q[:, i], k[:, i], v[:, i], a[:, i], b[:, i], A_log, dt_bias, p, slots)
@@ -54,9 +59,10 @@ def test_conv_prefill_chunks_equal_decode_steps():
     w = jax.random.normal(jax.random.fold_in(key, 1), (4, c))
     pool = jax.random.normal(jax.random.fold_in(key, 2), (5, 3, c))
     slots = jnp.array([1, 4])
-    y_all, p_all = conv.conv_prefill(x, w, pool, slots, jnp.array([t, t]))
+    use = jnp.ones(2, bool)
+    y_all, p_all = conv.conv_prefill(x, w, pool, slots, jnp.array([t, t]), use)
     # the same tokens as a 2-token chunk, a 1-token row and decode steps
-    y1, p = conv.conv_prefill(x[:, :2], w, pool, slots, jnp.array([2, 2]))
+    y1, p = conv.conv_prefill(x[:, :2], w, pool, slots, jnp.array([2, 2]), use)
     ys = [y1]
     for i in range(2, t):
         yi, p = conv.conv_decode(x[:, i], w, p, slots)
@@ -64,6 +70,9 @@ def test_conv_prefill_chunks_equal_decode_steps():
     np.testing.assert_allclose(jnp.concatenate(ys, 1), y_all, atol=1e-5)
     np.testing.assert_allclose(p, p_all, atol=1e-6)
     # a short row (lens 1) keeps part of the old state
-    _, p_short = conv.conv_prefill(x, w, pool, slots, jnp.array([1, 0]))
+    _, p_short = conv.conv_prefill(x, w, pool, slots, jnp.array([1, 0]), use)
+    y_fresh, _ = conv.conv_prefill(x, w, pool, slots, jnp.array([t, t]), jnp.zeros(2, bool))
+    y_zero, _ = conv.conv_prefill(x, w, jnp.zeros_like(pool), slots, jnp.array([t, t]), use)
+    np.testing.assert_array_equal(y_fresh, y_zero)
     np.testing.assert_allclose(p_short[1], jnp.concatenate([pool[1, 1:], x[0, :1]], 0))
     np.testing.assert_allclose(p_short[4], pool[4])
