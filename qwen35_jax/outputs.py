@@ -5,13 +5,20 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int                            # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None        # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None    # the stop string or stop token id that ended it
-    logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob} (sampled + top-N)
+    logprobs: list[dict[int, Logprob]] | None = None   # per generated token: sampled + top-N alternatives
     cumulative_logprob: float | None = None
 
     @property
@@ -26,3 +33,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    metrics: dict | None = None          # monotonic timestamps: arrival, first scheduled, first and last token

@@ -25,3 +25,16 @@ def reference(name: str) -> dict[str, np.ndarray]:
 def tiny_model_dir(tmp_path_factory):
     from qwen35_jax.tools.make_tiny_model import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+# One persistent XLA cache for the whole run: engines built with the same shapes in different tests (or xdist
+# workers) compile each executable once.
+XLA_CACHE = os.environ.get("QWEN35_TEST_XLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "xla-tests"))
+
+
+def engine_args(**kw):
+    from qwen35_jax.engine import EngineArgs
+    base = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4,
+                compilation_cache_dir=XLA_CACHE)
+    base.update(kw)
+    return base

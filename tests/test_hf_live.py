@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from conftest import engine_args
 from qwen35_jax.llm import LLM
 from qwen35_jax.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def test_live_parity(live_dir, case):
     d = str(live_dir / case)
     ref = dict(np.load(os.path.join(d, "reference.npz")))
     for tp in (1, 2):
-        llm = LLM(d, tensor_parallel_size=tp, dtype="float32", max_model_len=128, skip_tokenizer_init=True)
+        llm = LLM(d, tensor_parallel_size=tp, skip_tokenizer_init=True, **engine_args(precompile=False))
         for n in (1, 7, 70):
             assert np.abs(llm.logits(ref[f"prompt_{n}"]) - ref[f"logits_{n}"]).max() <= 1e-3
         out = llm.generate([ref["prompt_7"].tolist()], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

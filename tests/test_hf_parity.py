@@ -4,7 +4,7 @@ import functools
 import numpy as np
 import pytest
 
-from conftest import CASES, fixture_dir, reference
+from conftest import CASES, engine_args, fixture_dir, reference
 from qwen35_jax.llm import LLM
 from qwen35_jax.sampling_params import SamplingParams
 
@@ -16,7 +16,8 @@ def prompt_lens(ref):
 
 @functools.lru_cache(maxsize=4)
 def llm(case, tp, dtype="float32"):
-    return LLM(fixture_dir(case), tensor_parallel_size=tp, dtype=dtype, max_model_len=512, skip_tokenizer_init=True)
+    return LLM(fixture_dir(case), tensor_parallel_size=tp, skip_tokenizer_init=True,
+               **engine_args(dtype=dtype, max_model_len=512, precompile=False))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -69,12 +70,12 @@ def test_wrong_norm_convention_would_fail():
     ref = reference(case)
     model = llm(case, 1)
     good = model.logits(ref["prompt_7"])
-    weights = model.runner.weights
-    model.runner.weights = jax.tree.map(lambda x: x, weights)
-    model.runner.weights.final_norm = weights.final_norm - 1.0
+    weights = model._runner.weights
+    model._runner.weights = jax.tree.map(lambda x: x, weights)
+    model._runner.weights.final_norm = weights.final_norm - 1.0
     try:
         bad = model.logits(ref["prompt_7"])
     finally:
-        model.runner.weights = weights
+        model._runner.weights = weights
     assert np.abs(good - ref["logits_7"]).max() <= 1e-3
     assert np.abs(bad - ref["logits_7"]).max() > 1e-1

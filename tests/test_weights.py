@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import fixture_dir, reference
+from conftest import engine_args, fixture_dir, reference
 from qwen35_jax.checkpoint import Checkpoint, _read_header, write_safetensors
 from qwen35_jax.config import load_config
 from qwen35_jax.llm import LLM
@@ -54,7 +54,7 @@ def test_visual_and_mtp_tensors_are_skipped(tmp_path):
     ckpt = Checkpoint(d)
     assert not any(k.startswith(("mtp", "visual", "model.visual")) for k in ckpt.tensors)
     ref = reference(CASE)
-    got = LLM(d, dtype="float32", max_model_len=64, skip_tokenizer_init=True).logits(ref["prompt_7"])
+    got = LLM(d, skip_tokenizer_init=True, **engine_args(precompile=False)).logits(ref["prompt_7"])
     assert np.abs(got - ref["logits_7"]).max() < 1e-3
 
 
@@ -100,11 +100,11 @@ def test_shards_are_one_over_tp_per_device():
 
 def test_orbax_round_trip(tmp_path):
     ref = reference(CASE)
-    llm = LLM(fixture_dir(CASE), tensor_parallel_size=2, dtype="float32", max_model_len=64, skip_tokenizer_init=True,
-              converted_weights_dir=str(tmp_path))
+    llm = LLM(fixture_dir(CASE), tensor_parallel_size=2, skip_tokenizer_init=True, converted_weights_dir=str(tmp_path),
+              **engine_args(precompile=False))
     assert os.path.isdir(tmp_path / "tp2-float32")
-    again = LLM(fixture_dir(CASE), tensor_parallel_size=2, dtype="float32", max_model_len=64,
-                skip_tokenizer_init=True, converted_weights_dir=str(tmp_path))
+    again = LLM(fixture_dir(CASE), tensor_parallel_size=2, skip_tokenizer_init=True,
+                converted_weights_dir=str(tmp_path), **engine_args(precompile=False))
     for a, b in zip(jax.tree.leaves(llm.weights), jax.tree.leaves(again.weights)):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

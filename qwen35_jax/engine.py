@@ -1,0 +1,513 @@
+"""The serving engine: a background loop that schedules, dispatches compiled steps, and streams tokens.
+
+Loop, once per step: take new requests and aborts from the inbox, ask the scheduler for a plan, dispatch the prefill
+and decode executables (asynchronously: the device queues them), then read back the *previous* step's tokens,
+detokenize, check stop conditions and stream. The host work of step i therefore overlaps the device work of step
+i+1; a request that stops is simply left out of the next dispatch (its one extra in-flight token is dropped).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35_jax import executor as ex
+from qwen35_jax.backends import get_kernels
+from qwen35_jax.config import ModelConfig, load_config
+from qwen35_jax.outputs import CompletionOutput, Logprob, RequestOutput
+from qwen35_jax.sampler import host_batch, init_sampler_state
+from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.scheduler import Request, Scheduler, Status, next_bucket
+from qwen35_jax.sharding import Layout, make_mesh
+from qwen35_jax.state import abstract_state, init_state, state_specs
+from qwen35_jax.weights import abstract_weights, weight_specs
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_prefill_rows: int = 4
+    min_prefill_tokens: int = 32
+    page_size: int = 16
+    num_kv_pages: int | None = None          # None: enough for every slot at max_model_len, within memory
+    gpu_memory_utilization: float = 0.9
+    decode_steps: int = 1                    # model steps per decode dispatch
+    kernel_backend: str | None = None
+    compilation_cache_dir: str | None = None  # None: ~/.cache/qwen35_jax/xla ("" disables the persistent cache)
+    precompile_threads: int | None = None
+    precompile: bool = True                  # False: compile each bucket on first use instead of at start-up
+    seed: int = 0
+
+    def validate(self):
+        checks = [(self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+                  (self.max_num_batched_tokens >= self.min_prefill_tokens,
+                   f"max_num_batched_tokens must be >= {self.min_prefill_tokens}"),
+                  (self.page_size >= 1, "page_size must be >= 1"), (self.decode_steps >= 1, "decode_steps must be >= 1"),
+                  (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+def setup_compilation_cache(path: str | None):
+    if path == "":
+        return
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax", "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+@dataclasses.dataclass(eq=False)
+class RequestGroup:
+    """A user request: n sequences sharing a prompt; the callback receives cumulative RequestOutputs."""
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Request]
+    callback: Callable[[RequestOutput], None]
+    detok: list = dataclasses.field(default_factory=list)
+    texts: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    cum_logprob: list = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    host_seconds: float = 0.0        # host work per step not hidden behind device work (schedule/build/detok)
+    wait_seconds: float = 0.0        # time blocked reading back tokens (device busy)
+    finished: dict = dataclasses.field(default_factory=dict)
+
+
+class Observer:
+    """Hooks for metrics (the server exports them to Prometheus); the defaults do nothing."""
+    def on_first_token(self, req: Request): ...
+    def on_token(self, req: Request, seconds_since_last: float): ...
+    def on_finish(self, req: Request): ...
+
+
+class Engine:
+    def __init__(self, model_dir: str, args: EngineArgs | None = None, *, tokenizer=None, weights=None,
+                 devices=None, observer: Observer | None = None):
+        from qwen35_jax.llm import load_model_weights, resolve_dtype   # noqa: circular at import time only
+        self.args = args = args or EngineArgs()
+        args.validate()
+        setup_compilation_cache(args.compilation_cache_dir)
+        self.model_dir = model_dir
+        self.cfg: ModelConfig = load_config(model_dir)
+        self.dtype = resolve_dtype(args.dtype)
+        self.mesh = make_mesh(args.tensor_parallel_size, devices)
+        self.layout = Layout.build(self.cfg, args.tensor_parallel_size)
+        self.max_model_len = int(args.max_model_len or min(self.cfg.max_position_embeddings, 8192))
+        self.tokenizer = tokenizer
+        self.eos_token_ids: set[int] = set()
+        self.observer = observer or Observer()
+        self.weights = weights if weights is not None else load_model_weights(model_dir, self.cfg, self.mesh,
+                                                                              self.dtype)
+        self.backend, kernels = get_kernels(args.kernel_backend)
+        log.info("kernel_backend=%s tp=%d platform=%s", self.backend, self.layout.tp, jax.default_backend())
+
+        ps = args.page_size
+        self.pages_per_seq = -(-self.max_model_len // ps)
+        num_slots = args.max_num_seqs
+        num_pages = args.num_kv_pages or self._auto_pages(num_slots)
+        self.abstract_state = abstract_state(self.cfg, self.layout, num_slots, num_pages, ps, self.dtype)
+        state = init_state(self.abstract_state, self.mesh)
+        sstate = init_sampler_state(num_slots, self.layout.vocab_padded,
+                                    jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
+        prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.min_prefill_tokens, args.max_num_batched_tokens)
+                           for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
+        self.executor = ex.Executor(self.cfg, self.mesh, self.weights, state, sstate, kernels,
+                                    weight_specs(abstract_weights(self.cfg, self.layout, self.dtype)),
+                                    state_specs(self.abstract_state), pages_per_seq=self.pages_per_seq,
+                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
+                                    decode_steps=args.decode_steps)
+        self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
+                                   max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                                   decode_buckets=decode_buckets, prefill_buckets=prefill_buckets)
+        self.executor.lazy = not args.precompile
+        self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
+        self.stats = EngineStats()
+        self._rng = np.random.default_rng(args.seed)
+        self._inbox: queue.Queue = queue.Queue()
+        self._groups: dict[str, RequestGroup] = {}
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.error: BaseException | None = None
+
+    def _auto_pages(self, num_slots: int) -> int:
+        want = 1 + num_slots * self.pages_per_seq
+        dev = self.mesh.devices.flat[0]
+        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return want
+        free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
+        from qwen35_jax.state import nbytes
+        fixed = nbytes(probe) / self.layout.tp
+        per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
+            jnp.dtype(self.dtype).itemsize
+        sampler = 5 * (num_slots + 1) * self.layout.vocab_padded
+        fit = int((free - fixed - sampler) // max(per_page, 1))
+        if fit < 2:
+            raise ValueError(f"no device memory left for the KV cache ({free / 2**30:.1f} GiB free before state)")
+        return min(want, fit)
+
+    # -- public API ----------------------------------------------------------------------------------------------
+    def start(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="qwen35-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self):
+        self._stopped = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self._stopped and (self._thread is None or self._thread.is_alive())
+
+    def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if prompt.get("prompt_token_ids") is not None:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            return self.encode_prompt(prompt["prompt"])
+        return None, [int(t) for t in prompt]
+
+    def add_request(self, prompt, params: SamplingParams, callback: Callable[[RequestOutput], None],
+                    request_id: str | None = None) -> str:
+        """Validate and enqueue; raises ValueError (nothing is enqueued) for a request that can never run."""
+        if not self.healthy:
+            raise RuntimeError(f"engine is not running: {self.error!r}")
+        text, ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                             f"to generate")
+        budget = self.max_model_len - len(ids)
+        max_tokens = min(params.max_tokens or budget, budget)
+        self.scheduler.check_fits(len(ids), max_tokens)
+        request_id = request_id or uuid.uuid4().hex
+        seqs = []
+        for i in range(params.n):
+            seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._rng.integers(2**32))
+            seqs.append(Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed,
+                                max_tokens=max_tokens, index=i))
+        group = RequestGroup(request_id, text, ids, seqs, callback)
+        self._inbox.put(("add", group))
+        self.start()
+        return request_id
+
+    def abort(self, request_id: str, wait: bool = True):
+        """Abort a request; its slot and pages are free when this returns (wait=True, off the engine thread)."""
+        done = threading.Event()
+        self._inbox.put(("abort", request_id, done))
+        if wait and threading.current_thread() is not self._thread and self._thread is not None:
+            done.wait(timeout=30)
+
+    def generate(self, prompts, params: list[SamplingParams], use_tqdm: bool = False) -> list[RequestOutput]:
+        """Submit all prompts, wait for all (batched by the engine), return outputs in order."""
+        results: dict[int, RequestOutput] = {}
+        done = threading.Event()
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generating", unit="req")
+
+        def make_cb(i):
+            def cb(out: RequestOutput):
+                if out.finished:
+                    results[i] = out
+                    if bar is not None:
+                        bar.update(1)
+                    if len(results) == len(prompts):
+                        done.set()
+            return cb
+
+        ids = [self.add_request(p, sp, make_cb(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        try:
+            while not done.wait(0.1):
+                if self.error is not None:
+                    raise RuntimeError("engine loop failed") from self.error
+        except KeyboardInterrupt:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    async def generate_async(self, prompt, params: SamplingParams, request_id: str | None = None):
+        """Yield cumulative RequestOutputs as tokens arrive; cancelling the iterator aborts the request.
+        Works inside any running event loop (a server, Jupyter)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rid = self.add_request(prompt, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out), request_id)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid, wait=False)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def _run(self):
+        try:
+            self._loop()
+        except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
+            log.exception("engine loop failed")
+            self.error = e
+            for group in list(self._groups.values()):
+                for s in group.seqs:
+                    if not s.finished:
+                        s.finish_reason, s.status = "error", Status.FINISHED
+                try:
+                    group.callback(self._output(group, error=True))
+                except Exception:
+                    log.exception("callback failed while reporting the engine error")
+
+    def _has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def _drain_inbox(self, block: bool):
+        while True:
+            try:
+                msg = self._inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            block = False
+            if msg is None:
+                return
+            if msg[0] == "add":
+                group = msg[1]
+                if group.request_id in self._groups:
+                    group.request_id = f"{group.request_id}-{uuid.uuid4().hex[:8]}"
+                    for s in group.seqs:
+                        s.request_id = group.request_id
+                self._groups[group.request_id] = group
+                group.texts = [""] * len(group.seqs)
+                group.logprobs = [[] if group.seqs[0].params.logprobs is not None else None for _ in group.seqs]
+                group.cum_logprob = [0.0] * len(group.seqs)
+                group.detok = [self._decoder(s.params) for s in group.seqs]
+                for s in group.seqs:
+                    self.scheduler.add(s)
+            elif msg[0] == "abort":
+                group = self._groups.get(msg[1])
+                if group is not None:
+                    for s in group.seqs:
+                        if not s.finished:
+                            self._finish(s, "abort")
+                    self._emit(group)
+                msg[2].set()
+
+    def _loop(self):
+        pending = None
+        while not self._stopped:
+            self._drain_inbox(block=pending is None and not self._has_work())
+            if self._stopped:
+                break
+            t0 = time.perf_counter()
+            records = self._dispatch(self.scheduler.schedule()) if self._has_work() else []
+            self.stats.host_seconds += time.perf_counter() - t0
+            if pending:
+                self._process(pending)
+            pending = records or None
+
+    def _dispatch(self, plan) -> list:
+        records = []
+        P = self.pages_per_seq
+        if plan.prefill:
+            n, t = plan.prefill_shape
+            tokens = np.zeros((n, t), np.int32)
+            start, lens, slots = (np.zeros(n, np.int32) for _ in range(3))
+            pages = np.zeros((n, P), np.int32)
+            finishing = np.zeros(n, np.bool_)
+            rows = []
+            for i, c in enumerate(plan.prefill):
+                r = c.request
+                tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
+                start[i], lens[i], slots[i] = c.start, c.length, r.slot
+                pages[i, :len(r.pages)] = r.pages
+                finishing[i] = c.completes_prompt
+                rows.append((r, bool(finishing[i])))
+            sp = host_batch([r for r, _ in rows], n)
+            out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
+            for c in plan.prefill:
+                c.request.num_computed += c.length
+                if c.completes_prompt:
+                    c.request.num_sampled += 1
+                self.stats.prompt_tokens += c.length
+            records.append(("prefill", rows, out))
+        if plan.decode:
+            rows = plan.decode
+            b = next_bucket(len(rows), self.executor.decode_buckets)
+            slots, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
+            pages = np.zeros((b, P), np.int32)
+            for i, r in enumerate(rows):
+                slots[i], positions[i] = r.slot, r.num_computed
+                pages[i, :len(r.pages)] = r.pages
+            sp = host_batch(rows, b)
+            out = self.executor.decode(b, slots, positions, pages, sp)
+            k = self.args.decode_steps
+            for r in rows:
+                r.num_computed += k
+                r.num_sampled += k
+            records.append(("decode", list(rows), out))
+        self.stats.steps += 1
+        return records
+
+    def _process(self, records):
+        t0 = time.perf_counter()
+        fetched = [(kind, rows, ex.fetch(out)) for kind, rows, out in records]
+        t1 = time.perf_counter()
+        self.stats.wait_seconds += t1 - t0
+        touched = set()
+        for kind, rows, out in fetched:
+            if kind == "prefill":
+                for i, (req, sampled) in enumerate(rows):
+                    if sampled and not req.finished:
+                        self._append(req, out, (i,))
+                        touched.add(req.request_id)
+            else:
+                for i, req in enumerate(rows):
+                    for k in range(out.tokens.shape[0]):
+                        if req.finished:
+                            break
+                        self._append(req, out, (k, i))
+                        touched.add(req.request_id)
+        for rid in touched:
+            group = self._groups.get(rid)
+            if group is not None:
+                self._emit(group)
+        self.stats.host_seconds += time.perf_counter() - t1
+
+    # -- per token -----------------------------------------------------------------------------------------------
+    def _decoder(self, params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+        return DecodeStream(skip_special_tokens=params.skip_special_tokens)
+
+    def _append(self, req: Request, out, idx):
+        group = self._groups[req.request_id]
+        token = int(out.tokens[idx])
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.observer.on_first_token(req)
+        else:
+            self.observer.on_token(req, now - req.last_token_time)
+        req.last_token_time = now
+        req.output_ids.append(token)
+        self.stats.generation_tokens += 1
+        p = req.params
+        i = req.index
+        if group.logprobs[i] is not None:
+            entry = {token: Logprob(float(out.logprob[idx]), int(out.rank[idx]), self._token_text(token))}
+            for rank in range(p.logprobs):
+                t = int(out.top_ids[idx][rank])
+                if t not in entry:
+                    entry[t] = Logprob(float(out.top_logprobs[idx][rank]), rank + 1, self._token_text(t))
+            group.logprobs[i].append(entry)
+        group.cum_logprob[i] += float(out.logprob[idx])
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        is_stop_token = token in stop_ids and len(req.output_ids) > p.min_tokens
+        if group.detok[i] is not None and not (is_stop_token and token not in p.stop_token_ids
+                                               and p.skip_special_tokens):
+            piece = group.detok[i].step(self.tokenizer.hf.backend_tokenizer, token)
+            if piece:
+                group.texts[i] += piece
+        if is_stop_token:
+            self._finish(req, "stop", token if token in p.stop_token_ids else None)
+            return
+        if p.stop and len(req.output_ids) > p.min_tokens:
+            text = group.texts[i]
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                pos, s = min(hits)
+                group.texts[i] = text[:pos]
+                self._finish(req, "stop", s)
+                return
+        if len(req.output_ids) >= req.max_tokens:
+            self._finish(req, "length")
+
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.token_to_text(token)
+
+    def _finish(self, req: Request, reason: str, stop_reason=None):
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.scheduler.free(req)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self.observer.on_finish(req)
+
+    def _output(self, group: RequestGroup, error: bool = False) -> RequestOutput:
+        outs = []
+        for i, s in enumerate(group.seqs):
+            text = group.texts[i] if group.texts else ""
+            if not s.finished and s.params.stop:     # hold back a tail that may still become a stop string
+                hold = max((k for st in s.params.stop for k in range(1, len(st)) if text.endswith(st[:k])),
+                           default=0)
+                text = text[:len(text) - hold]
+            outs.append(CompletionOutput(index=i, text=text, token_ids=list(s.output_ids),
+                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                         logprobs=list(group.logprobs[i]) if group.logprobs and
+                                         group.logprobs[i] is not None else None,
+                                         cumulative_logprob=group.cum_logprob[i] if group.cum_logprob else None))
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_ids,
+                             outputs=outs, finished=group.finished, metrics=_metrics(group))
+
+    def _emit(self, group: RequestGroup):
+        out = self._output(group)
+        if group.finished:
+            self._groups.pop(group.request_id, None)
+        group.callback(out)
+
+
+def _metrics(group: RequestGroup) -> dict:
+    s = group.seqs[0]
+    return {"arrival_time": s.arrival_time, "first_scheduled_time": s.first_scheduled_time,
+            "first_token_time": s.first_token_time, "last_token_time": s.last_token_time}

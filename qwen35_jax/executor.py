@@ -1,0 +1,199 @@
+"""Compiled engine steps: one XLA executable per prefill and decode bucket, built ahead of time.
+
+This is the JAX counterpart of CUDA Graph capture per decode batch bucket: at start-up every bucket is lowered and
+compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
+objects are kept and called directly, and serving never compiles. A decode executable runs `decode_steps` model
+steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
+lives on the device, so the host can dispatch step i+1 before it has read step i's tokens.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from qwen35_jax.config import ModelConfig
+from qwen35_jax.model import Batch, Kernels, make_forward
+from qwen35_jax.sampler import MAX_LOGPROBS, SamplerState, SamplingBatch, sample
+from qwen35_jax.sharding import Layout
+from qwen35_jax.state import State
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    tokens: jax.Array          # [K, B] (decode) or [N] (prefill)
+    logprob: jax.Array         # log p of each sampled token under the raw model distribution
+    rank: jax.Array            # its rank (1 = most likely)
+    top_logprobs: jax.Array    # [..., MAX_LOGPROBS]
+    top_ids: jax.Array
+
+
+def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write):
+    """Sample rows, then record the tokens on the device (next input, penalty counts) where `write` is set."""
+    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots])
+    target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    rank = 1 + jnp.sum(raw > lp["logprob"][:, None], axis=-1).astype(jnp.int32)
+    sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
+                          counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)),
+                          prompt_mask=sstate.prompt_mask)
+    return sstate, StepOutput(tokens, lp["logprob"], rank, lp["top_logprobs"], lp["top_ids"])
+
+
+def prefill_step(forward, replicated, weights, state, sstate: SamplerState, batch: Batch, finishing, sp: SamplingBatch):
+    """Prompt chunks for N rows. Rows starting at 0 reset their penalty rows; rows whose prompt completes here
+    sample their first token."""
+    fresh = jnp.where(batch.start == 0, batch.slots, 0)
+    mask = sstate.prompt_mask.at[fresh].set(False)
+    t = batch.tokens.shape[1]
+    real = jnp.arange(t)[None, :] < batch.lens[:, None]
+    mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
+    sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
+    logits, state = forward(weights, state, batch)
+    logits = jax.lax.with_sharding_constraint(logits, replicated)
+    with jax.named_scope("sampling"):
+        sstate, out = _sample_into(sstate, logits, batch.slots, sp, finishing)
+    return state, sstate, out
+
+
+def decode_step(forward, replicated, steps, weights, state, sstate: SamplerState, slots, positions, pages,
+                sp: SamplingBatch):
+    """`steps` decode steps for B rows (padded rows use slot 0), each feeding its sample into the next."""
+    active = slots > 0
+
+    def one(carry, k):
+        state, sstate = carry
+        tokens = sstate.last_token[slots]
+        batch = Batch(tokens=tokens[:, None], start=positions + k, lens=active.astype(jnp.int32), slots=slots,
+                      pages=pages)
+        logits, state = forward(weights, state, batch)
+        logits = jax.lax.with_sharding_constraint(logits, replicated)
+        with jax.named_scope("sampling"):
+            sstate, out = _sample_into(sstate, logits, slots, dataclasses.replace(sp, step=sp.step + k), active)
+        return (state, sstate), out
+
+    (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
+    return state, sstate, outs
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+class Executor:
+    """Holds the device state and the compiled step for every bucket."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, state: State, sstate: SamplerState, kernels: Kernels,
+                 weight_specs, state_specs, *, pages_per_seq: int, decode_buckets, prefill_buckets,
+                 decode_steps: int = 1):
+        self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
+        self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
+        self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
+        layout = Layout.build(cfg, mesh.shape["tp"])
+        self.replicated = NamedSharding(mesh, P())
+        fwd = make_forward(cfg, layout, mesh, kernels, weight_specs, state_specs, all_logits=False)
+        # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
+        shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+        outs = (shardings(state), shardings(sstate), self.replicated)
+        self._prefill = jax.jit(lambda *a: prefill_step(fwd, self.replicated, *a), donate_argnums=(1, 2),
+                                out_shardings=outs)
+        self._decode = jax.jit(lambda *a: decode_step(fwd, self.replicated, decode_steps, *a), donate_argnums=(1, 2),
+                               out_shardings=outs)
+        self.compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.lazy = False          # True: compile a bucket on first use (precompile=False, for tests and notebooks)
+
+    # -- abstract inputs -----------------------------------------------------------------------------------------
+    def _spec(self, shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+    def _sampling_spec(self, b):
+        f, i = (lambda: self._spec((b,), jnp.float32)), (lambda: self._spec((b,), jnp.int32))
+        return SamplingBatch(temperature=f(), top_k=i(), top_p=f(), min_p=f(), presence=f(), frequency=f(),
+                             repetition=f(), seed=self._spec((b,), jnp.uint32), step=i(),
+                             logprobs=self._spec((b,), jnp.bool_))
+
+    def _abstract(self, tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+    def _lower(self, key):
+        kind, *shape = key
+        w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
+        i32 = lambda *sh: self._spec(sh, jnp.int32)
+        if kind == "decode":
+            (b,) = shape
+            return self._decode.lower(w, s, ss, i32(b), i32(b), i32(b, self.pages_per_seq), self._sampling_spec(b))
+        n, t = shape
+        batch = Batch(tokens=i32(n, t), start=i32(n), lens=i32(n), slots=i32(n), pages=i32(n, self.pages_per_seq))
+        return self._prefill.lower(w, s, ss, batch, self._spec((n,), jnp.bool_), self._sampling_spec(n))
+
+    def keys(self):
+        return [("decode", b) for b in self.decode_buckets] + [("prefill", n, t) for n, t in self.prefill_buckets]
+
+    def precompile(self, threads: int | None = None, progress: bool = True) -> float:
+        """Compile every bucket ahead of time; returns the sweep's wall time in seconds."""
+        keys = [k for k in self.keys() if k not in self.compiled]
+        t0 = time.perf_counter()
+        threads = threads or min(len(keys), max(1, (os.cpu_count() or 2) // 2), 8)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(keys), desc="precompiling buckets", unit="exe")
+        old = threading.stack_size()
+        threading.stack_size(64 << 20)      # XLA lowering recurses deeply; 8 MB thread stacks overflow
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+                futures = {pool.submit(lambda k=k: self._lower(k).compile()): k for k in keys}
+                for fut in concurrent.futures.as_completed(futures):
+                    self.compiled[futures[fut]] = fut.result()
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            threading.stack_size(old)
+            if bar is not None:
+                bar.close()
+        dt = time.perf_counter() - t0
+        log.info("precompiled %d executables in %.1fs (%d threads)", len(keys), dt, threads)
+        return dt
+
+    def _exe(self, key):
+        exe = self.compiled.get(key)
+        if exe is None:
+            if not self.lazy:
+                raise RuntimeError(f"no compiled executable for bucket {key}; run precompile() first")
+            exe = self.compiled[key] = self._lower(key).compile()
+        return exe
+
+    # -- dispatch (asynchronous: returns device arrays) -----------------------------------------------------------
+    def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> StepOutput:
+        batch = Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages)
+        self.state, self.sstate, out = self._exe(("prefill", *shape))(self.weights, self.state, self.sstate, batch,
+                                                                      finishing, sp)
+        return out
+
+    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> StepOutput:
+        self.state, self.sstate, out = self._exe(("decode", bucket))(self.weights, self.state, self.sstate, slots,
+                                                                     positions, pages, sp)
+        return out
+
+
+def fetch(out: StepOutput) -> StepOutput:
+    """Device -> host (numpy), one transfer per field."""
+    return StepOutput(*(np.asarray(x) for x in (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
+
+
+__all__ = ["Executor", "StepOutput", "fetch", "pow2_buckets", "MAX_LOGPROBS"]

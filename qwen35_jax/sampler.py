@@ -1,0 +1,118 @@
+"""Batched on-device sampling: penalties, temperature, min_p / top_k / top_p, seeded Gumbel-max, logprobs.
+
+Every row carries its own parameters. Randomness is keyed on (request seed, request step) only, so a seeded
+request samples the same tokens whatever else is in the batch and whichever slot it occupies; unseeded requests
+get a random seed at admission. Penalties use per-slot device arrays: counts of generated tokens (presence and
+frequency penalties, OpenAI semantics) and a mask of prompt tokens (repetition penalty, HF semantics, over
+prompt and output). Logprobs are those of the raw model distribution (as vLLM returns by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row parameters ([B] each)."""
+    temperature: Any
+    top_k: Any          # 0 = off
+    top_p: Any          # 1 = off
+    min_p: Any          # 0 = off
+    presence: Any
+    frequency: Any
+    repetition: Any     # 1 = off
+    seed: Any           # uint32
+    step: Any           # tokens this request has generated before this one (keys the randomness)
+    logprobs: Any       # bool: return the top-MAX_LOGPROBS alternatives
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerState:
+    """Device arrays indexed by GDN slot (slot 0 is the null slot)."""
+    last_token: Any     # [S+1] int32: the token each slot's next decode step feeds in
+    counts: Any         # [S+1, V] int32: generated-token counts
+    prompt_mask: Any    # [S+1, V] bool: tokens present in the prompt
+
+
+def init_sampler_state(num_slots: int, vocab: int, sharding) -> SamplerState:
+    z = lambda shape, dtype: jax.device_put(np.zeros(shape, dtype), sharding)
+    return SamplerState(last_token=z((num_slots + 1,), np.int32), counts=z((num_slots + 1, vocab), np.int32),
+                        prompt_mask=z((num_slots + 1, vocab), np.bool_))
+
+
+def host_batch(rows: list, size: int) -> SamplingBatch:
+    """Numpy SamplingBatch for `rows` (objects with .params: SamplingParams, .seed, .num_generated) padded to size."""
+    def col(fn, dtype, pad):
+        out = np.full(size, pad, dtype)
+        out[:len(rows)] = [fn(r) for r in rows]
+        return out
+    return SamplingBatch(
+        temperature=col(lambda r: 0.0 if r.params.greedy else r.params.temperature, np.float32, 0.0),
+        top_k=col(lambda r: r.params.top_k, np.int32, 0),
+        top_p=col(lambda r: r.params.top_p, np.float32, 1.0),
+        min_p=col(lambda r: r.params.min_p, np.float32, 0.0),
+        presence=col(lambda r: r.params.presence_penalty, np.float32, 0.0),
+        frequency=col(lambda r: r.params.frequency_penalty, np.float32, 0.0),
+        repetition=col(lambda r: r.params.repetition_penalty, np.float32, 1.0),
+        seed=col(lambda r: r.seed, np.uint32, 0),
+        step=col(lambda r: r.num_generated, np.int32, 0),
+        logprobs=col(lambda r: r.params.logprobs is not None, np.bool_, False))
+
+
+def apply_penalties(logits, p: SamplingBatch, counts, prompt_mask):
+    counts = counts.astype(jnp.float32)
+    logits = logits - p.presence[:, None] * (counts > 0) - p.frequency[:, None] * counts
+    seen = prompt_mask | (counts > 0)
+    rep = p.repetition[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    return jnp.where(seen & (rep != 1.0), penalized, logits)
+
+
+def _filter(x, p: SamplingBatch):
+    """min_p, top_k, top_p on temperature-scaled logits x [B, V]; removed entries become -inf."""
+    probs = jax.nn.softmax(x, axis=-1)
+    x = jnp.where(probs < p.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, x)
+    sorted_x = -jnp.sort(-x, axis=-1)                                      # descending
+    v = x.shape[-1]
+    kth = jnp.take_along_axis(sorted_x, jnp.clip(p.top_k - 1, 0, v - 1)[:, None], axis=-1)
+    x = jnp.where((p.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
+    sorted_x = jnp.where((p.top_k[:, None] > 0) & (sorted_x < kth), -jnp.inf, sorted_x)
+    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p                      # mass strictly above each entry
+    keep = (before < p.top_p[:, None]) | (p.top_p[:, None] >= 1.0)
+    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < cutoff, -jnp.inf, x)
+
+
+def sample(logits, p: SamplingBatch, counts, prompt_mask):
+    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict)."""
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    x = apply_penalties(logits, p, counts, prompt_mask)
+    greedy = p.temperature <= 0
+    x_t = x / jnp.where(greedy, 1.0, p.temperature)[:, None]
+    needs_filter = jnp.any(((p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)) & ~greedy)
+    x_t = jax.lax.cond(needs_filter, lambda y: _filter(y, p), lambda y: y, x_t)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, x_t.shape[-1:], jnp.float32))(keys)
+    sampled = jnp.argmax(x_t + noise, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+    token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    def top(lp):
+        v, i = jax.lax.top_k(lp, MAX_LOGPROBS)
+        return v, i.astype(jnp.int32)
+
+    b = logits.shape[0]
+    top_v, top_i = jax.lax.cond(jnp.any(p.logprobs), top,
+                                lambda lp: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32),
+                                            jnp.zeros((b, MAX_LOGPROBS), jnp.int32)), raw_logprobs)
+    return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i}

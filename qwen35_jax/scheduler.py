@@ -1,0 +1,197 @@
+"""Continuous batching: FCFS admission bounded by slots and KV pages, chunked prefill under a token budget.
+
+The scheduler is pure host bookkeeping. Each step it returns the decode rows (every running request whose prompt
+is done; their next input token is already on the device) and the prefill chunks that fit the remaining budget.
+Admission reserves a GDN state slot and the KV pages for prompt + max_tokens at once, so a running request never
+needs to be preempted; a prompt that could never fit is rejected when it is submitted.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+
+from qwen35_jax.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence being generated (a request with n > 1 is n of these, sharing a parent id)."""
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # uint32 key of this sequence's randomness
+    max_tokens: int                             # already capped by max_model_len
+    index: int = 0                              # position among the parent's n outputs
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    slot: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0                       # tokens whose state/KV is computed or in flight
+    num_sampled: int = 0                        # sampling events dispatched (tokens that will come back)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        """Sampling steps dispatched so far: keys this sequence's next random draw."""
+        return self.num_sampled
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass
+class Chunk:
+    request: Request
+    start: int          # first prompt position in this chunk
+    length: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length >= self.request.prompt_len
+
+
+@dataclasses.dataclass
+class StepPlan:
+    decode: list[Request]
+    prefill: list[Chunk]
+    prefill_shape: tuple[int, int] | None      # (rows, tokens per row) bucket of the prefill call
+
+
+def next_bucket(x: int, buckets) -> int:
+    for b in buckets:
+        if b >= x:
+            return b
+    raise ValueError(f"{x} exceeds the largest bucket {buckets[-1]}")
+
+
+class Scheduler:
+    def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
+                 max_num_batched_tokens: int, decode_buckets, prefill_buckets):
+        self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_buckets = sorted(decode_buckets)
+        self.prefill_buckets = sorted(prefill_buckets, key=lambda nt: (nt[0] * nt[1], nt[1]))
+        self.free_slots = list(range(num_slots, 0, -1))           # slot 0 is null
+        self.free_pages = list(range(num_pages - 1, 0, -1))       # page 0 is null
+        self.num_pages = num_pages
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+
+    # -- capacity ------------------------------------------------------------------------------------------------
+    def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
+        return -(-(prompt_len + max_tokens) // self.page_size)
+
+    def check_fits(self, prompt_len: int, max_tokens: int):
+        """Raise if this request could never be admitted, however empty the engine is."""
+        if prompt_len < 1:
+            raise ValueError("prompt is empty")
+        if prompt_len + 1 > self.max_model_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; with at least one generated token that exceeds "
+                             f"max_model_len={self.max_model_len}")
+        need = self.pages_needed(prompt_len, max_tokens)
+        if need > self.num_pages - 1:
+            raise ValueError(f"request needs {need} KV pages ({prompt_len} prompt + {max_tokens} max tokens) but "
+                             f"the pool has {self.num_pages - 1}")
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - len(self.free_pages) / max(1, self.num_pages - 1)
+
+    @property
+    def slot_usage(self) -> float:
+        return 1.0 - len(self.free_slots) / self.num_slots
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def add(self, req: Request):
+        self.check_fits(req.prompt_len, req.max_tokens)
+        self.waiting.append(req)
+
+    def free(self, req: Request):
+        """Return a finished or aborted request's slot and pages at once."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.free_slots.append(req.slot)
+            self.free_pages.extend(req.pages)
+            req.slot, req.pages = 0, []
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def _admit(self) -> Request | None:
+        req = self.waiting[0]
+        need = self.pages_needed(req.prompt_len, req.max_tokens)
+        if not self.free_slots or len(self.free_pages) < need or len(self.running) >= self.decode_buckets[-1]:
+            return None
+        self.waiting.popleft()
+        req.slot = self.free_slots.pop()
+        req.pages = [self.free_pages.pop() for _ in range(need)]
+        req.status = Status.RUNNING
+        req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        return req
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        decode = [r for r in self.running if r.prefill_done and r.num_sampled < r.max_tokens]
+        budget = self.max_num_batched_tokens - len(decode)
+        candidates = [r for r in self.running if not r.prefill_done]
+        chunks: list[Chunk] = []
+        shape = None
+        while True:
+            if not candidates:
+                if not self.waiting or self._admit() is None:
+                    break
+                candidates.append(self.running[-1])
+            req = candidates[0]
+            remaining = req.prompt_len - req.num_computed
+            trial = [c.request for c in chunks] + [req]
+            fit = self._fit(trial, budget)
+            if fit is None:
+                break
+            shape = fit
+            candidates.pop(0)
+            chunks.append(Chunk(req, req.num_computed, 0))
+            if remaining > shape[1]:   # this row is chunked: nothing after it can join a larger bucket usefully
+                break
+        if chunks:
+            rows, t = shape
+            for c in chunks:
+                c.length = min(c.request.prompt_len - c.start, t)
+        return StepPlan(decode=decode, prefill=chunks, prefill_shape=shape)
+
+    def _fit(self, reqs: list[Request], budget: int):
+        """Smallest prefill bucket (rows, tokens) holding these rows' next chunks within the budget; the tokens
+        dimension may be smaller than a row's remaining prompt (it is then chunked)."""
+        remaining = [r.prompt_len - r.num_computed for r in reqs]
+        best = None
+        for rows, t in self.prefill_buckets:
+            if rows < len(reqs) or rows * t > max(budget, 0):
+                continue
+            if len(reqs) > 1 and any(rem > t for rem in remaining):
+                continue       # several rows per call only when they all finish their prompt in it
+            score = (sum(min(rem, t) for rem in remaining), -rows * t)
+            if best is None or score > best[0]:
+                best = (score, (rows, t))
+        return None if best is None else best[1]
