@@ -17,9 +17,10 @@ Sequences are packed: tokens [total, H, d] with per-sequence start offsets and l
 slot's state (zeros where use_state is False) and writes its final state back in place (input_output_aliases).
 The padded-batch contract of the model (`gdn_prefill`) is the packed call with row n starting at n * T.
 
-Dot precision (`prec`): "tf32" (default: fp32 operands on tensor cores, ~5e-4 relative per product), "bf16"
-(fla's operand precision), "tf32x3" / "ieee" (near-fp32). Interpret mode (CPU) computes every dot in fp32
-except "bf16", whose operand rounding it reproduces.
+Dot precision (`prec`): "tf32" (fp32 operands on tensor cores, ~5e-4 relative per product; the default for
+bf16 models), "tf32x3" (three TF32 products, near fp32; the default for fp32 models, whose logits must match the
+reference closely), "ieee", or "bf16" (fla's operand precision; misses the issue's 4e-3 output bar). Interpret
+mode (CPU) reproduces the operand rounding of "tf32" and "bf16" and computes the others in fp32.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ class PrefillConfig:
     num_stages: int = 2
     solve_warps: int = 4
     solve_stages: int = 1
-    prec: str = "tf32"          # scan-kernel dots
-    solve_prec: str = "tf32"    # K K^T in the solve kernel (the 16x16 merges are always exact fp32)
+    prec: str | None = None         # scan-kernel dots; None: "tf32" for bf16 inputs, "tf32x3" for fp32 inputs
+    solve_prec: str | None = None   # K K^T in the solve kernel (the 16x16 merges are always exact fp32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +64,19 @@ class DecodeConfig:
 # In-kernel helpers (all traced inside the kernels; only ops the Triton lowering supports).
 
 
+def _round_tf32(x):
+    """fp32 -> the nearest TF32 value (10 mantissa bits, ties away, as cvt.rna.tf32.f32): interpret-mode emulation."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type((bits + 0x1000) & ~0x1FFF, jnp.float32)
+
+
 def _mm(a, b, contract, prec, interpret):
     """2-D dot with fp32 accumulation. contract = (lhs axis, rhs axis)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
     if prec == "bf16":
         a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    elif interpret and prec == "tf32":         # reproduce the GPU's operand rounding on the CPU
+        a, b, precision = _round_tf32(a), _round_tf32(b), HIGHEST
     elif interpret or prec == "ieee":
         precision = HIGHEST
     elif prec == "tf32":
@@ -93,18 +102,25 @@ def _load(ref, mask, other=0.0):
     return pltriton.load(ref, mask=mask, other=other)
 
 
-def _inv_unit_lower(a):
-    """(I + a)^-1 for a strictly lower [16,16] fp32 block, by forward substitution (exact fp32, like fla)."""
-    n = a.shape[0]
+def _inv_unit_lower(blocks):
+    """(I + a)^-1 for each strictly lower [16,16] fp32 block a, by forward substitution (exact fp32, like fla);
+    one loop over rows updates all blocks (independent chains)."""
+    n = blocks[0].shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols1 = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-    inv = -a
-    for i in range(2, n):
-        r = jnp.sum(jnp.where(rows == i, -a, 0.0), axis=0)
-        r = jnp.where(cols1 < i, r, 0.0)
-        r = r + jnp.sum(r[:, None] * inv, axis=0)
-        inv = jnp.where(rows == i, r[None, :], inv)
-    return inv + (rows == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(jnp.float32)
+
+    def row(i, invs):
+        out = []
+        for a, inv in zip(blocks, invs):
+            r = jnp.sum(jnp.where(rows == i, -a, 0.0), axis=0)
+            r = jnp.where(cols1 < i, r, 0.0)
+            r = r + jnp.sum(r[:, None] * inv, axis=0)
+            out.append(jnp.where(rows == i, r[None, :], inv))
+        return tuple(out)
+
+    invs = jax.lax.fori_loop(2, n, row, tuple(-a for a in blocks))
+    eye = (rows == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(jnp.float32)
+    return [inv + eye for inv in invs]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,7 +147,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
             ks.append(_l2norm(x.astype(jnp.float32)))
         kk = {(i, j): mm(ks[i], ks[j], (1, 1), prec) for i in range(nb) for j in range(i + 1)}
         strict = idx[:, None] > idx[None, :]
-        for r in range(ratio):
+        def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r
             gs, betas = [], []
             for i in range(nb):
@@ -155,7 +171,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
                     else:
                         blk = betas[i][:, None] * kk[i, j] * jnp.exp(diff)
                     blocks[i, j] = blk
-            inv = {(i, i): _inv_unit_lower(blocks[i, i]) for i in range(nb)}
+            inv = dict(zip([(i, i) for i in range(nb)], _inv_unit_lower([blocks[i, i] for i in range(nb)])))
             for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
                 for j in range(nb - d):
                     i = j + d
@@ -167,6 +183,9 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
             for i in range(nb):
                 for j in range(nb):
                     t_ref[c, hv, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = inv[i, j] if j <= i else zero
+            return carry
+
+        jax.lax.fori_loop(0, ratio, per_head, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,6 +285,8 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     n = starts.shape[0]
     ratio = hv // hk
     bv = config.bv or pick_bv(n, hv, dv)
+    auto = "tf32x3" if v.dtype == jnp.float32 else "tf32"
+    prec, solve_prec = config.prec or auto, config.solve_prec or auto
     if dv % bv or bv < 16:
         raise ValueError(f"V-block {bv} must divide dv={dv} and be >= 16")
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
@@ -287,7 +308,7 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     a_log = A_log.astype(jnp.float32)
     dtb = dt_bias.astype(jnp.float32)
     tmat = pl.pallas_call(
-        functools.partial(_solve_kernel, ratio=ratio, prec=config.solve_prec, interpret=interpret),
+        functools.partial(_solve_kernel, ratio=ratio, prec=solve_prec, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((max_chunks, hv, CHUNK, CHUNK), jnp.float32),
         grid=(max_chunks, hk),
         compiler_params=pltriton.CompilerParams(num_warps=config.solve_warps, num_stages=config.solve_stages),
@@ -295,7 +316,7 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     )(row0, nvalid, k, a, b, a_log, dtb)
 
     o, pool = pl.pallas_call(
-        functools.partial(_scan_kernel, ratio=ratio, bv=bv, prec=config.prec, interpret=interpret),
+        functools.partial(_scan_kernel, ratio=ratio, bv=bv, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={14: 1},

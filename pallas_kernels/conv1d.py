@@ -1,0 +1,166 @@
+"""Pallas (Triton) kernels of the causal depthwise conv1d + SiLU of the Gated DeltaNet: prefill and decode.
+
+Contract: pallas_kernels/conv1d_reference.py (beside this file). weight [K, C] (w[K-1] on the current token);
+conv state pool [slots, K-1, C] in the model dtype holding each slot's last K-1 pre-conv inputs, oldest first;
+fp32 accumulation in the reference's order, output in x.dtype. Channels need not be a power of two (masked).
+
+Prefill: one program per (sequence, BT-token block, BC-channel block) reads the shifted inputs x[t - d] straight
+from memory (L1/L2 serve the overlap), so nothing is copied or padded. The first block of a sequence instead
+shifts its tile with an exact 0/1 matrix product (so no load ever starts before row 0), adds the slot's state
+for the first K-1 rows and writes the final state (the last K-1 real inputs, part of the old state for
+sequences shorter than K-1) back in place. Decode: one program per (row, channel block), state in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    bt: int = 64            # prefill tokens per program
+    bc: int = 256           # prefill channels per program
+    num_warps: int = 4
+    decode_bc: int = 1024   # decode channels per program
+    decode_warps: int = 4
+
+
+def _i(i):
+    """A static index as an int32 array (interpret mode's masked load/store rejects plain Python ints)."""
+    return jnp.asarray(i, jnp.int32)
+
+
+def _conv_sum(xs, ws):
+    """sum_j xs[j] * ws[j] in the reference's order (xs[0] is the oldest input, ws[0] = w[0])."""
+    acc = xs[0] * ws[0]
+    for x, w in zip(xs[1:], ws[1:]):
+        acc = acc + x * w
+    return acc
+
+
+def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref,
+                    *, bt, bc, taps, interpret):
+    n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
+    c_total = x_ref.shape[-1]
+    km1 = taps - 1
+    t0 = tb * bt
+    cols = pl.ds(cb * bc, bc)
+    cmask = cb * bc + jnp.arange(bc, dtype=jnp.int32) < c_total
+    rows = jnp.arange(bt, dtype=jnp.int32)
+    tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
+
+    @pl.when(t0 < span)
+    def _():
+        ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
+
+        def first_block():
+            """x[t - d] for t in the first block: shift the tile by an exact 0/1 product, add the slot state."""
+            use = use_ref[n] != 0
+            st = [jnp.where(use, pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask, other=0), 0)
+                  .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
+            tile = pltriton.load(x_ref.at[pl.ds(start, bt), cols], mask=tile_mask, other=0)
+            exact = jax.lax.Precision.HIGHEST if tile.dtype == jnp.float32 else None
+            xs = []
+            for d in range(km1, 0, -1):
+                shift = (rows[:, None] - d == rows[None, :]).astype(tile.dtype)
+                xd = jax.lax.dot(shift, tile, precision=exact, preferred_element_type=jnp.float32)
+                for r in range(d):
+                    xd = xd + jnp.where(rows[:, None] == r, st[km1 - d + r][None, :], 0.0)
+                xs.append(xd)
+            xs.append(tile.astype(jnp.float32))
+            return _conv_sum(xs, ws)
+
+        def later_block():
+            xs = [pltriton.load(x_ref.at[pl.ds(start + t0 - d, bt), cols], mask=tile_mask, other=0)
+                  .astype(jnp.float32) for d in range(km1, -1, -1)]
+            return _conv_sum(xs, ws)
+
+        acc = jax.lax.cond(tb == 0, first_block, later_block)
+        y = jax.nn.silu(acc).astype(y_ref.dtype)
+        pltriton.store(y_ref.at[pl.ds(start + t0, bt), cols], y, mask=tile_mask)
+
+        @pl.when(tb == 0)
+        def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
+            use = use_ref[n] != 0
+            for i in range(km1):
+                p = length - km1 + i
+                from_x = pltriton.load(x_ref.at[start + jnp.maximum(p, 0), cols], mask=cmask, other=0)
+                old = pltriton.load(pool_ref.at[slot, jnp.clip(p + km1, 0, km1 - 1), cols], mask=cmask, other=0)
+                old = jnp.where(use, old.astype(x_ref.dtype).astype(pool_out_ref.dtype), 0)
+                val = jnp.where(p >= 0, from_x.astype(pool_out_ref.dtype), old)
+                pltriton.store(pool_out_ref.at[slot, _i(i), cols], val, mask=cmask)
+
+
+def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=None, max_span=None,
+                        config: ConvConfig = ConvConfig(), interpret=False):
+    """Packed conv prefill. x [total, C]; sequence n is rows [starts[n], starts[n] + lens[n]); outputs are written
+    for rows [starts, starts + spans) (spans default to lens; the conv simply continues over padding);
+    max_span: static bound on spans (default total). Returns (y [total, C] in x.dtype, pool)."""
+    total, c = x.shape
+    taps = w.shape[0]
+    if taps < 2 or config.bt < taps - 1:
+        raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
+    n = starts.shape[0]
+    i32 = lambda v: jnp.asarray(v).astype(jnp.int32)
+    starts, lens, slots, use_state = i32(starts), i32(lens), i32(slots), i32(use_state)
+    spans = lens if spans is None else i32(spans)
+    max_span = max_span or total
+    bc = max(16, min(config.bc, pl.next_power_of_2(c)))     # >= 16: the first block's shift is a dot
+    y, pool = pl.pallas_call(
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),
+        input_output_aliases={7: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret, name="conv_prefill",
+    )(starts, lens, spans, slots, use_state, x, w, pool)
+    return y, pool
+
+
+def conv_prefill(x, w, pool, slots, lens, use_state, *, config: ConvConfig = ConvConfig(), interpret=False):
+    """The model's padded-batch contract (conv1d_reference.conv_prefill)."""
+    n, t, c = x.shape
+    y, pool = conv_prefill_packed(x.reshape(n * t, c), w, pool, jnp.arange(n, dtype=jnp.int32) * t, lens, slots,
+                                  use_state, spans=jnp.full((n,), t, jnp.int32), max_span=t, config=config,
+                                  interpret=interpret)
+    return y.reshape(n, t, c), pool
+
+
+def _decode_kernel(slot_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref, *, bc, taps):
+    n, cb = pl.program_id(0), pl.program_id(1)
+    slot = slot_ref[n]
+    cols = pl.ds(cb * bc, bc)
+    cmask = cb * bc + jnp.arange(bc, dtype=jnp.int32) < x_ref.shape[-1]
+    st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask, other=0) for m in range(taps - 1)]
+    x = pltriton.load(x_ref.at[n, cols], mask=cmask, other=0)
+    ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
+    xs = [s.astype(x.dtype).astype(jnp.float32) for s in st] + [x.astype(jnp.float32)]
+    pltriton.store(y_ref.at[n, cols], jax.nn.silu(_conv_sum(xs, ws)).astype(y_ref.dtype), mask=cmask)
+    new = st[1:] + [x.astype(pool_out_ref.dtype)]
+    for m in range(taps - 1):
+        pltriton.store(pool_out_ref.at[slot, _i(m), cols], new[m], mask=cmask)
+
+
+def conv_decode(x, w, pool, slots, *, config: ConvConfig = ConvConfig(), interpret=False):
+    """One token per row: x [N, C]; the slot's state is shifted in place. Padded rows use the null slot 0."""
+    n, c = x.shape
+    taps = w.shape[0]
+    bc = min(config.decode_bc, pl.next_power_of_2(c))
+    y, pool = pl.pallas_call(
+        functools.partial(_decode_kernel, bc=bc, taps=taps),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(n, pl.cdiv(c, bc)),
+        input_output_aliases={3: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=config.decode_warps, num_stages=1),
+        interpret=interpret, name="conv_decode",
+    )(jnp.asarray(slots).astype(jnp.int32), x, w, pool)
+    return y, pool
