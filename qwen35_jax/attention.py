@@ -1,12 +1,16 @@
 """Paged K/V for the full-attention layers: writing new tokens into pages, and causal GQA attention over them.
 
 Pages are [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order, 0 (the null page) past its
-end. A token at position p lives in page pages[n, p // page_size] at offset p % page_size.
+end. A token at position p lives in page pages[n, p // page_size] at offset p % page_size. Attention walks the
+pages in blocks with an online softmax and a loop bound read from the data (the longest context in the batch),
+so its cost follows the real context lengths, not max_model_len.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+BLOCK_TOKENS = 512      # keys per step of the online softmax
 
 
 def write_kv(k_pages, v_pages, k, v, pages, positions, lens):
@@ -24,18 +28,37 @@ def write_kv(k_pages, v_pages, k, v, pages, positions, lens):
 
 def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens):
     """Causal attention of q [N, T, Hq, D] over each row's first ctx_lens[n] cached tokens (the new ones included).
-    Query head h reads KV head h // (Hq / Hkv). Softmax in fp32; output in q.dtype."""
+    Query head h reads KV head h // (Hq / Hkv). fp32 scores and softmax; output in q.dtype."""
     n, t, hq, d = q.shape
-    hkv = k_pages.shape[0]
+    hkv, _, page_size, _ = k_pages.shape
     g = hq // hkv
-    k = k_pages[:, pages].reshape(hkv, n, -1, d)            # [Hkv, N, L, D]
-    v = v_pages[:, pages].reshape(hkv, n, -1, d)
-    qg = q.reshape(n, t, hkv, g, d)
-    s = jnp.einsum("ntkgd,knld->nkgtl", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-    key_pos = jnp.arange(k.shape[2])
-    ok = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < ctx_lens[:, None, None])
-    s = jnp.where(ok[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(ok[:, None, None], p, 0.0)                # rows with no visible key (padding) give zeros, not NaN
-    o = jnp.einsum("nkgtl,knld->ntkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(n, t, hq, d).astype(q.dtype)
+    per_block = max(1, min(pages.shape[1], BLOCK_TOKENS // page_size))
+    pad = (-pages.shape[1]) % per_block
+    pages = jnp.pad(pages, ((0, 0), (0, pad)))
+    block = per_block * page_size
+    qg = (q.astype(jnp.float32) * d ** -0.5).reshape(n, t, hkv, g, d).astype(q.dtype)
+    num_blocks = (jnp.max(ctx_lens) + block - 1) // block
+
+    def body(j, carry):
+        m, l, acc = carry                                            # [N,Hkv,G,T], [N,Hkv,G,T], [N,Hkv,G,T,D]
+        pg = jax.lax.dynamic_slice_in_dim(pages, j * per_block, per_block, axis=1)
+        k = k_pages[:, pg].reshape(hkv, n, block, d)
+        v = v_pages[:, pg].reshape(hkv, n, block, d)
+        s = jnp.einsum("ntkgd,knld->nkgtl", qg, k, preferred_element_type=jnp.float32)
+        key_pos = j * block + jnp.arange(block)
+        ok = (key_pos[None, None, :] <= positions[:, :, None]) & (key_pos[None, None, :] < ctx_lens[:, None, None])
+        s = jnp.where(ok[:, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - safe[..., None])
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m - safe, -jnp.inf))
+        l = l * scale + p.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("nkgtl,knld->nkgtd", p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((n, hkv, g, t), -jnp.inf, jnp.float32), jnp.zeros((n, hkv, g, t), jnp.float32),
+            jnp.zeros((n, hkv, g, t, d), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]                    # rows with no visible key (padding): zeros
+    return jnp.moveaxis(o, 3, 1).reshape(n, t, hq, d).astype(q.dtype)
