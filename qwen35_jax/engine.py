@@ -279,7 +279,12 @@ class Engine:
         Works inside any running event loop (a server, Jupyter)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        rid = self.add_request(prompt, params, lambda out: loop.call_soon_threadsafe(q.put_nowait, out), request_id)
+
+        def deliver(out):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+        rid = self.add_request(prompt, params, deliver, request_id)
         finished = False
         try:
             while True:
@@ -456,8 +461,7 @@ class Engine:
         group.cum_logprob[i] += float(out.logprob[idx])
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         is_stop_token = token in stop_ids and len(req.output_ids) > p.min_tokens
-        if group.detok[i] is not None and not (is_stop_token and token not in p.stop_token_ids
-                                               and p.skip_special_tokens):
+        if group.detok[i] is not None and not is_stop_token:     # a stop token's text is not part of the output
             piece = group.detok[i].step(self.tokenizer.hf.backend_tokenizer, token)
             if piece:
                 group.texts[i] += piece
@@ -504,7 +508,14 @@ class Engine:
         out = self._output(group)
         if group.finished:
             self._groups.pop(group.request_id, None)
-        group.callback(out)
+        try:
+            group.callback(out)
+        except Exception:      # e.g. the consumer's event loop is gone: drop that request, keep serving the others
+            log.warning("output callback of request %s failed; aborting it", group.request_id, exc_info=True)
+            for s in group.seqs:
+                if not s.finished:
+                    self._finish(s, "abort")
+            self._groups.pop(group.request_id, None)
 
 
 def _metrics(group: RequestGroup) -> dict:

@@ -107,12 +107,14 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask):
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
-    def top(lp):
-        v, i = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return v, i.astype(jnp.int32)
+    b, v = logits.shape
+    n = min(MAX_LOGPROBS, v)
 
-    b = logits.shape[0]
+    def top(lp):
+        vals, idx = jax.lax.top_k(lp, n)
+        return vals, idx.astype(jnp.int32)
+
     top_v, top_i = jax.lax.cond(jnp.any(p.logprobs), top,
-                                lambda lp: (jnp.zeros((b, MAX_LOGPROBS), jnp.float32),
-                                            jnp.zeros((b, MAX_LOGPROBS), jnp.int32)), raw_logprobs)
+                                lambda lp: (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), jnp.int32)),
+                                raw_logprobs)
     return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i}

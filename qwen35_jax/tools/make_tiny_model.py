@@ -75,7 +75,8 @@ def _random_weights(text: dict, rng: np.random.Generator) -> dict[str, np.ndarra
     bf = lambda *shape, s=1.0: (rng.standard_normal(shape) * s).astype(ml_dtypes.bfloat16)
     lin = lambda o, n: bf(o, n, s=n ** -0.5)
     p = "model.language_model."
-    out = {p + "embed_tokens.weight": bf(v, h), p + "norm.weight": bf(h, s=0.1)}
+    # embedding scale keeps the tied head's logits spread out (std ~2), so sampling has something to choose from
+    out = {p + "embed_tokens.weight": bf(v, h, s=0.15), p + "norm.weight": bf(h, s=0.1)}
     for n, kind in enumerate(text["layer_types"]):
         q = f"{p}layers.{n}."
         out |= {q + "input_layernorm.weight": bf(h, s=0.1), q + "post_attention_layernorm.weight": bf(h, s=0.1),
