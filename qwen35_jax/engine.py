@@ -49,7 +49,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     decode_steps: int = 1                    # model steps per decode dispatch
     kernel_backend: str | None = None
-    compilation_cache_dir: str | None = None  # None: ~/.cache/qwen35_jax/xla ("" disables the persistent cache)
+    compilation_cache_dir: str | None = None  # None: <cache root>/xla ("" disables the persistent cache)
     precompile_threads: int | None = None
     precompile: bool = True                  # False: compile each bucket on first use instead of at start-up
     seed: int = 0
@@ -68,7 +68,8 @@ class EngineArgs:
 def setup_compilation_cache(path: str | None):
     if path == "":
         return
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax", "xla")
+    from qwen35_jax.tools.make_tiny_model import cache_root
+    path = path or os.path.join(cache_root(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -355,11 +356,17 @@ class Engine:
             self._drain_inbox(block=pending is None and not self._has_work())
             if self._stopped:
                 break
-            t0 = time.perf_counter()
-            records = self._dispatch(self.scheduler.schedule()) if self._has_work() else []
-            self.stats.host_seconds += time.perf_counter() - t0
-            if pending:
-                self._process(pending)
+            with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
+                t0 = time.perf_counter()
+                records = []
+                if self._has_work():
+                    with jax.profiler.TraceAnnotation("schedule"):
+                        plan = self.scheduler.schedule()
+                    records = self._dispatch(plan)
+                self.stats.host_seconds += time.perf_counter() - t0
+                if pending:
+                    with jax.profiler.TraceAnnotation("process_outputs"):
+                        self._process(pending)
             pending = records or None
 
     def _dispatch(self, plan) -> list:
@@ -380,7 +387,8 @@ class Engine:
                 finishing[i] = c.completes_prompt
                 rows.append((r, bool(finishing[i])))
             sp = host_batch([r for r, _ in rows], n)
-            out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
+            with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
+                out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
             for c in plan.prefill:
                 c.request.num_computed += c.length
                 if c.completes_prompt:
@@ -396,7 +404,8 @@ class Engine:
                 slots[i], positions[i] = r.slot, r.num_computed
                 pages[i, :len(r.pages)] = r.pages
             sp = host_batch(rows, b)
-            out = self.executor.decode(b, slots, positions, pages, sp)
+            with jax.profiler.TraceAnnotation("decode", batch=b):
+                out = self.executor.decode(b, slots, positions, pages, sp)
             k = self.args.decode_steps
             for r in rows:
                 r.num_computed += k

@@ -148,7 +148,7 @@ class Executor:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds."""
         keys = [k for k in self.keys() if k not in self.compiled]
         t0 = time.perf_counter()
-        threads = threads or min(len(keys), max(1, (os.cpu_count() or 2) // 2), 8)
+        threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 8))
         bar = None
         if progress:
             from tqdm.auto import tqdm

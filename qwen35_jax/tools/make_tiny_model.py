@@ -134,10 +134,14 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
+def cache_root() -> str:
+    """Where qwen35_jax keeps built models and compiled executables: $QWEN35_JAX_CACHE or ~/.cache/qwen35_jax."""
+    return os.environ.get("QWEN35_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax"))
+
+
 def default_model_dir() -> str:
-    """The embedded default model, built on first use into the user cache (QWEN35_JAX_CACHE or ~/.cache)."""
-    cache = os.environ.get("QWEN35_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax"))
-    path = os.path.join(cache, "tiny-qwen3.5")
+    """The embedded default model, built on first use into the cache root."""
+    path = os.path.join(cache_root(), "tiny-qwen3.5")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         try:
             make_tiny_model(path)
