@@ -269,6 +269,29 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return min(bv, dv)
 
 
+def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, config: PrefillConfig, interpret):
+    """Kernel 1 of the prefill: T = (I + A)^-1 for every chunk of every sequence, [max_chunks, Hv, 64, 64] fp32.
+    Returns (chunk_off [N]: the first flat chunk of each sequence, T)."""
+    n = starts.shape[0]
+    hk, hv = k.shape[1], a.shape[1]
+    nch = (lens + CHUNK - 1) // CHUNK                    # flat chunk id -> (first row, valid rows)
+    cum = jnp.cumsum(nch)
+    chunk_off = (cum - nch).astype(jnp.int32)
+    cid = jnp.arange(max_chunks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cum, cid, side="right"), n - 1).astype(jnp.int32)
+    local = cid - chunk_off[seq]
+    row0 = starts[seq] + local * CHUNK
+    nvalid = jnp.where(cid < cum[-1], jnp.clip(lens[seq] - local * CHUNK, 0, CHUNK), 0).astype(jnp.int32)
+    tmat = pl.pallas_call(
+        functools.partial(_solve_kernel, ratio=ratio, prec=prec, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((max_chunks, hv, CHUNK, CHUNK), jnp.float32),
+        grid=(max_chunks, hk),
+        compiler_params=pltriton.CompilerParams(num_warps=config.solve_warps, num_stages=config.solve_stages),
+        interpret=interpret, name="gdn_solve",
+    )(row0, nvalid, k, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32))
+    return chunk_off, tmat
+
+
 def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, *, spans=None,
                        max_chunks=None, config: PrefillConfig = PrefillConfig(), interpret=False):
     """Packed prefill. q,k [total, Hk, dk]; v [total, Hv, dv]; a,b [total, Hv] raw; pool [slots, Hv, dv, dk] fp32.
@@ -295,26 +318,8 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     use_state = i32(use_state)
     max_chunks = max_chunks or (-(-total // CHUNK) + n)
 
-    # Chunk table: flat chunk id -> (first row, valid rows); chunk_off[n] = first flat chunk of sequence n.
-    nch = (lens + CHUNK - 1) // CHUNK
-    cum = jnp.cumsum(nch)
-    chunk_off = (cum - nch).astype(jnp.int32)
-    cid = jnp.arange(max_chunks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(cum, cid, side="right"), n - 1).astype(jnp.int32)
-    local = cid - chunk_off[seq]
-    row0 = starts[seq] + local * CHUNK
-    nvalid = jnp.where(cid < cum[-1], jnp.clip(lens[seq] - local * CHUNK, 0, CHUNK), 0).astype(jnp.int32)
-
-    a_log = A_log.astype(jnp.float32)
-    dtb = dt_bias.astype(jnp.float32)
-    tmat = pl.pallas_call(
-        functools.partial(_solve_kernel, ratio=ratio, prec=solve_prec, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((max_chunks, hv, CHUNK, CHUNK), jnp.float32),
-        grid=(max_chunks, hk),
-        compiler_params=pltriton.CompilerParams(num_warps=config.solve_warps, num_stages=config.solve_stages),
-        interpret=interpret, name="gdn_solve",
-    )(row0, nvalid, k, a, b, a_log, dtb)
-
+    chunk_off, tmat = solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, solve_prec, config, interpret)
+    a_log, dtb = A_log.astype(jnp.float32), dt_bias.astype(jnp.float32)
     o, pool = pl.pallas_call(
         functools.partial(_scan_kernel, ratio=ratio, bv=bv, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
