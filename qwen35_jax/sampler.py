@@ -102,8 +102,8 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask):
     needs_filter = jnp.any(((p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)) & ~greedy)
     x_t = jax.lax.cond(needs_filter, lambda y: _filter(y, p), lambda y: y, x_t)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, x_t.shape[-1:], jnp.float32))(keys)
-    sampled = jnp.argmax(x_t + noise, axis=-1)
+    gumbel = lambda y: y + jax.vmap(lambda k: jax.random.gumbel(k, y.shape[-1:], jnp.float32))(keys)
+    sampled = jnp.argmax(jax.lax.cond(jnp.all(greedy), lambda y: y, gumbel, x_t), axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 

@@ -263,24 +263,29 @@ def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat1
 
 
 def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int = 0, scale: float = 0.02) -> Weights:
-    """Random weights made directly on the devices, sharded (for benchmarks at real shapes)."""
+    """Random weights made directly on the devices, sharded (for benchmarks at real shapes). One compiled
+    initialiser per distinct (shape, dtype, init, sharding), so the dozens of identical layers share it."""
     layout = Layout.build(cfg, mesh.shape["tp"])
     abstract = abstract_weights(cfg, layout, dtype)
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_leaf)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
+    makers = {}
 
-    def make(p: Param, key):
-        def f(key):
-            if p.init == "zeros":
-                return jnp.zeros(p.shape, p.dtype)
-            if p.init == "ones":
-                return jnp.ones(p.shape, p.dtype)
-            if p.init == "a_log":
-                return jnp.log(jax.random.uniform(key, p.shape, jnp.float32, 1.0, 16.0)).astype(p.dtype)
-            return (scale * jax.random.normal(key, p.shape, jnp.float32)).astype(p.dtype)
-        return jax.jit(f, out_shardings=named(mesh, p.axes))(key)
+    def maker(p: Param):
+        sig = (p.shape, jnp.dtype(p.dtype).name, p.init, p.axes)
+        if sig not in makers:
+            def f(key):
+                if p.init == "zeros":
+                    return jnp.zeros(p.shape, p.dtype)
+                if p.init == "ones":
+                    return jnp.ones(p.shape, p.dtype)
+                if p.init == "a_log":
+                    return jnp.log(jax.random.uniform(key, p.shape, jnp.float32, 1.0, 16.0)).astype(p.dtype)
+                return (scale * jax.random.normal(key, p.shape, jnp.float32)).astype(p.dtype)
+            makers[sig] = jax.jit(f, out_shardings=named(mesh, p.axes))
+        return makers[sig]
 
-    return jax.tree.unflatten(treedef, [make(p, k) for p, k in zip(leaves, keys)])
+    return jax.tree.unflatten(treedef, [maker(p)(k) for p, k in zip(leaves, keys)])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""Write a benchmark's table into bench/RESULTS.md as a section that names its command, commit and machine.
+
+A section is replaced when the same title is recorded again, so the file always holds each benchmark's latest run.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+HEADER = ("# Benchmark results\n\nEvery figure quoted anywhere in this project is here, with the command that made "
+          "it, the commit and the machine. Ratios are measured side by side in one run.\n")
+
+
+def commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(RESULTS), check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=os.path.dirname(RESULTS)).stdout.strip()
+        return sha + ("+uncommitted" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("QWEN35_COMMIT", "unknown")
+
+
+def machine() -> str:
+    import jax
+    dev = jax.devices()[0]
+    desc = f"{len(jax.devices())}× {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if smi.returncode == 0:
+            desc += f"; nvidia-smi: {smi.stdout.strip().splitlines()[0]}"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return desc + f"; {os.cpu_count()} CPU cores"
+
+
+def record(title: str, body: str, command: str | None = None):
+    command = command or "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"## {title}\n\n- command: `{command}`\n- commit: `{commit()}`\n- machine: {machine()}\n"
+               f"- date: {stamp}\n\n{body.rstrip()}\n")
+    text = open(RESULTS).read() if os.path.exists(RESULTS) else HEADER
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    with open(RESULTS, "w") as f:
+        f.write(text)
+    print(f"recorded '{title}' in {RESULTS}")
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(out)

@@ -1,0 +1,162 @@
+"""Engine throughput at real shapes with random weights (issue 4's benchmark; run on the GPU machine).
+
+Measures, in one run: the device copy bandwidth; the precompile sweep cold (fresh persistent cache) and warm;
+the decode step time at several batch sizes against its floor (weight bytes + GDN state read and written + KV
+read, over the copy bandwidth); and a serving workload (C concurrent requests of P prompt tokens and O output
+tokens through the engine), with the engine's host time per step.
+
+    python bench/throughput.py --config bench/configs/qwen3.5-9b.json --record
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.sampler import host_batch  # noqa: E402
+from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.state import bytes_per_slot  # noqa: E402
+from qwen35_jax.weights import random_weights  # noqa: E402
+
+
+def copy_bandwidth(gib: float = 2.0, reps: int = 10) -> float:
+    """Bytes read + written per second by a large elementwise copy (the memory roofline XLA can reach)."""
+    x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    jax.block_until_ready(f(x))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y = f(x)
+    jax.block_until_ready(y)
+    dt = (time.perf_counter() - t0) / reps
+    return 2 * x.nbytes / dt
+
+
+class Row:   # what host_batch reads from a request
+    def __init__(self):
+        self.params, self.seed, self.num_generated = SamplingParams(temperature=0), 0, 0
+
+
+def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> float:
+    """Seconds per decode dispatch for `batch` live rows at context length ctx (back-to-back dispatches)."""
+    ex = engine.executor
+    b = min(bk for bk in ex.decode_buckets if bk >= batch)
+    pps = engine.pages_per_seq
+    slots = np.zeros(b, np.int32)
+    slots[:batch] = np.arange(1, batch + 1)
+    positions = np.full(b, ctx, np.int32) * (slots > 0)
+    pages = np.zeros((b, pps), np.int32)
+    for i in range(batch):
+        pages[i] = 1 + i * pps + np.arange(pps)
+    sp = host_batch([Row() for _ in range(batch)], b)
+    for _ in range(3):
+        out = ex.decode(b, slots, positions, pages, sp)
+    jax.block_until_ready(out.tokens)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = ex.decode(b, slots, positions, pages, sp)
+    jax.block_until_ready(out.tokens)
+    return (time.perf_counter() - t0) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--decode-steps", type=int, default=1)
+    ap.add_argument("--kernel-backend", default=None)
+    ap.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
+    args = ap.parse_args()
+
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    raw = json.load(open(args.config))
+    cfg = ModelConfig.from_hf(raw)
+    model_dir = tempfile.mkdtemp(prefix="qwen35-bench-")
+    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
+    cache = tempfile.mkdtemp(prefix="qwen35-xla-")
+    mesh = make_mesh(1)
+    t0 = time.perf_counter()
+    weights = random_weights(cfg, mesh, jnp.bfloat16)
+    jax.block_until_ready(weights)
+    print(f"random weights in {time.perf_counter() - t0:.1f}s")
+    max_len = args.prompt_len + args.output_len + 64
+    eargs = EngineArgs(max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
+                       compilation_cache_dir=cache, kernel_backend=args.kernel_backend)
+    engine = Engine(model_dir, eargs, weights=weights)
+    cold = engine.precompile_seconds
+    n_exe = len(engine.executor.compiled)
+    engine.executor.compiled.clear()
+    jax.clear_caches()
+    warm = engine.executor.precompile()
+    print(f"precompile {n_exe} executables: cold {cold:.1f}s, warm cache {warm:.1f}s")
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
+    slot_bytes = bytes_per_slot(cfg, jnp.bfloat16)
+    kv_per_token = 2 * len(cfg.attn_layers) * cfg.num_kv_heads * cfg.head_dim * 2
+    ctx = args.prompt_len + args.output_len // 2
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        dt = time_decode(engine, b, ctx, args.iters) / args.decode_steps
+        floor_bytes = weight_bytes + 2 * b * slot_bytes + b * ctx * kv_per_token
+        floor = floor_bytes / bw
+        rows.append({"batch": b, "step ms": f"{dt * 1e3:.2f}", "floor ms": f"{floor * 1e3:.2f}",
+                     "step / floor": f"{dt / floor:.2f}", "tok/s": f"{b / dt:.0f}",
+                     "bytes/step GB": f"{floor_bytes / 1e9:.1f}"})
+        print(rows[-1])
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.concurrency)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    engine.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2)  # warm loop
+    s0 = dict(vars(engine.stats))
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, [params] * len(prompts))
+    wall = time.perf_counter() - t0
+    steps = engine.stats.steps - s0["steps"]
+    host = (engine.stats.host_seconds - s0["host_seconds"]) / max(steps, 1)
+    wait = (engine.stats.wait_seconds - s0["wait_seconds"]) / max(steps, 1)
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]
+    tpot = [(o.metrics["last_token_time"] - o.metrics["first_token_time"]) / (len(o.outputs[0].token_ids) - 1)
+            for o in outs]
+    serve = {"requests": len(outs), "output tok/s": f"{gen / wall:.0f}", "wall s": f"{wall:.2f}",
+             "TTFT median ms": f"{np.median(ttft) * 1e3:.0f}", "TPOT median ms": f"{np.median(tpot) * 1e3:.2f}",
+             "engine steps": steps, "host ms/step": f"{host * 1e3:.2f}", "wait ms/step": f"{wait * 1e3:.2f}"}
+    print(serve)
+
+    body = (f"Model: `{args.config}` shapes, random bf16 weights ({weight_bytes / 1e9:.1f} GB), kernel_backend="
+            f"`{engine.backend}`, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
+            f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights + GDN state read and written + KV read at "
+            f"context {ctx}) / copy bandwidth.\n\n"
+            f"Precompile sweep ({n_exe} executables): cold {cold:.1f} s, warm persistent cache {warm:.1f} s.\n\n"
+            + results.table(rows, list(rows[0])) + "\n\n"
+            f"Serving workload: {args.concurrency} concurrent × {args.prompt_len}-token prompts × "
+            f"{args.output_len} output tokens (greedy, ignore_eos), in-process engine. 'host ms/step' is host work "
+            f"per engine step not overlapped by dispatch; 'wait ms/step' is time blocked on device results.\n\n"
+            + results.table([serve], list(serve)))
+    if args.record:
+        results.record("Engine throughput (bench/throughput.py)", body)
+
+
+if __name__ == "__main__":
+    main()
