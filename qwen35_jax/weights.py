@@ -288,6 +288,40 @@ def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int =
     return jax.tree.unflatten(treedef, [maker(p)(k) for p, k in zip(leaves, keys)])
 
 
+def _stitched_sources(p: Param) -> list[tuple[str | None, int]]:
+    """(checkpoint key, index) of every entry along a Param's stitched axis."""
+    return [(r.key, r.start + i) for r in p.runs for i in range(r.length)]
+
+
+def relayout(weights: Weights, cfg: ModelConfig, src_mesh: Mesh, dst_mesh: Mesh) -> Weights:
+    """The same model re-laid-out for another mesh: each stitched axis is permuted (and KV heads replicated) from
+    the source tp layout to the destination's, on the devices. Used to compare tp sizes on random weights."""
+    dtype = weights.embed.dtype
+    src = abstract_weights(cfg, Layout.build(cfg, src_mesh.shape["tp"]), dtype)
+    dst = abstract_weights(cfg, Layout.build(cfg, dst_mesh.shape["tp"]), dtype)
+    movers = {}     # identical layers share one compiled gather
+
+    def move(x, ps: Param, pd: Param):
+        a, b = _stitched_sources(ps), _stitched_sources(pd)
+        if a == b:
+            return jax.device_put(x, named(dst_mesh, pd.axes))
+        where = {s: i for i, s in enumerate(a)}
+        idx = np.array([where.get(s, -1) for s in b], np.int32)    # -1: vocab padding the source did not have
+        sig = (x.shape, x.dtype.name, ps.stored_axis, pd.axes, idx.tobytes())
+        if sig not in movers:
+            axis = ps.stored_axis
+
+            def take(x, idx):
+                y = jnp.take(x, jnp.maximum(idx, 0), axis=axis)
+                keep = jnp.expand_dims(idx >= 0, 1 - axis) if x.ndim == 2 else idx >= 0
+                return jnp.where(keep, y, 0)
+            movers[sig] = jax.jit(take, out_shardings=named(dst_mesh, pd.axes))
+        replicated = named(dst_mesh, tuple(None for _ in ps.axes))
+        return movers[sig](jax.device_put(x, replicated), jax.device_put(idx, named(dst_mesh, (None,))))
+
+    return jax.tree.map(move, weights, src, dst, is_leaf=lambda x: isinstance(x, Param))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Converted-weight checkpoints (orbax): a restart restores the already re-laid-out shards directly.
 

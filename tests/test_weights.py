@@ -167,3 +167,16 @@ def test_loading_host_memory_is_bounded(tmp_path):
     assert total > 150e6 and m["held"] >= total * 0.99
     assert transient < 0.10 * total, f"transient host memory {transient / 1e6:.0f} MB for {total / 1e6:.0f} MB"
     assert retained < 0.20 * total, f"retained host memory {retained / 1e6:.0f} MB for {total / 1e6:.0f} MB"
+
+
+def test_relayout_between_tp_sizes_equals_loading():
+    """Random-weight benchmarks compare tp sizes by re-laying-out one set of weights: the result must be exactly
+    what loading the checkpoint at the destination tp gives (stitching, KV replication, vocab padding)."""
+    from qwen35_jax.weights import relayout
+    import jax.numpy as jnp
+    cfg = load_config(fixture_dir(CASE))                  # Hkv = 2 (replicated at tp=4), vocab 250 (padded)
+    m1, m4 = make_mesh(1), make_mesh(4)
+    moved = relayout(load_weights(fixture_dir(CASE), cfg, m1, jnp.float32), cfg, m1, m4)
+    for a, b in zip(jax.tree.leaves(load_weights(fixture_dir(CASE), cfg, m4, jnp.float32)), jax.tree.leaves(moved)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
