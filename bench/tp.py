@@ -1,0 +1,154 @@
+"""Tensor parallelism on real GPUs (issue 7): tp=N against tp=1 on one machine with N GPUs, random weights.
+
+For each model config, in one run: the same random weights laid out for tp=1 (GPU 0) and re-laid-out for tp=N;
+logits of one prompt at both (top-1 agreement, mean |dlogprob| of the tp=1 top token); weight and GDN-state bytes
+per device; the engine's compiled bucket sweep under TP (time); decode step time at several batches (tp=N vs tp=1);
+and the all-reduce time per decode step from a profiler trace.
+
+    python bench/tp.py --configs bench/configs/qwen3.5-9b.json,bench/configs/qwen3.5-27b.json --tp 2 --record
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from bench.throughput import time_decode  # noqa: E402
+from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.runner import ModelRunner, make_batch  # noqa: E402
+from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.weights import random_weights, relayout  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def per_device_bytes(tree, device) -> int:
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def prompt_logits(cfg, mesh, weights, ids, page_size=16) -> np.ndarray:
+    pages = -(-len(ids) // page_size)
+    runner = ModelRunner(cfg, mesh, weights, jnp.bfloat16, num_slots=1, num_pages=1 + pages, page_size=page_size)
+    batch = make_batch(np.asarray(ids)[None], [0], [len(ids)], [1], (1 + np.arange(pages))[None])
+    out = np.asarray(runner.run(batch, all_logits=True))[0, :, :cfg.vocab_size]
+    del runner
+    return out
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def allreduce_ms_per_step(engine: Engine, batch: int, ctx: int, steps: int = 5) -> tuple[float, float]:
+    """(all-reduce device ms, total device ms) per decode step, summed over GPU 0's kernels in a trace."""
+    out = tempfile.mkdtemp(prefix="tp-trace-")
+    time_decode(engine, batch, ctx, 2)
+    with jax.profiler.trace(out):
+        time_decode(engine, batch, ctx, steps)
+    path = sorted(glob.glob(os.path.join(out, "plugins", "profile", "*", "*.trace.json.gz")))[-1]
+    trace = json.load(gzip.open(path))
+    pids = {p["pid"]: p["args"]["name"] for p in trace["traceEvents"] if p.get("ph") == "M" and
+            p.get("name") == "process_name"}
+    gpu0 = [pid for pid, name in pids.items() if "/device:GPU:0" in name]
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu0]
+    total = sum(e["dur"] for e in ev)
+    coll = sum(e["dur"] for e in ev if any(k in e["name"].lower() for k in ("all-reduce", "allreduce", "nccl",
+                                                                              "all-gather", "allgather")))
+    n = steps + 3          # time_decode runs 3 warm-up dispatches before the timed ones
+    return coll / 1e3 / n, total / 1e3 / n
+
+
+def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
+    raw = json.load(open(path))
+    cfg = ModelConfig.from_hf(raw)
+    name = os.path.basename(path).replace(".json", "")
+    model_dir = tempfile.mkdtemp(prefix="tp-model-")
+    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
+    devs = jax.devices()
+    mesh1, mesh_n = make_mesh(1, devs[:1]), make_mesh(tp, devs[:tp])
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len)
+    eargs = lambda t: EngineArgs(tensor_parallel_size=t, max_model_len=2048, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=64, max_prefill_rows=1)
+    ctx = 1024
+    row = {}
+
+    t0 = time.perf_counter()
+    w1 = random_weights(cfg, mesh1, jnp.bfloat16)
+    jax.block_until_ready(w1)
+    print(f"[{name}] tp=1 weights in {time.perf_counter() - t0:.0f}s", flush=True)
+    ref = prompt_logits(cfg, mesh1, w1, ids)
+    eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
+    mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
+    t1 = {b: time_decode(eng1, b, ctx, 10) for b in batches}
+    print(f"[{name}] tp=1 decode ms {[round(v * 1e3, 2) for v in t1.values()]}", flush=True)
+    eng1.shutdown()
+    del eng1
+
+    wn = relayout(w1, cfg, mesh1, mesh_n)
+    jax.block_until_ready(wn)
+    del w1
+    got = prompt_logits(cfg, mesh_n, wn, ids)
+    top = ref.argmax(-1)
+    agree = float((got.argmax(-1) == top).mean())
+    rows = np.arange(len(ids))
+    dlp = float(np.abs(log_softmax(got)[rows, top] - log_softmax(ref)[rows, top]).mean())
+    print(f"[{name}] tp={tp} vs tp=1: top-1 agreement {agree:.4f}, mean |dlogprob| {dlp:.4f}", flush=True)
+    engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
+    memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
+    tn = {b: time_decode(engn, b, ctx, 10) for b in batches}
+    coll, total = allreduce_ms_per_step(engn, 16 if 16 in batches else batches[-1], ctx)
+    sweep = engn.precompile_seconds
+    n_exe = len(engn.executor.compiled)
+    engn.shutdown()
+    del engn, wn
+
+    table = [{"batch": b, "tp=1 ms": f"{t1[b] * 1e3:.2f}", f"tp={tp} ms": f"{tn[b] * 1e3:.2f}",
+              "speed-up": f"{t1[b] / tn[b]:.2f}×", f"tp={tp} tok/s": f"{b / tn[b]:.0f}"} for b in batches]
+    body = (f"Model: `{path}` shapes, random bf16 weights (tp={tp} weights are the tp=1 weights re-laid-out, "
+            f"`weights.relayout`). Decode at context {ctx}.\n\n"
+            f"- logits of one {prompt_len}-token prompt, tp={tp} vs tp=1: top-1 agreement {agree:.4f}, "
+            f"mean |Δ log-prob| of the tp=1 top token {dlp:.4f}\n"
+            f"- per device: weights {mem1[0] / GiB:.2f} GiB (tp=1) → {memn[0] / GiB:.2f} GiB (tp={tp}, "
+            f"{memn[0] / mem1[0]:.3f}×); GDN recurrent state pool {mem1[1] / GiB:.2f} → {memn[1] / GiB:.2f} GiB "
+            f"({memn[1] / mem1[1]:.3f}×)\n"
+            f"- compiled bucket sweep at tp={tp}: {n_exe} executables in {sweep:.1f} s\n"
+            f"- collectives per decode step (batch 16, GPU 0 kernels in a profiler trace): {coll:.3f} ms of "
+            f"{total:.3f} ms device time ({100 * coll / max(total, 1e-9):.1f}%)\n\n" + results.table(table, list(table[0])))
+    print(body, flush=True)
+    if record:
+        results.record(f"Tensor parallelism tp={tp}: {name} (bench/tp.py)", body)
+    row.update(agree=agree, dlp=dlp)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="bench/configs/qwen3.5-9b.json")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    if len(jax.devices()) < args.tp:
+        raise SystemExit(f"--tp {args.tp} needs {args.tp} devices; {len(jax.devices())} visible")
+    for path in args.configs.split(","):
+        run_config(path, args.tp, [int(b) for b in args.batches.split(",")], args.prompt_len, args.max_num_seqs,
+                   args.record)
+
+
+if __name__ == "__main__":
+    main()
