@@ -1,0 +1,449 @@
+"""Read a `jax.profiler` trace back and say where the device time went, per named scope of the model.
+
+What the trace holds (jax 0.11.2, checked on CPU; GPU per XLA's kernel annotations):
+- `<dir>/plugins/profile/<session>/<host>.xplane.pb` (read here with `jax.profiler.ProfileData`),
+  `<host>.trace.json.gz` (TensorBoard / xprof trace viewer) and, when asked for, `perfetto_trace.json.gz`.
+- XLA:CPU runs ops on host threads of the `/host:CPU` plane; each op is an event named after its HLO
+  instruction with stats `hlo_op`, `hlo_module`, `program_id`, `run_id` and *no* scope metadata. A `while`
+  op is an event that encloses its body's op events.
+- XLA:GPU kernels are events on `/device:GPU:N` planes (stream lines) with stats `hlo_op` and `hlo_module`
+  taken from the launch annotation (`Thunk:#name=<op_name minus the module prefix>,hlo_op=<instr>#`). Kernels
+  replayed from a CUDA graph (XLA "command buffers") carry the command buffer's annotation, not their own: profile
+  with command buffers off to see every kernel by name (`python -m qwen35_jax.profile` does by default).
+
+So an event is mapped to a scope through its HLO instruction: `hlo_module` + `hlo_op` (or the event name, which
+is the instruction name on CPU and the sanitised fusion name on GPU) are looked up in the optimised HLO text of
+the executables we ran (`compiled.as_text()`), whose `metadata={op_name="jit(decode)/while/body/layer3/gdn/
+in_proj/dot_general"}` carries the `jax.named_scope` path. A fusion is attributed to its own op_name (its root
+op's), as xprof does. Without the HLO text, a scope path in the event's `name`/`tf_op`/`long_name` stat is used;
+events that can be mapped neither way are reported as "(unattributed)" under their own name, never dropped.
+
+Time per event is its exclusive time on its line (an op's duration minus ops nested inside it on the same line);
+control-flow ops (`while`, `conditional`, `call`) are not counted since their bodies' ops are.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+
+CONTROL_FLOW = ("while", "conditional", "call", "async-start", "async-done")
+TOP_SCOPES = ("embed", "lm_head", "sampling")
+BLOCKS = ("attention", "gdn", "mlp")
+LAYER_OTHER = "norm+residual"      # ops inside layerN but outside its mixer / mlp (the two RMSNorms, residual adds)
+UNSCOPED = "(unscoped)"           # ops of our executables outside every named scope
+UNATTRIBUTED = "(unattributed)"   # device events we cannot map to an HLO instruction or scope path
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Framework Name Scope", "Framework Ops", "Steps", "Source code",
+                 "XLA TraceMe", "Launch Stats", "SparseCore")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where a trace is
+
+
+def find_session(path: str) -> str:
+    """The newest session dir (holding *.xplane.pb) under a trace dir, or `path` itself if it is one."""
+    if glob.glob(os.path.join(path, "*.xplane.pb")):
+        return path
+    sessions = sorted(glob.glob(os.path.join(path, "plugins", "profile", "*")), key=os.path.getmtime)
+    sessions = [s for s in sessions if glob.glob(os.path.join(s, "*.xplane.pb"))]
+    if not sessions:
+        raise FileNotFoundError(f"no plugins/profile/<session>/*.xplane.pb under {path!r}: was a trace written there?")
+    return sessions[-1]
+
+
+def trace_files(session: str) -> dict[str, str]:
+    """The viewer files of one session: xplane (xprof / TensorBoard), trace_json (chrome://tracing, xprof), and
+    perfetto (ui.perfetto.dev) when it was written."""
+    out = {}
+    for key, pattern in (("xplane", "*.xplane.pb"), ("trace_json", "*.trace.json.gz"),
+                         ("perfetto", "perfetto_trace.json.gz")):
+        hits = sorted(glob.glob(os.path.join(session, pattern)))
+        if hits:
+            out[key] = hits[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HLO text -> instruction op_name / opcode
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    op_name: str                # jax.named_scope path from the metadata ("" if none)
+    opcode: str
+    operands: tuple = ()        # instruction names
+    calls: tuple = ()           # called computations (fusions, custom calls)
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _split_rhs(rhs: str) -> tuple[str, str]:
+    """(opcode, operand text) of an HLO instruction's right-hand side: the word after the (possibly tuple) shape,
+    and what its parentheses enclose."""
+    i = 0
+    if rhs.startswith("("):              # tuple shape: skip to its matching parenthesis
+        depth = 0
+        for i, c in enumerate(rhs):
+            depth += (c == "(") - (c == ")")
+            if depth == 0:
+                break
+        i += 1
+    else:
+        i = rhs.find(" ")
+    m = re.match(r"\s*([\w\-]+)\(", rhs[i:])
+    if not m:
+        return "", ""
+    j, depth = i + m.end(), 1
+    for k in range(j, len(rhs)):
+        depth += (rhs[k] == "(") - (rhs[k] == ")")
+        if depth == 0:
+            return m.group(1), rhs[j:k]
+    return m.group(1), rhs[j:]
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, Instr], dict[str, tuple[str, list[str]]]]:
+    """Optimised HLO text (`compiled.as_text()`) -> (module name, {instruction: Instr},
+    {computation: (root instruction, [instructions])}). Instruction names are unique within a module."""
+    first = text.lstrip().split("\n", 1)[0]
+    m = re.match(r"HloModule ([\w.\-]+)", first)
+    if not m:
+        raise ValueError("not an HLO module text (no 'HloModule <name>' header)")
+    instrs, comps, current = {}, {}, None
+    for line in text.splitlines():
+        im = _INSTR.match(line)
+        if im is None:
+            cm = _COMPUTATION.match(line)
+            if cm:
+                current = comps.setdefault(cm.group(1), ["", []])
+            continue
+        name, rhs = im.groups()
+        opcode, args = _split_rhs(rhs)
+        om, calls = _OP_NAME.search(rhs), _CALLS.search(rhs)
+        instrs[name] = Instr(om.group(1) if om else "", opcode, tuple(re.findall(r"%([\w.\-]+)", args)),
+                             tuple(re.findall(r"[\w.\-]+", calls.group(1).replace("%", " "))) if calls else ())
+        if current is not None:
+            current[1].append(name)
+            if line.lstrip().startswith("ROOT "):
+                current[0] = name
+    return m.group(1), instrs, {k: (v[0], v[1]) for k, v in comps.items()}
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [p.split("/") for p in paths]
+    out = []
+    for level in zip(*parts):
+        if any(x != level[0] for x in level):
+            break
+        out.append(level[0])
+    return "/".join(out)
+
+
+class HloIndex:
+    """Instruction tables of the executables that ran, by HLO module name. An instruction's scope path is its own
+    op_name; XLA drops the metadata of some ops it creates (layout copies, split dots, some fusions), so failing
+    that: the op_name of the root of the computation it calls (a fusion's body), else the longest common path of
+    the ops inside that body, else the nearest operand (breadth first, a few hops) that has one."""
+
+    def __init__(self, texts=()):
+        self.modules: dict[str, dict[str, Instr]] = {}
+        self.computations: dict[str, dict] = {}
+        self.sanitised: dict[str, dict[str, str]] = {}
+        self._resolved: dict[tuple[str, str], str] = {}
+        for t in texts:
+            self.add(t)
+
+    def add(self, text: str) -> str:
+        name, instrs, comps = parse_hlo(text)
+        if name in self.modules:
+            raise ValueError(f"two executables are both named {name!r}; give the jitted functions distinct names "
+                             f"so their trace events can be told apart")
+        self.modules[name], self.computations[name] = instrs, comps
+        self.sanitised[name] = {re.sub(r"[.\-]", "_", k): k for k in instrs}
+        return name
+
+    def op_name(self, module: str, name: str) -> str:
+        key = (module, name)
+        if key not in self._resolved:
+            self._resolved[key] = self._resolve(module, name)
+        return self._resolved[key]
+
+    def _inside(self, module: str, instr: Instr, depth: int = 0) -> str:
+        """op_name from the computations an instruction calls: their root's, else the common path of their ops."""
+        instrs, comps = self.modules[module], self.computations[module]
+        for comp in instr.calls:
+            root, members = comps.get(comp, ("", []))
+            if root and instrs[root].op_name:
+                return instrs[root].op_name
+            names = [instrs[n].op_name for n in members if instrs[n].op_name]
+            if not names and depth < 3:
+                names = [p for n in members for p in [self._inside(module, instrs[n], depth + 1)] if p]
+            if names:
+                return _common_prefix(names) + "/fused"
+        return ""
+
+    def _resolve(self, module: str, name: str) -> str:
+        instrs = self.modules[module]
+        instr = instrs[name]
+        found = instr.op_name or self._inside(module, instr)
+        frontier, seen = list(instr.operands), {name}
+        for _ in range(4):                        # nearest operand with a scope path
+            if found:
+                break
+            nxt = []
+            for n in frontier:
+                if n in seen or n not in instrs:
+                    continue
+                seen.add(n)
+                found = instrs[n].op_name or self._inside(module, instrs[n])
+                if found:
+                    break
+                nxt.extend(instrs[n].operands)
+            frontier = nxt
+        return found
+
+    def lookup(self, module: str | None, op: str | None, event_name: str) -> Instr | None:
+        """The instruction an event ran, with its resolved op_name; None if the module or name is unknown."""
+        table = self.modules.get(module or "")
+        if table is None:
+            return None
+        for key in (op, event_name, self.sanitised[module].get(re.sub(r"[.\-]", "_", event_name))):
+            if key and key in table:
+                return dataclasses.replace(table[key], op_name=self.op_name(module, key))
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# op_name -> (scope, block, sub-scope)
+
+
+def _is_transform(component: str) -> bool:
+    """Path components jax adds that are not our scopes: jit(f), vmap(f), while/body/cond, shard_map, ..."""
+    return "(" in component or component in ("while", "body", "cond", "branch", "shard_map", "checkpoint",
+                                             "remat", "pjit", "scan")
+
+
+def scope_of(op_name: str) -> tuple[str, str, str]:
+    """("layer3", "gdn", "in_proj") for ".../layer3/gdn/in_proj/dot_general"; ("layer3", "gdn", "(other)") for an
+    op directly in the gdn block; ("layer3", LAYER_OTHER, "") for the layer's norms / residual adds;
+    ("embed" | "lm_head" | "sampling", "", "") for the top-level scopes; (UNSCOPED, "", "") otherwise.
+    The last path component is the primitive (dot_general, add, pallas_call, ...), never a scope."""
+    parts = op_name.split("/")[:-1]
+    for i, c in enumerate(parts):
+        if c in TOP_SCOPES:
+            return c, "", ""
+        if re.fullmatch(r"layer\d+", c):
+            rest = [p for p in parts[i + 1:] if not _is_transform(p)]
+            if not rest or rest[0] not in BLOCKS:
+                return c, LAYER_OTHER, ""
+            return c, rest[0], rest[1] if len(rest) > 1 else "(other)"
+    return UNSCOPED, "", ""
+
+
+def _scope_from_stats(stats: dict) -> str | None:
+    """A scope path carried by the event itself (GPU kernel annotations, xprof-derived events)."""
+    for key in ("name", "tf_op", "long_name"):
+        v = stats.get(key)
+        if isinstance(v, str) and "/" in v:
+            m = _OP_NAME.search(v)
+            return m.group(1) if m else v
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Events
+
+
+@dataclasses.dataclass
+class OpEvent:
+    name: str              # event name (HLO instruction on CPU, kernel on GPU)
+    module: str            # hlo_module stat ("" if none)
+    hlo_op: str | None     # hlo_op stat
+    start_ns: float
+    dur_ns: float
+    line: str              # plane/line it ran on
+    path: str | None       # a scope path carried by the event's own stats, if any
+    self_ns: float = 0.0   # exclusive time on its line
+    scope: tuple = ()      # set by resolve(): scope_of(...) or (UNATTRIBUTED, name, "")
+    opcode: str = ""
+
+    @property
+    def end_ns(self) -> float:
+        return self.start_ns + self.dur_ns
+
+
+@dataclasses.dataclass
+class Window:
+    """A host annotation (TraceAnnotation / StepTraceAnnotation) with the device events that ran inside it."""
+    name: str
+    step_num: int | None
+    start_ns: float
+    end_ns: float
+    events: list = dataclasses.field(default_factory=list)
+
+    @property
+    def host_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def device_span_ms(self) -> float:
+        """First op start to last op end: the step's device latency (gaps between ops included)."""
+        if not self.events:
+            return 0.0
+        return (max(e.end_ns for e in self.events) - min(e.start_ns for e in self.events)) / 1e6
+
+    @property
+    def op_ms(self) -> float:
+        """Sum of exclusive op times (on CPU summed over worker threads, so it can exceed the span)."""
+        return sum(e.self_ns for e in self.events) / 1e6
+
+
+@dataclasses.dataclass
+class Trace:
+    session: str
+    events: list           # OpEvent: device ops only, not yet resolved to scopes
+    annotations: list      # Window: the host annotations asked for (no events yet)
+    platform: str          # "gpu" if device planes were found, else "cpu"
+
+
+def _stats(obj) -> dict:
+    return {k: v for k, v in obj.stats}
+
+
+def load_trace(path: str, annotation_names=(), device: int | None = None) -> Trace:
+    """Read the newest session under `path`. Device ops: events on `/device:*` planes if there are any (GPU),
+    else events with an `hlo_op` stat on `/host:CPU` thread lines (XLA:CPU). device: keep only this device's ops
+    (its local hardware id: the N of `/device:GPU:N`, the `device_ordinal` stat on CPU); None keeps all.
+    `annotation_names`: host events (by name) to return as Windows, e.g. the step annotations."""
+    from jax.profiler import ProfileData
+    session = find_session(path)
+    data = ProfileData.from_file(trace_files(session)["xplane"])
+    planes = list(data.planes)
+    device_planes = [p for p in planes if p.name.startswith("/device:")]
+    if device is not None and device_planes:
+        device_planes = [p for p in device_planes if re.fullmatch(rf"/device:\w+:{device}", p.name)]
+        if not device_planes:
+            raise ValueError(f"no plane of device {device} in {session}")
+    host = [p for p in planes if p.name == "/host:CPU"]
+    events, windows, wanted = [], [], set(annotation_names)
+    for plane in device_planes or host:
+        for line in plane.lines:
+            if line.name in DERIVED_LINES:
+                continue
+            line_events = []
+            for ev in line.events:
+                st = _stats(ev)
+                if not device_planes and (st.get("hlo_op") is None or device is not None and
+                                          int(st.get("device_ordinal", device)) != device):
+                    continue                  # host: only XLA:CPU op events (of this device)
+                line_events.append(OpEvent(ev.name, st.get("hlo_module") or "", st.get("hlo_op"), ev.start_ns,
+                                           ev.duration_ns, f"{plane.name}/{line.name}", _scope_from_stats(st)))
+            events.extend(_exclusive(line_events))
+    for plane in host:
+        for line in plane.lines:
+            for ev in line.events:
+                if ev.name in wanted:
+                    step = _stats(ev).get("step_num")
+                    windows.append(Window(ev.name, int(step) if step is not None else None, ev.start_ns, ev.end_ns))
+    windows.sort(key=lambda w: w.start_ns)
+    return Trace(session, events, windows, "gpu" if device_planes else "cpu")
+
+
+def _exclusive(line_events: list) -> list:
+    """self_ns = duration minus the events nested inside it on the same line."""
+    line_events.sort(key=lambda e: (e.start_ns, -e.dur_ns))
+    stack: list[OpEvent] = []
+    for e in line_events:
+        e.self_ns = e.dur_ns
+        while stack and stack[-1].end_ns <= e.start_ns:
+            stack.pop()
+        if stack:
+            stack[-1].self_ns -= min(e.dur_ns, stack[-1].end_ns - e.start_ns)
+        stack.append(e)
+    return line_events
+
+
+def resolve(events: list, hlo: HloIndex | None = None) -> list:
+    """Give each event its scope (through `hlo`, else its own scope path, else UNATTRIBUTED) and drop control-flow
+    ops (while / conditional / call): their bodies' ops are events of their own, possibly on other threads."""
+    out = []
+    for e in events:
+        instr = hlo.lookup(e.module, e.hlo_op, e.name) if hlo is not None else None
+        if instr is not None:
+            e.scope, e.opcode = scope_of(instr.op_name), instr.opcode
+        else:
+            e.scope = scope_of(e.path + "/op") if e.path else (UNATTRIBUTED, e.name, "")
+            e.opcode = (e.hlo_op or e.name).split(".")[0]
+        if e.opcode not in CONTROL_FLOW:
+            out.append(e)
+    return out
+
+
+def assign(events: list, windows: list) -> list:
+    """Put each event into the window its start falls in (windows must not overlap); returns the events that
+    fell in none."""
+    import bisect
+    windows = sorted(windows, key=lambda w: w.start_ns)
+    starts = [w.start_ns for w in windows]
+    outside = []
+    for e in events:
+        i = bisect.bisect_right(starts, e.start_ns) - 1
+        if i >= 0 and e.start_ns < windows[i].end_ns:
+            windows[i].events.append(e)
+        else:
+            outside.append(e)
+    return outside
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def block_of(scope: tuple) -> str:
+    """Block type of a scope: embed / attention / gdn / mlp / norm+residual / lm_head / sampling / (unscoped) /
+    (unattributed)."""
+    top, block, _ = scope
+    return block if top.startswith("layer") else top
+
+
+def layer_index(scope: tuple) -> int | None:
+    top = scope[0]
+    return int(top[5:]) if top.startswith("layer") else None
+
+
+def by_block(events) -> dict[str, float]:
+    """ms per block type."""
+    out = collections.defaultdict(float)
+    for e in events:
+        out[block_of(e.scope)] += e.self_ns / 1e6
+    return dict(out)
+
+
+def by_scope(events) -> dict[str, float]:
+    """ms per "block/sub-scope" summed over layers (e.g. "gdn/in_proj"), plus the top-level scopes."""
+    out = collections.defaultdict(float)
+    for e in events:
+        top, block, sub = e.scope
+        key = f"{block}/{sub}" if top.startswith("layer") and sub else block_of(e.scope)
+        if top == UNATTRIBUTED:
+            key = f"{UNATTRIBUTED} {block}"
+        out[key] += e.self_ns / 1e6
+    return dict(out)
+
+
+def by_layer(events) -> dict[int, dict[str, float]]:
+    """{layer: {"gdn/in_proj": ms, ..., "mlp/gate_up": ms, "norm+residual": ms}}."""
+    out: dict[int, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
+    for e in events:
+        i = layer_index(e.scope)
+        if i is None:
+            continue
+        _, block, sub = e.scope
+        out[i][f"{block}/{sub}" if sub else block] += e.self_ns / 1e6
+    return {i: dict(v) for i, v in sorted(out.items())}
