@@ -139,13 +139,18 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
         idx = jnp.arange(SUB, dtype=jnp.int32)
         nb = CHUNK // SUB
-        ks, valid = [], []
+        ks, rks, valid = [], [], []
         for i in range(nb):
             v = idx + i * SUB < nvalid
             valid.append(v)
             x = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(v[:, None], (SUB, dk)))
-            ks.append(_l2norm(x.astype(jnp.float32)))
-        kk = {(i, j): mm(ks[i], ks[j], (1, 1), prec) for i in range(nb) for j in range(i + 1)}
+            xf = x.astype(jnp.float32)
+            ks.append(x)
+            rks.append(jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) + 1e-6))      # l2norm as row factors
+        # raw K K^T: exact on bf16 tensor cores for bf16 inputs
+        exact_prec = "bf16" if k_ref.dtype == jnp.bfloat16 else prec
+        kk = {(i, j): mm(ks[i], ks[j], (1, 1), exact_prec) * (rks[i][:, None] * rks[j][None, :])
+              for i in range(nb) for j in range(i + 1)}
         strict = idx[:, None] > idx[None, :]
         def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r
@@ -194,6 +199,8 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
 
 def _scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
                  alog_ref, dtb_ref, t_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, prec, interpret):
+    # Q K^T of bf16 inputs is exact on bf16 tensor cores (fp32 accumulation); fp32 inputs use `prec`.
+    exact_prec = "bf16" if q_ref.dtype == jnp.bfloat16 else prec
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = hv // ratio
     start, length, span = start_ref[n], len_ref[n], span_ref[n]
@@ -214,8 +221,12 @@ def _scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_re
         nvalid = jnp.minimum(length - c * CHUNK, CHUNK)
         valid = rows < nvalid
         vk = jnp.broadcast_to(valid[:, None], (CHUNK, dk))
-        q = _l2norm(_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk).astype(jnp.float32)) * scale
-        k = _l2norm(_load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk).astype(jnp.float32))
+        # q, k stay raw (input dtype, half the registers of fp32); l2norm and scale act as fp32 row factors.
+        qr = _load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk)
+        kr = _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk)
+        qf, kf = qr.astype(jnp.float32), kr.astype(jnp.float32)
+        rq = jax.lax.rsqrt(jnp.sum(qf * qf, axis=1) + 1e-6) * scale
+        rk = jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6)
         v = _load(v_ref.at[pl.ds(row0, CHUNK), hv, vcols], jnp.broadcast_to(valid[:, None], (CHUNK, bv)))
         g, beta = _gates(_load(a_ref.at[pl.ds(row0, CHUNK), hv], valid),
                          _load(b_ref.at[pl.ds(row0, CHUNK), hv], valid), a_log, dt_bias)
@@ -225,16 +236,16 @@ def _scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_re
         g_last = jnp.min(gam)                              # gamma at the last valid row (gamma non-increasing)
         eg = jnp.exp(gam)
         t = t_ref[coff + c, hv, :, :]
-        kh_ = mm(k, h, (1, 1))                             # [C, BV] = K H (H is V-first [BV, dk])
-        vnew = mm(t, beta[:, None] * (v.astype(jnp.float32) - eg[:, None] * kh_), (1, 0))
-        qh = mm(q, h, (1, 1))
-        p = mm(q, k, (1, 1))
+        kh_ = mm(kf, h, (1, 1))                            # [C, BV] = K H (H is V-first [BV, dk]), k unnormalised
+        vnew = mm(t, beta[:, None] * (v.astype(jnp.float32) - (eg * rk)[:, None] * kh_), (1, 0))
+        qh = mm(qf, h, (1, 1))
+        p = _mm(qr, kr, (1, 1), exact_prec, interpret) * (rq[:, None] * rk[None, :])
         p = jnp.where(incl, p * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0)
-        o = eg[:, None] * qh + mm(p, vnew, (1, 0))
+        o = (eg * rq)[:, None] * qh + mm(p, vnew, (1, 0))
         ostore = jnp.broadcast_to((rows < span - c * CHUNK)[:, None], (CHUNK, bv))
         pltriton.store(o_ref.at[pl.ds(row0, CHUNK), hv, vcols], o.astype(o_ref.dtype), mask=ostore)
-        ktil = jnp.exp(g_last - gam)[:, None] * k
-        return jnp.exp(g_last) * h + mm(vnew, ktil, (0, 0))
+        wgt = vnew * (jnp.exp(g_last - gam) * rk)[:, None]  # decay to the chunk end and k's norm, on Vnew's rows
+        return jnp.exp(g_last) * h + mm(wgt, kf, (0, 0))
 
     nch = (length + CHUNK - 1) // CHUNK
     h = jax.lax.fori_loop(0, nch, chunk, h)
