@@ -25,7 +25,7 @@ from qwen35_jax import executor as ex
 from qwen35_jax.backends import get_kernels
 from qwen35_jax.config import ModelConfig, load_config
 from qwen35_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from qwen35_jax.sampler import host_batch, init_sampler_state
+from qwen35_jax.sampler import host_batch_rows, init_sampler_state
 from qwen35_jax.sampling_params import SamplingParams
 from qwen35_jax.scheduler import Request, Scheduler, Status, next_bucket
 from qwen35_jax.sharding import Layout, make_mesh
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class EngineArgs:
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1              # replicas, each with its own slots and pages (max_num_seqs each)
     dtype: str = "bfloat16"
     max_model_len: int | None = None
     max_num_seqs: int = 16
@@ -121,7 +122,8 @@ class Engine:
         self.model_dir = model_dir
         self.cfg: ModelConfig = load_config(model_dir)
         self.dtype = resolve_dtype(args.dtype)
-        self.mesh = make_mesh(args.tensor_parallel_size, devices)
+        self.mesh = make_mesh(args.tensor_parallel_size, devices, args.data_parallel_size)
+        self.dp = args.data_parallel_size
         self.layout = Layout.build(self.cfg, args.tensor_parallel_size)
         self.max_model_len = int(args.max_model_len or min(self.cfg.max_position_embeddings, 8192))
         self.tokenizer = tokenizer
@@ -136,10 +138,10 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // ps)
         num_slots = args.max_num_seqs
         num_pages = args.num_kv_pages or self._auto_pages(num_slots)
-        self.abstract_state = abstract_state(self.cfg, self.layout, num_slots, num_pages, ps, self.dtype)
+        self.abstract_state = abstract_state(self.cfg, self.layout, num_slots, num_pages, ps, self.dtype, self.dp)
         state = init_state(self.abstract_state, self.mesh)
         sstate = init_sampler_state(num_slots, self.layout.vocab_padded,
-                                    jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+                                    jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")), self.dp)
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.min_prefill_tokens, args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
@@ -150,7 +152,7 @@ class Engine:
                                     decode_steps=args.decode_steps)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                                   decode_buckets=decode_buckets, prefill_buckets=prefill_buckets)
+                                   decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)
         self.executor.lazy = not args.precompile
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats()
@@ -171,7 +173,7 @@ class Engine:
         free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
         from qwen35_jax.state import nbytes
-        fixed = nbytes(probe) / self.layout.tp
+        fixed = nbytes(probe) / self.layout.tp           # one replica's state, split over its tp ranks
         per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
             jnp.dtype(self.dtype).itemsize
         sampler = 5 * (num_slots + 1) * self.layout.vocab_padded
@@ -370,23 +372,28 @@ class Engine:
             pending = records or None
 
     def _dispatch(self, plan) -> list:
+        """Host arrays for the plan (replica d's rows at [d * rows, (d + 1) * rows)), then the compiled calls."""
         records = []
         P = self.pages_per_seq
         if plan.prefill:
             n, t = plan.prefill_shape
-            tokens = np.zeros((n, t), np.int32)
-            start, lens, slots = (np.zeros(n, np.int32) for _ in range(3))
-            pages = np.zeros((n, P), np.int32)
-            finishing = np.zeros(n, np.bool_)
-            rows = []
-            for i, c in enumerate(plan.prefill):
+            rows_total = self.dp * n
+            tokens = np.zeros((rows_total, t), np.int32)
+            start, lens, slots = (np.zeros(rows_total, np.int32) for _ in range(3))
+            pages = np.zeros((rows_total, P), np.int32)
+            finishing = np.zeros(rows_total, np.bool_)
+            rows: list = [None] * rows_total
+            used = [0] * self.dp
+            for c in plan.prefill:
                 r = c.request
+                i = r.replica * n + used[r.replica]
+                used[r.replica] += 1
                 tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
                 start[i], lens[i], slots[i] = c.start, c.length, r.slot
                 pages[i, :len(r.pages)] = r.pages
                 finishing[i] = c.completes_prompt
-                rows.append((r, bool(finishing[i])))
-            sp = host_batch([r for r, _ in rows], n)
+                rows[i] = (r, bool(finishing[i]))
+            sp = host_batch_rows([x[0] if x else None for x in rows])
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
                 out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
             for c in plan.prefill:
@@ -396,21 +403,28 @@ class Engine:
                 self.stats.prompt_tokens += c.length
             records.append(("prefill", rows, out))
         if plan.decode:
-            rows = plan.decode
-            b = next_bucket(len(rows), self.executor.decode_buckets)
-            slots, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-            pages = np.zeros((b, P), np.int32)
-            for i, r in enumerate(rows):
+            counts = [0] * self.dp
+            for r in plan.decode:
+                counts[r.replica] += 1
+            b = next_bucket(max(counts), self.executor.decode_buckets)
+            slots, positions = np.zeros(self.dp * b, np.int32), np.zeros(self.dp * b, np.int32)
+            pages = np.zeros((self.dp * b, P), np.int32)
+            rows = [None] * (self.dp * b)
+            used = [0] * self.dp
+            for r in plan.decode:
+                i = r.replica * b + used[r.replica]
+                used[r.replica] += 1
                 slots[i], positions[i] = r.slot, r.num_computed
                 pages[i, :len(r.pages)] = r.pages
-            sp = host_batch(rows, b)
+                rows[i] = r
+            sp = host_batch_rows(rows)
             with jax.profiler.TraceAnnotation("decode", batch=b):
                 out = self.executor.decode(b, slots, positions, pages, sp)
             k = self.args.decode_steps
-            for r in rows:
+            for r in plan.decode:
                 r.num_computed += k
                 r.num_sampled += k
-            records.append(("decode", list(rows), out))
+            records.append(("decode", rows, out))
         self.stats.steps += 1
         return records
 
@@ -422,12 +436,14 @@ class Engine:
         touched = set()
         for kind, rows, out in fetched:
             if kind == "prefill":
-                for i, (req, sampled) in enumerate(rows):
-                    if sampled and not req.finished:
-                        self._append(req, out, (i,))
-                        touched.add(req.request_id)
+                for i, row in enumerate(rows):
+                    if row is not None and row[1] and not row[0].finished:
+                        self._append(row[0], out, (i,))
+                        touched.add(row[0].request_id)
             else:
                 for i, req in enumerate(rows):
+                    if req is None:
+                        continue
                     for k in range(out.tokens.shape[0]):
                         if req.finished:
                             break

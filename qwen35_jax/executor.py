@@ -21,9 +21,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import Batch, Kernels, make_forward
+from qwen35_jax.model import BATCH_SPEC, Batch, Kernels, forward
 from qwen35_jax.sampler import MAX_LOGPROBS, SamplerState, SamplingBatch, sample
-from qwen35_jax.sharding import Layout
+from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
 log = logging.getLogger(__name__)
@@ -51,25 +51,36 @@ def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write):
     return sstate, StepOutput(tokens, lp["logprob"], rank, lp["top_logprobs"], lp["top_ids"])
 
 
-def prefill_step(forward, replicated, weights, state, sstate: SamplerState, batch: Batch, finishing, sp: SamplingBatch):
-    """Prompt chunks for N rows. Rows starting at 0 reset their penalty rows; rows whose prompt completes here
-    sample their first token."""
+def _full_logits(logits):
+    """This rank's vocab shard -> the whole (padded) vocabulary: every tp rank then samples identically."""
+    return jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True)
+
+
+def _gather_rows(out: StepOutput, axis: int) -> StepOutput:
+    """Rows of every dp replica, so the host reads one replicated array."""
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, DP, axis=axis, tiled=True), out)
+
+
+def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, batch: Batch, finishing,
+                 sp: SamplingBatch):
+    """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
+    prompt completes here sample their first token."""
     fresh = jnp.where(batch.start == 0, batch.slots, 0)
     mask = sstate.prompt_mask.at[fresh].set(False)
     t = batch.tokens.shape[1]
     real = jnp.arange(t)[None, :] < batch.lens[:, None]
     mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
     sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
-    logits, state = forward(weights, state, batch)
-    logits = jax.lax.with_sharding_constraint(logits, replicated)
+    logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
     with jax.named_scope("sampling"):
-        sstate, out = _sample_into(sstate, logits, batch.slots, sp, finishing)
-    return state, sstate, out
+        sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing)
+    return state, sstate, _gather_rows(out, 0)
 
 
-def decode_step(forward, replicated, steps, weights, state, sstate: SamplerState, slots, positions, pages,
+def decode_step(cfg, layout, kernels, steps, weights, state, sstate: SamplerState, slots, positions, pages,
                 sp: SamplingBatch):
-    """`steps` decode steps for B rows (padded rows use slot 0), each feeding its sample into the next."""
+    """Per shard: `steps` decode steps for this replica's rows (padded rows use slot 0), each feeding its sample
+    into the next."""
     active = slots > 0
 
     def one(carry, k):
@@ -77,14 +88,14 @@ def decode_step(forward, replicated, steps, weights, state, sstate: SamplerState
         tokens = sstate.last_token[slots]
         batch = Batch(tokens=tokens[:, None], start=positions + k, lens=active.astype(jnp.int32), slots=slots,
                       pages=pages)
-        logits, state = forward(weights, state, batch)
-        logits = jax.lax.with_sharding_constraint(logits, replicated)
+        logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
         with jax.named_scope("sampling"):
-            sstate, out = _sample_into(sstate, logits, slots, dataclasses.replace(sp, step=sp.step + k), active)
+            sstate, out = _sample_into(sstate, _full_logits(logits), slots, dataclasses.replace(sp, step=sp.step + k),
+                                       active)
         return (state, sstate), out
 
     (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
-    return state, sstate, outs
+    return state, sstate, _gather_rows(outs, 1)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -96,30 +107,43 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
 
 
 class Executor:
-    """Holds the device state and the compiled step for every bucket."""
+    """Holds the device state and the compiled step for every bucket. Buckets count rows per dp replica; the
+    arrays of a step hold dp * rows rows, replica d's at [d * rows, (d + 1) * rows)."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, state: State, sstate: SamplerState, kernels: Kernels,
                  weight_specs, state_specs, *, pages_per_seq: int, decode_buckets, prefill_buckets,
                  decode_steps: int = 1):
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
+        self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
-        layout = Layout.build(cfg, mesh.shape["tp"])
+        layout = Layout.build(cfg, mesh.shape[TP])
         self.replicated = NamedSharding(mesh, P())
-        fwd = make_forward(cfg, layout, mesh, kernels, weight_specs, state_specs, all_logits=False)
+        self.rows = NamedSharding(mesh, P(DP))
+        sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
+        sp_specs = SamplingBatch(*(P(DP) for _ in dataclasses.fields(SamplingBatch)))
+        out_specs = StepOutput(*(P() for _ in dataclasses.fields(StepOutput)))
+        prefill = jax.shard_map(
+            lambda *a: prefill_step(cfg, layout, kernels, *a), mesh=mesh, check_vma=False,
+            in_specs=(weight_specs, state_specs, sampler_specs, BATCH_SPEC, P(DP), sp_specs),
+            out_specs=(state_specs, sampler_specs, out_specs))
+        decode = jax.shard_map(
+            lambda *a: decode_step(cfg, layout, kernels, decode_steps, *a), mesh=mesh, check_vma=False,
+            in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP), P(DP), sp_specs),
+            out_specs=(state_specs, sampler_specs, out_specs))
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         outs = (shardings(state), shardings(sstate), self.replicated)
-        self._prefill = jax.jit(lambda *a: prefill_step(fwd, self.replicated, *a), donate_argnums=(1, 2),
-                                out_shardings=outs)
-        self._decode = jax.jit(lambda *a: decode_step(fwd, self.replicated, decode_steps, *a), donate_argnums=(1, 2),
-                               out_shardings=outs)
+        self._prefill = jax.jit(prefill, donate_argnums=(1, 2), out_shardings=outs)
+        self._decode = jax.jit(decode, donate_argnums=(1, 2), out_shardings=outs)
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.lazy = False          # True: compile a bucket on first use (precompile=False, for tests and notebooks)
+        self.multiprocess = jax.process_count() > 1
+        self.on_dispatch = None    # called with (kind, key, host inputs) before each dispatch (multi-host leader)
 
     # -- abstract inputs -----------------------------------------------------------------------------------------
     def _spec(self, shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
 
     def _sampling_spec(self, b):
         f, i = (lambda: self._spec((b,), jnp.float32)), (lambda: self._spec((b,), jnp.int32))
@@ -135,9 +159,9 @@ class Executor:
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
         i32 = lambda *sh: self._spec(sh, jnp.int32)
         if kind == "decode":
-            (b,) = shape
+            b = self.dp * shape[0]
             return self._decode.lower(w, s, ss, i32(b), i32(b), i32(b, self.pages_per_seq), self._sampling_spec(b))
-        n, t = shape
+        n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=i32(n, t), start=i32(n), lens=i32(n), slots=i32(n), pages=i32(n, self.pages_per_seq))
         return self._prefill.lower(w, s, ss, batch, self._spec((n,), jnp.bool_), self._sampling_spec(n))
 
@@ -179,21 +203,36 @@ class Executor:
         return exe
 
     # -- dispatch (asynchronous: returns device arrays) -----------------------------------------------------------
+    def _put(self, tree):
+        """Host inputs -> step inputs. Across processes each process holds the whole (identical) host arrays and
+        contributes its devices' rows."""
+        if not self.multiprocess:
+            return tree
+        return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.rows, lambda i: x[i]), tree)
+
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> StepOutput:
-        batch = Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages)
-        self.state, self.sstate, out = self._exe(("prefill", *shape))(self.weights, self.state, self.sstate, batch,
-                                                                      finishing, sp)
+        """shape = (rows per replica, tokens per row); arrays hold dp * rows rows."""
+        inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
+        if self.on_dispatch is not None:
+            self.on_dispatch("prefill", shape, inputs)
+        exe = self._exe(("prefill", *shape))
+        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, *self._put(inputs))
         return out
 
     def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> StepOutput:
-        self.state, self.sstate, out = self._exe(("decode", bucket))(self.weights, self.state, self.sstate, slots,
-                                                                     positions, pages, sp)
+        """bucket = rows per replica; arrays hold dp * bucket rows."""
+        inputs = (slots, positions, pages, sp)
+        if self.on_dispatch is not None:
+            self.on_dispatch("decode", (bucket,), inputs)
+        exe = self._exe(("decode", bucket))
+        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, *self._put(inputs))
         return out
 
 
 def fetch(out: StepOutput) -> StepOutput:
-    """Device -> host (numpy), one transfer per field."""
-    return StepOutput(*(np.asarray(x) for x in (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
+    """Device -> host (numpy), one transfer per field (outputs are replicated: any local copy is the whole)."""
+    return StepOutput(*(np.asarray(x.addressable_data(0)) for x in
+                        (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
 
 
 __all__ = ["Executor", "StepOutput", "fetch", "pow2_buckets", "MAX_LOGPROBS"]

@@ -75,7 +75,7 @@ class LLM:
                           max_num_seqs=max_num_seqs, kernel_backend=kernel_backend, seed=seed, **engine_args)
         args.validate()
         cfg = load_config(model)
-        mesh = make_mesh(tensor_parallel_size, devices)
+        mesh = make_mesh(tensor_parallel_size, devices, args.data_parallel_size)
         from qwen35_jax.sharding import Layout
         Layout.build(cfg, tensor_parallel_size)                 # head counts tp cannot split fail before loading
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(model)

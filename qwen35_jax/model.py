@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from qwen35_jax import attention as attn_ops
 from qwen35_jax.config import ModelConfig
-from qwen35_jax.sharding import TP, Layout
+from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 from qwen35_jax.weights import Attention, GatedDeltaNet, Weights
 
@@ -183,11 +183,14 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     return logits, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
 
 
+BATCH_SPEC = Batch(tokens=P(DP), start=P(DP), lens=P(DP), slots=P(DP), pages=P(DP))
+
+
 def make_forward(cfg: ModelConfig, layout: Layout, mesh: Mesh, kernels: Kernels, weight_specs, state_specs,
                  all_logits: bool):
-    """The SPMD program: forward under shard_map over `tp`; logits come out vocab-sharded."""
+    """The SPMD program: forward under shard_map over (dp, tp); rows are split over dp replicas (each with its own
+    state pools, slot indices local to the replica), logits come out vocab-sharded over tp."""
     body = functools.partial(forward, cfg, layout, kernels, all_logits=all_logits)
-    logit_spec = P(None, None, TP) if all_logits else P(None, TP)
-    batch_spec = Batch(tokens=P(), start=P(), lens=P(), slots=P(), pages=P())
-    return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, state_specs, batch_spec),
+    logit_spec = P(DP, None, TP) if all_logits else P(DP, TP)
+    return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, state_specs, BATCH_SPEC),
                          out_specs=(logit_spec, state_specs), check_vma=False)

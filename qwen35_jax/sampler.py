@@ -43,18 +43,24 @@ class SamplerState:
     prompt_mask: Any    # [S+1, V] bool: tokens present in the prompt
 
 
-def init_sampler_state(num_slots: int, vocab: int, sharding) -> SamplerState:
-    z = lambda shape, dtype: jax.device_put(np.zeros(shape, dtype), sharding)
-    return SamplerState(last_token=z((num_slots + 1,), np.int32), counts=z((num_slots + 1, vocab), np.int32),
-                        prompt_mask=z((num_slots + 1, vocab), np.bool_))
+def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1) -> SamplerState:
+    """Zeros, made on the devices (works for meshes spanning several processes). With dp replicas the slot axis
+    holds dp * (num_slots + 1) rows and `sharding` should split it over dp."""
+    n = dp * (num_slots + 1)
+    z = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    return SamplerState(last_token=z((n,), jnp.int32), counts=z((n, vocab), jnp.int32),
+                        prompt_mask=z((n, vocab), jnp.bool_))
 
 
 def host_batch(rows: list, size: int) -> SamplingBatch:
     """Numpy SamplingBatch for `rows` (objects with .params: SamplingParams, .seed, .num_generated) padded to size."""
+    return host_batch_rows(list(rows) + [None] * (size - len(rows)))
+
+
+def host_batch_rows(rows: list) -> SamplingBatch:
+    """Numpy SamplingBatch with one entry per row; None rows (padding) get neutral values."""
     def col(fn, dtype, pad):
-        out = np.full(size, pad, dtype)
-        out[:len(rows)] = [fn(r) for r in rows]
-        return out
+        return np.array([pad if r is None else fn(r) for r in rows], dtype)
     return SamplingBatch(
         temperature=col(lambda r: 0.0 if r.params.greedy else r.params.temperature, np.float32, 0.0),
         top_k=col(lambda r: r.params.top_k, np.int32, 0),

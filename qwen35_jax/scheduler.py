@@ -32,7 +32,8 @@ class Request:
     index: int = 0                              # position among the parent's n outputs
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     status: Status = Status.WAITING
-    slot: int = 0
+    replica: int = 0                            # data-parallel replica holding its state
+    slot: int = 0                               # slot index within the replica (0 = null)
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0                       # tokens whose state/KV is computed or in flight
     num_sampled: int = 0                        # sampling events dispatched (tokens that will come back)
@@ -76,7 +77,15 @@ class Chunk:
 class StepPlan:
     decode: list[Request]
     prefill: list[Chunk]
-    prefill_shape: tuple[int, int] | None      # (rows, tokens per row) bucket of the prefill call
+    prefill_shape: tuple[int, int] | None      # (rows per replica, tokens per row) bucket of the prefill call
+
+
+@dataclasses.dataclass
+class Pool:
+    """One data-parallel replica's free slots and KV pages (index 0 of each is null)."""
+    free_slots: list[int]
+    free_pages: list[int]
+    running: int = 0
 
 
 def next_bucket(x: int, buckets) -> int:
@@ -88,13 +97,13 @@ def next_bucket(x: int, buckets) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_batched_tokens: int, decode_buckets, prefill_buckets):
+                 max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1):
+        """num_slots and num_pages are per data-parallel replica."""
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
         self.prefill_buckets = sorted(prefill_buckets, key=lambda nt: (nt[0] * nt[1], nt[1]))
-        self.free_slots = list(range(num_slots, 0, -1))           # slot 0 is null
-        self.free_pages = list(range(num_pages - 1, 0, -1))       # page 0 is null
+        self.pools = [Pool(list(range(num_slots, 0, -1)), list(range(num_pages - 1, 0, -1))) for _ in range(dp)]
         self.num_pages = num_pages
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -116,12 +125,20 @@ class Scheduler:
                              f"the pool has {self.num_pages - 1}")
 
     @property
+    def free_slots(self) -> list[int]:
+        return [s for p in self.pools for s in p.free_slots]
+
+    @property
+    def free_pages(self) -> list[int]:
+        return [x for p in self.pools for x in p.free_pages]
+
+    @property
     def kv_usage(self) -> float:
-        return 1.0 - len(self.free_pages) / max(1, self.num_pages - 1)
+        return 1.0 - len(self.free_pages) / max(1, len(self.pools) * (self.num_pages - 1))
 
     @property
     def slot_usage(self) -> float:
-        return 1.0 - len(self.free_slots) / self.num_slots
+        return 1.0 - len(self.free_slots) / (len(self.pools) * self.num_slots)
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def add(self, req: Request):
@@ -132,21 +149,29 @@ class Scheduler:
         """Return a finished or aborted request's slot and pages at once."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.free_slots.append(req.slot)
-            self.free_pages.extend(req.pages)
+            pool = self.pools[req.replica]
+            pool.free_slots.append(req.slot)
+            pool.free_pages.extend(req.pages)
+            pool.running -= 1
             req.slot, req.pages = 0, []
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         req.status = Status.FINISHED
 
     def _admit(self) -> Request | None:
+        """FCFS: the oldest waiting request goes to the least-loaded replica that can hold it, or nothing moves."""
         req = self.waiting[0]
         need = self.pages_needed(req.prompt_len, req.max_tokens)
-        if not self.free_slots or len(self.free_pages) < need or len(self.running) >= self.decode_buckets[-1]:
+        fits = [i for i, p in enumerate(self.pools)
+                if p.free_slots and len(p.free_pages) >= need and p.running < self.decode_buckets[-1]]
+        if not fits:
             return None
+        i = min(fits, key=lambda i: (self.pools[i].running, i))
+        pool = self.pools[i]
         self.waiting.popleft()
-        req.slot = self.free_slots.pop()
-        req.pages = [self.free_pages.pop() for _ in range(need)]
+        req.replica, req.slot = i, pool.free_slots.pop()
+        req.pages = [pool.free_pages.pop() for _ in range(need)]
+        pool.running += 1
         req.status = Status.RUNNING
         req.first_scheduled_time = time.monotonic()
         self.running.append(req)
@@ -155,7 +180,8 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         decode = [r for r in self.running if r.prefill_done and r.num_sampled < r.max_tokens]
-        budget = self.max_num_batched_tokens - len(decode)
+        per_replica = collections.Counter(r.replica for r in decode)
+        budget = self.max_num_batched_tokens - max(per_replica.values(), default=0)
         candidates = [r for r in self.running if not r.prefill_done]
         chunks: list[Chunk] = []
         shape = None
@@ -182,12 +208,13 @@ class Scheduler:
         return StepPlan(decode=decode, prefill=chunks, prefill_shape=shape)
 
     def _fit(self, reqs: list[Request], budget: int):
-        """Smallest prefill bucket (rows, tokens) holding these rows' next chunks within the budget; the tokens
-        dimension may be smaller than a row's remaining prompt (it is then chunked)."""
+        """Smallest prefill bucket (rows per replica, tokens) holding these rows' next chunks within the budget
+        (per replica); the tokens dimension may be smaller than a row's remaining prompt (it is then chunked)."""
         remaining = [r.prompt_len - r.num_computed for r in reqs]
+        per_replica = max(collections.Counter(r.replica for r in reqs).values())
         best = None
         for rows, t in self.prefill_buckets:
-            if rows < len(reqs) or rows * t > max(budget, 0):
+            if rows < per_replica or rows * t > max(budget, 0):
                 continue
             if len(reqs) > 1 and any(rem > t for rem in remaining):
                 continue       # several rows per call only when they all finish their prompt in it

@@ -10,6 +10,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from qwen35_jax.config import ModelConfig
 
 TP = "tp"
+DP = "dp"
 
 # Logical axis -> mesh axis. Everything sharded is split over `tp`; None means replicated.
 RULES = {
@@ -20,8 +21,10 @@ RULES = {
     "gdn_in": TP,       # fused GDN input projection columns [q|k|v|z|b|a] per rank
     "gdn_heads": TP,    # GDN value heads: dt_bias, A_log, recurrent state, out_proj rows
     "conv_ch": TP,      # conv channels [q|k|v] per rank: conv weight and conv state
-    "embed": None, "head_dim": None, "kernel": None, "slots": None, "pages": None, "page": None, "dk": None,
-    "dv": None, "taps": None,
+    "slots": DP,        # state slots: each data-parallel replica owns its own slots (and its own null slot)
+    "pages": DP,        # KV pages: each replica owns its own page pool (and its own null page)
+    "batch": DP,        # rows of a step
+    "embed": None, "head_dim": None, "kernel": None, "page": None, "dk": None, "dv": None, "taps": None,
 }
 
 
@@ -29,14 +32,18 @@ def spec(axes) -> P:
     return P(*(RULES[a] if a is not None else None for a in axes))
 
 
-def make_mesh(tp: int = 1, devices=None) -> Mesh:
+def make_mesh(tp: int = 1, devices=None, dp: int = 1) -> Mesh:
+    """A (dp, tp) mesh: tp ranks that split the model, dp replicas that split requests. tp groups are made of
+    consecutive devices (one host's GPUs in a multi-process run)."""
     devices = list(devices if devices is not None else jax.devices())
     if tp not in (1, 2, 4, 8):
         raise ValueError(f"tensor_parallel_size must be 1, 2, 4 or 8, got {tp}")
-    if len(devices) < tp:
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices but only {len(devices)} are visible "
-                         f"({devices[0].platform if devices else 'none'})")
-    return Mesh(np.array(devices[:tp]), (TP,), axis_types=(AxisType.Auto,))
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+    if len(devices) < tp * dp:
+        raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} devices but only "
+                         f"{len(devices)} are visible ({devices[0].platform if devices else 'none'})")
+    return Mesh(np.array(devices[:tp * dp]).reshape(dp, tp), (DP, TP), axis_types=(AxisType.Auto,) * 2)
 
 
 def named(mesh: Mesh, axes) -> NamedSharding:

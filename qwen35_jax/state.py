@@ -31,13 +31,16 @@ class State:
 
 
 def abstract_state(cfg: ModelConfig, layout: Layout, num_slots: int, num_pages: int, page_size: int,
-                   dtype=jnp.bfloat16) -> State:
-    """num_slots live request slots (+1 null slot), num_pages KV pages (page 0 is the null page)."""
+                   dtype=jnp.bfloat16, dp: int = 1) -> State:
+    """Per data-parallel replica: num_slots live request slots (+1 null slot) and num_pages KV pages (page 0 is
+    the null page). With dp replicas the pools are stacked along the slot / page axis, which is sharded on dp."""
     n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attn_layers)
-    conv = Param((num_slots + 1, cfg.conv_kernel - 1, cfg.conv_dim), dtype, ("slots", "taps", "conv_ch"))
-    rec = Param((num_slots + 1, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
+    slots = dp * (num_slots + 1)
+    conv = Param((slots, cfg.conv_kernel - 1, cfg.conv_dim), dtype, ("slots", "taps", "conv_ch"))
+    rec = Param((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
                 jnp.float32, ("slots", "gdn_heads", "dv", "dk"))
-    kv = Param((layout.kv_total, num_pages, page_size, cfg.head_dim), dtype, ("kv_heads", "pages", "page", "head_dim"))
+    kv = Param((layout.kv_total, dp * num_pages, page_size, cfg.head_dim), dtype,
+               ("kv_heads", "pages", "page", "head_dim"))
     return State(conv=[conv] * n_gdn, recurrent=[rec] * n_gdn, k_pages=[kv] * n_attn, v_pages=[kv] * n_attn)
 
 

@@ -127,3 +127,16 @@ def test_chunked_prefill_equals_one_shot(tp):
         assert abs(entry.logprob - lp[token]) < 1e-4
     assert abs(lp[ref["greedy_7"][0]] - reference(CASE)["logits_70"][-1].max()) >= 0   # shapes sanity
     np.testing.assert_allclose(one_shot, ref["logits_70"][-1], atol=1e-3)
+
+
+def test_data_parallel_replicas_match_single_replica():
+    """dp=2 x tp=2 on 4 devices: requests spread over both replicas, outputs equal dp=1."""
+    ps = prompts(6, seed=51)
+    want = [o.outputs[0].token_ids for o in llm(2).generate(ps, GREEDY)]
+    model = LLM(fixture_dir(CASE), tensor_parallel_size=2, skip_tokenizer_init=True,
+                **engine_args(data_parallel_size=2, max_num_seqs=4))
+    seen = set()
+    model.engine.observer.on_first_token = lambda req: seen.add(req.replica)
+    got = [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)]
+    assert got == want
+    assert seen == {0, 1}
