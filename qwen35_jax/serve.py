@@ -1,0 +1,158 @@
+"""`python -m qwen35_jax.serve`: an OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
+
+    python -m qwen35_jax.serve --model /path/to/Qwen3.5-9B --max-model-len 8192 --port 8000
+
+Flags are named as vLLM's. Without --model it serves the embedded tiny random model (built on first use) with a
+small bucket set, so it starts on a laptop CPU. It binds 127.0.0.1 unless --host says otherwise; --api-key (or
+$QWEN35_API_KEY) makes /v1/* require `Authorization: Bearer <key>`. --load-format dummy serves random weights at
+the shapes of DIR/config.json (benchmarks); with --skip-tokenizer-init the server takes and returns token ids only.
+See docs/server.md.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+log = logging.getLogger("qwen35_jax.serve")
+
+TINY_DEFAULTS = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, max_prefill_rows=1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m qwen35_jax.serve", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = ap.add_argument_group("model")
+    m.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny random model, "
+                   f"with {TINY_DEFAULTS} unless given)")
+    m.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients pass as `model`; the first is reported (default: the --model path)")
+    m.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights at the config's shapes (only config.json is read)")
+    m.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    m.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts must be token ids, outputs carry no text (use return_token_ids)")
+    m.add_argument("--converted-weights-dir", default=None,
+                   help="save the re-laid-out sharded weights here after the first load, restore them later")
+    m.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
+                   help="auto: sampling fields a request omits default to the model's generation_config.json; "
+                   "vllm: to OpenAI's defaults (temperature 1, top_p 1)")
+    m.add_argument("--reasoning-parser", choices=["qwen3", "none"], default="qwen3",
+                   help="qwen3: chat output inside <think>...</think> is returned as reasoning_content")
+    e = ap.add_argument_group("engine")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    e.add_argument("--max-model-len", type=int, default=None, help="default: min(max_position_embeddings, 8192)")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 16)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="prefill token budget per step "
+                   "(default 2048)")
+    e.add_argument("--max-prefill-rows", type=int, default=None, help="prompts prefilled in one step (default 4)")
+    e.add_argument("--decode-steps", type=int, default=1, help="model steps per decode dispatch")
+    e.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pages (default: as many as fit)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kernel-backend", default=None, help="xla, pallas or pallas_interpret (default: per platform)")
+    e.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA cache (default: <cache root>/xla; '' disables it)")
+    e.add_argument("--no-precompile", action="store_true", help="compile each bucket on first use")
+    e.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    s = ap.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start-up)")
+    s.add_argument("--api-key", default=os.environ.get("QWEN35_API_KEY"),
+                   help="require Authorization: Bearer KEY on /v1/* (default: $QWEN35_API_KEY; none: open)")
+    s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, help="larger bodies get a 413")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true")
+    return ap
+
+
+def engine_kwargs(args) -> dict:
+    """EngineArgs fields from the CLI (the tiny default model fills the unset ones with a small bucket set)."""
+    kw = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_prefill_rows=args.max_prefill_rows, decode_steps=args.decode_steps, page_size=args.block_size,
+              num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+              kernel_backend=args.kernel_backend, compilation_cache_dir=args.compilation_cache_dir,
+              precompile=not args.no_precompile, seed=args.seed)
+    if args.model is None:
+        kw = {k: (TINY_DEFAULTS[k] if v is None and k in TINY_DEFAULTS else v) for k, v in kw.items()}
+    return {k: v for k, v in kw.items() if v is not None}      # unset: EngineArgs' default
+
+
+def build_engine(args):
+    """The engine the CLI describes (also used in-process by bench/serving.py, for the same workload)."""
+    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    model = args.model or default_model_dir()
+    kw = engine_kwargs(args)
+    if args.load_format == "auto":
+        from qwen35_jax.llm import LLM
+        tp, dtype = kw.pop("tensor_parallel_size"), kw.pop("dtype")
+        llm = LLM(model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=args.skip_tokenizer_init,
+                  converted_weights_dir=args.converted_weights_dir, **kw)
+        return llm.engine
+    from qwen35_jax.config import load_config
+    from qwen35_jax.engine import Engine, EngineArgs
+    from qwen35_jax.llm import eos_token_ids, resolve_dtype
+    from qwen35_jax.sharding import Layout, make_mesh
+    from qwen35_jax.tokenizer import Tokenizer
+    from qwen35_jax.weights import random_weights
+    cfg = load_config(model)
+    Layout.build(cfg, kw["tensor_parallel_size"])
+    tokenizer = None if args.skip_tokenizer_init else Tokenizer(model)
+    if tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
+        raise SystemExit(f"--load-format dummy: random weights can sample any of {cfg.vocab_size} ids but the "
+                         f"tokenizer in {model} knows {tokenizer.vocab_size}; pass --skip-tokenizer-init")
+    mesh = make_mesh(kw["tensor_parallel_size"])
+    weights = random_weights(cfg, mesh, resolve_dtype(kw["dtype"]), seed=args.seed)
+    engine = Engine(model, EngineArgs(**kw), tokenizer=tokenizer, weights=weights)
+    engine.eos_token_ids = eos_token_ids(model, cfg, tokenizer)
+    return engine
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from qwen35_jax.server_app import ServerConfig, create_app
+    from qwen35_jax.server_protocol import load_generation_defaults
+    from qwen35_jax.tools.make_tiny_model import default_model_dir
+
+    sock = _bind(args.host, args.port)       # fail on a taken port before spending minutes compiling
+    engine = build_engine(args)
+    model = args.model or default_model_dir()
+    defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
+    if defaults:
+        log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
+    config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
+                          api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
+                          generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3")
+    app = create_app(engine, config)
+    engine.start()
+    host, port = sock.getsockname()[:2]
+    print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
+          f"{' (API key required)' if config.api_key else ''}", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                           access_log=not args.disable_uvicorn_access_log,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
