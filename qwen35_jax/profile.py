@@ -1,24 +1,30 @@
 """XLA-profiler workflows: profile a prefill and N decode steps, and start/stop traces on demand (the server).
 
-Command line (prints the table; --append-results adds it to bench/RESULTS.md with command, commit and machine):
+Command line (prints the table; --append-results also writes it into bench/RESULTS.md with command, commit and
+machine):
 
-    python -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 16 \\
-        --decode-steps 8 --out /tmp/prof [--append-results bench/RESULTS.md]
-    python -m qwen35_jax.profile --model DIR --batch 4 --decode-steps 4 --out /tmp/prof   # a checkpoint
-    python -m qwen35_jax.profile --batch 4 --out /tmp/prof                              # the embedded tiny model
+    python -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --batch 16 --decode-steps 8 --out DIR
+    python -m qwen35_jax.profile --model DIR [--random-weights] --batch 4 --out DIR      # a checkpoint
+    python -m qwen35_jax.profile --batch 4 --out DIR                                     # the embedded tiny model
 
-It builds the engine's own step functions (`executor.prefill_step` / `decode_step`: model + on-device sampler),
-compiles them ahead of time, runs one warm-up, then under `jax.profiler` one prefill of `batch` rows x
-`prompt_len` tokens, `decode_steps` decode steps of one token per row, and a large array copy that measures the
-device copy bandwidth in the same run. The table is parsed from the trace just written (see
-`qwen35_jax.profile_trace`): device time per step, per block type (embed, gdn, attention, mlp, norm+residual,
-lm_head, sampling), per scope and per layer, and the decode step's roofline ratio:
+It builds an engine sized for the run (`batch` slots, one prefill bucket of `batch` rows x `prompt_len` tokens,
+the decode bucket of `batch` rows), runs every step once to compile and warm up, then under `jax.profiler`: one
+prefill, `decode_steps` decode steps of one token per row (the engine's compiled executables: model + on-device
+sampler, exactly what serving runs), and 5 runs of a large array copy that measure the device copy bandwidth in
+the same trace. Each step is a `StepTraceAnnotation` ("prefill", "decode", "copy_bandwidth") that blocks until
+the device is done, so every device event belongs to one step. The table is parsed from the trace just written
+(`qwen35_jax.profile_trace`; each step's events are resolved to named scopes against the HLO of the executable
+that step ran): device time per step, per block type (embed, gdn, attention, mlp, norm+residual, lm_head,
+sampling), per scope and per layer, on the mesh's first device, and the decode step's roofline ratio:
 
     floor = bytes a decode step must move per device (weights read once + GDN recurrent/conv state read and
             written + K/V read for the live context and written for the new token) / copy bandwidth
-    copy bandwidth = (bytes read + written) of `x * 2` over a large fp32 array / its median device time in
-                     this trace (--copy-mib, default 1024 MiB on GPU, 64 MiB on CPU)
+    copy bandwidth = (bytes read + written) of a donated `x * 2` over a large fp32 array / its median device
+                     time in this trace (--copy-mib, default 1024 MiB on GPU, 64 MiB on CPU)
     roofline ratio = floor / measured decode step device time (1.0 = moving only the bytes it must, at copy speed)
+
+Beside the trace, the session dir gets `<step>.hlo.txt` (the optimised HLO of each step) and `profile.json`, so
+`load_report(session)` rebuilds the same report anywhere (e.g. on a trace copied back from the GPU machine).
 
 On GPU, XLA command buffers (CUDA graphs) are switched off for the profile (XLA_FLAGS
 --xla_gpu_enable_command_buffer=) so that every kernel carries its own HLO annotation; --keep-command-buffers
@@ -47,12 +53,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -351,7 +354,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     finally:
         session = stop_profile()
 
-    name = os.path.basename(os.path.normpath(config or model))
+    name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
         title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
                f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
@@ -496,44 +499,14 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# bench/RESULTS.md
-
-
-def _commit() -> str:
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    try:
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git here; set COMMIT=<sha>)"
-
-
-def _machine() -> str:
-    import jax
-    devs = jax.devices()
-    return (f"{len(devs)} x {devs[0].device_kind} ({devs[0].platform}), {os.cpu_count()} CPU cores, "
-            f"{platform.machine()}, jax {jax.__version__}")
-
-
-def results_section(report: ProfileReport, command: str) -> str:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"\n## Profile: {report.title}\n\n"
-            f"- command: `{command}`\n- commit: {_commit()}\n- machine: {_machine()}\n- date: {date}\n\n"
-            f"```text\n{format_report(report)}\n```\n")
-
-
-def append_results(path: str, section: str):
-    new = not os.path.exists(path)
-    with open(path, "a") as f:
-        if new:
-            f.write("# Benchmark results\n")
-        f.write(section)
+def record_results(report: ProfileReport, command: str):
+    """Write the table into bench/RESULTS.md through bench/results.py (the benchmarks' shared writer: a section
+    with the command, commit and machine, replacing an earlier run of the same title)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from bench import results
+    results.record(f"Profile: {report.title}", "```text\n" + format_report(report) + "\n```", command)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -558,8 +531,9 @@ def main(argv=None):
     ap.add_argument("--greedy", action="store_true", help="greedy sampling (default: T=0.7, top_p 0.8, top_k 20)")
     ap.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth copy (default 1024 GPU, 64 CPU)")
     ap.add_argument("--out", default="profile", help="trace directory (default ./profile)")
-    ap.add_argument("--append-results", nargs="?", const="bench/RESULTS.md", default=None, metavar="PATH",
-                    help="append the table, command, commit and machine to PATH (default bench/RESULTS.md)")
+    ap.add_argument("--append-results", action="store_true",
+                    help="write the table with command, commit and machine into bench/RESULTS.md (bench/results.py; "
+                         "commit from git, else $QWEN35_COMMIT)")
     ap.add_argument("--keep-command-buffers", action="store_true",
                     help="keep XLA:GPU command buffers (CUDA graphs) on; kernels inside them are not attributed")
     ap.add_argument("--compilation-cache-dir", default=None)
@@ -573,10 +547,8 @@ def main(argv=None):
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(report))
     if args.append_results:
-        command = "python -m qwen35_jax.profile " + " ".join(shlex.quote(a) for a in
-                                                             (argv if argv is not None else sys.argv[1:]))
-        append_results(args.append_results, results_section(report, command))
-        print(f"\nappended to {args.append_results}")
+        argv = argv if argv is not None else sys.argv[1:]
+        record_results(report, "python -m qwen35_jax.profile " + " ".join(shlex.quote(a) for a in argv))
     return report
 
 

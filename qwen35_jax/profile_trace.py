@@ -28,6 +28,7 @@ import dataclasses
 import glob
 import os
 import re
+import warnings
 
 CONTROL_FLOW = ("while", "conditional", "call", "async-start", "async-done")
 TOP_SCOPES = ("embed", "lm_head", "sampling")
@@ -321,6 +322,12 @@ def load_trace(path: str, annotation_names=(), device: int | None = None) -> Tra
     else events with an `hlo_op` stat on `/host:CPU` thread lines (XLA:CPU). device: keep only this device's ops
     (its local hardware id: the N of `/device:GPU:N`, the `device_ordinal` stat on CPU); None keeps all.
     `annotation_names`: host events (by name) to return as Windows, e.g. the step annotations."""
+    with warnings.catch_warnings():     # jaxlib's ProfileData stat iterators warn "has no __module__ attribute"
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _load_trace(path, annotation_names, device)
+
+
+def _load_trace(path: str, annotation_names, device) -> Trace:
     from jax.profiler import ProfileData
     session = find_session(path)
     data = ProfileData.from_file(trace_files(session)["xplane"])

@@ -1,0 +1,182 @@
+"""Profiler workflows: trace parsing (HLO -> named scopes), start/stop state checks, and the profile command on the
+tiny model, whose table must give every layer's scopes non-zero device time."""
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import XLA_CACHE
+from qwen35_jax import profile as qp
+from qwen35_jax import profile_trace as pt
+
+HLO = """HloModule jit_decode, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fused_computation.3 (param_0.1: f32[4,8]) -> f32[4,8] {
+  %param_0.1 = f32[4,8]{1,0} parameter(0)
+  %mul.1 = f32[4,8]{1,0} multiply(%param_0.1, %param_0.1), metadata={op_name="jit(decode)/while/body/layer3/gdn/gated_norm/mul" stack_frame_id=7}
+  ROOT %add.2 = f32[4,8]{1,0} add(%mul.1, %param_0.1), metadata={op_name="jit(decode)/while/body/layer3/gdn/gated_norm/add"}
+}
+
+%fused_computation.4 (param_0.2: f32[4,8]) -> f32[4,8] {
+  %param_0.2 = f32[4,8]{1,0} parameter(0)
+  %a.1 = f32[4,8]{1,0} negate(%param_0.2), metadata={op_name="jit(decode)/while/body/layer1/attention/qkv_proj/neg"}
+  %b.1 = f32[4,8]{1,0} abs(%a.1), metadata={op_name="jit(decode)/while/body/layer1/attention/qk_norm_rope/abs"}
+  ROOT %c.1 = f32[4,8]{1,0} add(%a.1, %b.1)
+}
+
+ENTRY %main.9 (Arg_0.1: f32[4,8]) -> f32[4,8] {
+  %Arg_0.1 = f32[4,8]{1,0} parameter(0), metadata={op_name="weights"}
+  %dot.5 = f32[4,8]{1,0} dot(%Arg_0.1, %Arg_0.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(decode)/while/body/layer0/mlp/gate_up/dot_general"}
+  %copy.7 = f32[4,8]{1,0} copy(%dot.5)
+  %loop_fusion.3 = f32[4,8]{1,0} fusion(%copy.7), kind=kLoop, calls=%fused_computation.3
+  %input_fusion.4 = f32[4,8]{1,0} fusion(%loop_fusion.3), kind=kLoop, calls=%fused_computation.4
+  %while.2 = (s32[], f32[4,8]{1,0}) while(%tuple.1), condition=%cond.1, body=%body.1, metadata={op_name="jit(decode)/while"}
+  ROOT %add.9 = f32[4,8]{1,0} add(%input_fusion.4, %Arg_0.1), metadata={op_name="jit(decode)/sampling/add"}
+}
+"""
+
+
+def test_scope_of_paths():
+    assert pt.scope_of("jit(decode)/while/body/layer3/gdn/in_proj/dot_general") == ("layer3", "gdn", "in_proj")
+    assert pt.scope_of("jit(prefill)/layer7/attention/attention/while/body/jit(_where)/select_n") == \
+        ("layer7", "attention", "attention")
+    assert pt.scope_of("jit(prefill)/layer2/gdn/split") == ("layer2", "gdn", "(other)")
+    assert pt.scope_of("jit(prefill)/layer2/add") == ("layer2", pt.LAYER_OTHER, "")
+    assert pt.scope_of("jit(prefill)/layer2/jit(_where)/select_n") == ("layer2", pt.LAYER_OTHER, "")
+    assert pt.scope_of("jit(decode)/while/body/sampling/sort") == ("sampling", "", "")
+    assert pt.scope_of("jit(decode)/embed/gather") == ("embed", "", "")
+    assert pt.scope_of("jit(decode)/scatter") == (pt.UNSCOPED, "", "")
+    assert pt.scope_of("") == (pt.UNSCOPED, "", "")
+
+
+def test_hlo_index_resolves_scopes():
+    index = pt.HloIndex([HLO])
+    look = lambda op: index.lookup("jit_decode", op, op)
+    assert look("dot.5").op_name.endswith("layer0/mlp/gate_up/dot_general") and look("dot.5").opcode == "dot"
+    # no metadata: the op it copies (nearest operand with a scope)
+    assert pt.scope_of(look("copy.7").op_name) == ("layer0", "mlp", "gate_up")
+    # a fusion without metadata: its body's root
+    assert pt.scope_of(look("loop_fusion.3").op_name) == ("layer3", "gdn", "gated_norm")
+    # a body whose root has none: the common path of its ops
+    assert pt.scope_of(look("input_fusion.4").op_name) == ("layer1", "attention", "(other)")
+    assert look("while.2").opcode == "while"
+    assert index.lookup("jit_decode", None, "loop_fusion_3").opcode == "fusion"    # GPU kernel names: '.' -> '_'
+    assert index.lookup("jit_other", "dot.5", "dot.5") is None
+    with pytest.raises(ValueError, match="distinct names"):
+        index.add(HLO)
+
+
+def test_exclusive_time_and_control_flow():
+    ev = lambda name, start, dur: pt.OpEvent(name, "jit_decode", name, start, dur, "line", None)
+    events = pt._exclusive([ev("while.2", 0, 100), ev("dot.5", 10, 30), ev("copy.7", 50, 20), ev("add.9", 120, 5)])
+    assert {e.name: e.self_ns for e in events} == {"while.2": 50, "dot.5": 30, "copy.7": 20, "add.9": 5}
+    kept = pt.resolve(events, pt.HloIndex([HLO]))
+    assert [e.name for e in kept] == ["dot.5", "copy.7", "add.9"]          # the while's time is its body's
+    assert pt.by_block(kept) == {"mlp": 50 / 1e6, "sampling": 5 / 1e6}
+    unknown = pt.resolve([ev("mystery_kernel", 0, 7)])
+    assert unknown[0].scope == (pt.UNATTRIBUTED, "mystery_kernel", "")
+
+
+def test_start_stop_profile_state(tmp_path):
+    with pytest.raises(qp.ProfilerStateError, match="no trace is running"):
+        qp.stop_profile()
+    out = str(tmp_path / "trace")
+    assert qp.start_profile(out) == out
+    try:
+        assert qp.profile_active() == out
+        with pytest.raises(qp.ProfilerStateError, match="already running"):
+            qp.start_profile(str(tmp_path / "other"))
+        jax.block_until_ready(jax.jit(lambda x: x * 3)(jnp.ones(8)))
+    finally:
+        session = qp.stop_profile()
+    assert qp.profile_active() is None
+    assert os.path.dirname(session) == os.path.join(out, "plugins", "profile")
+    files = pt.trace_files(session)
+    assert set(files) == {"xplane", "trace_json", "perfetto"}
+    assert any(e.name.startswith("wrapped_multiply") or e.hlo_op for e in pt.load_trace(session).events)
+    # A trace started elsewhere: start_profile refuses cleanly and leaves no state behind.
+    with jax.profiler.trace(str(tmp_path / "outer")):
+        with pytest.raises(qp.ProfilerStateError, match="could not start"):
+            qp.start_profile(str(tmp_path / "inner"))
+    assert qp.profile_active() is None
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    with pytest.MonkeyPatch.context() as mp:       # main() adds an XLA:GPU flag to XLA_FLAGS; keep it out of others
+        mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        return qp.main(["--batch", "2", "--prompt-len", "16", "--decode-steps", "2", "--dtype", "float32",
+                        "--copy-mib", "16", "--out", str(out), "--compilation-cache-dir", XLA_CACHE])
+
+
+def test_profile_table_covers_every_layer(report):
+    from qwen35_jax.tools.make_tiny_model import TEXT_CONFIG
+    kinds = TEXT_CONFIG["layer_types"]
+    assert report.layer_types == tuple(kinds)
+    block = {"linear_attention": "gdn", "full_attention": "attention"}
+    for phase in ("prefill", "decode"):
+        layers = report.by_layer(phase)
+        assert sorted(layers) == list(range(len(kinds)))
+        for i, kind in enumerate(kinds):
+            mixer = {k: v for k, v in layers[i].items() if k.startswith(block[kind] + "/")}
+            mlp = {k: v for k, v in layers[i].items() if k.startswith("mlp/")}
+            assert sum(mixer.values()) > 0 and sum(mlp.values()) > 0, (phase, i, layers[i])
+            other = block["full_attention" if kind == "linear_attention" else "linear_attention"]
+            assert not any(k.startswith(other + "/") for k in layers[i])
+        blocks = report.by_block(phase)
+        for name in ("embed", "gdn", "attention", "mlp", "lm_head", "sampling"):
+            assert blocks.get(name, 0) > 0, (phase, name, blocks)
+        total = sum(blocks.values())
+        assert blocks.get(pt.UNATTRIBUTED, 0) == 0, blocks     # on CPU every op event maps to our executables
+        assert blocks.get(pt.UNSCOPED, 0) < 0.2 * total, blocks
+    scopes = report.by_scope("decode")
+    for s in ("gdn/in_proj", "gdn/conv1d", "gdn/gated_delta_rule", "gdn/gated_norm", "gdn/out_proj",
+              "attention/qkv_proj", "attention/attention", "attention/o_proj", "mlp/gate_up", "mlp/down_proj"):
+        assert scopes.get(s, 0) > 0, (s, scopes)
+    text = qp.format_report(report)
+    for i in range(len(kinds)):
+        assert any(line.split()[:1] == [str(i)] for line in text.splitlines()), i
+
+
+def test_profile_steps_and_roofline(report):
+    from qwen35_jax.config import load_config
+    from qwen35_jax.sharding import Layout
+    from qwen35_jax.state import bytes_per_slot
+    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.weights import abstract_weights, nbytes
+
+    assert len(report.decode) == 2 and len(report.copies) == qp.COPY_RUNS
+    for w in [report.prefill] + report.decode + report.copies:
+        assert 0 < w.device_span_ms <= w.host_ms
+        assert len({e.module for e in w.events}) == 1          # one executable per step
+    assert report.outside_ms < 0.05 * report.prefill.op_ms
+    # The floor's bytes, recomputed from the config (tp 1, fp32, tied embedding: every weight is read once).
+    cfg = load_config(default_model_dir())
+    fb = report.floor_bytes
+    assert fb["weights"] == nbytes(abstract_weights(cfg, Layout.build(cfg, 1), jnp.float32))
+    assert fb["gdn_state"] == 2 * 2 * bytes_per_slot(cfg, jnp.float32)
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert fb["kv"] == len(cfg.attn_layers) * int(2 * per_token * (16 + 1.5 + 1))
+    assert 1e8 < report.copy_bandwidth < 1e13
+    assert report.floor_ms == pytest.approx(sum(fb.values()) / report.copy_bandwidth * 1e3)
+    assert report.roofline_ratio == pytest.approx(report.floor_ms / report.decode_ms)
+    text = qp.format_report(report)
+    for needle in ("prefill 0", "decode 1", "roofline ratio", "gdn layer", "attention layer", "sampling"):
+        assert needle in text
+    # The session holds what load_report needs; reading it back gives the same numbers.
+    again = qp.load_report(report.session)
+    assert again.by_block("decode") == report.by_block("decode")
+    assert os.path.exists(os.path.join(report.session, "perfetto_trace.json.gz"))
+
+
+def test_record_results(report, tmp_path, monkeypatch):
+    from bench import results
+    monkeypatch.setattr(results, "RESULTS", str(tmp_path / "RESULTS.md"))
+    qp.record_results(report, "python -m qwen35_jax.profile --batch 2")
+    qp.record_results(report, "python -m qwen35_jax.profile --batch 2")     # same title: replaced, not repeated
+    text = open(tmp_path / "RESULTS.md").read()
+    assert text.count("## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
+    assert "- command: `python -m qwen35_jax.profile --batch 2`" in text and "- machine: " in text
+    assert "roofline ratio" in text and "- commit: " in text
