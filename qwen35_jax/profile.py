@@ -142,7 +142,7 @@ def stop_profiler_server():
 
 def summarize(trace_dir: str, hlo_texts=()) -> dict[str, float]:
     """ms of device time per block type over a whole trace (e.g. one taken through the server). hlo_texts: the
-    `compiled.as_text()` of the executables that ran, with distinct module names."""
+    `compiled.as_text()` of the executables that may have run (the server: those of `executor.compiled`)."""
     trace = pt.load_trace(trace_dir)
     return pt.by_block(pt.resolve(trace.events, pt.HloIndex(hlo_texts)))
 
@@ -226,13 +226,14 @@ def load_report(session: str) -> ProfileReport:
     with open(os.path.join(session, "profile.json")) as f:
         meta = json.load(f)
     trace = pt.load_trace(session, STEPS, device=meta["device_id"])
-    outside = pt.resolve(pt.assign(trace.events, trace.annotations))
-    for name in STEPS:      # each step's events resolve against the HLO of the executable that step ran
+    texts = []
+    for name in STEPS:
         with open(os.path.join(session, f"{name}.hlo.txt")) as f:
-            index = pt.HloIndex([f.read()])
-        for w in trace.annotations:
-            if w.name == name:
-                w.events = pt.resolve(w.events, index)
+            texts.append(f.read())
+    index = pt.HloIndex(texts)
+    outside = pt.resolve(pt.assign(trace.events, trace.annotations), index)
+    for w in trace.annotations:
+        w.events = pt.resolve(w.events, index)
     pre, dec, copies = ([w for w in trace.annotations if w.name == n] for n in STEPS)
     if len(pre) != 1 or len(dec) != meta["decode_steps"] or len(copies) != COPY_RUNS:
         raise RuntimeError(f"trace {session} holds {len(pre)} prefill / {len(dec)} decode / {len(copies)} copy "

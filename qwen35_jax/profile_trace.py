@@ -13,10 +13,13 @@ What the trace holds (jax 0.11.2, checked on CPU; GPU per XLA's kernel annotatio
 
 So an event is mapped to a scope through its HLO instruction: `hlo_module` + `hlo_op` (or the event name, which
 is the instruction name on CPU and the sanitised fusion name on GPU) are looked up in the optimised HLO text of
-the executables we ran (`compiled.as_text()`), whose `metadata={op_name="jit(decode)/while/body/layer3/gdn/
-in_proj/dot_general"}` carries the `jax.named_scope` path. A fusion is attributed to its own op_name (its root
-op's), as xprof does. Without the HLO text, a scope path in the event's `name`/`tf_op`/`long_name` stat is used;
-events that can be mapped neither way are reported as "(unattributed)" under their own name, never dropped.
+the executable that ran it (`compiled.as_text()`), whose `metadata={op_name="jit(decode)/while/body/layer3/gdn/
+in_proj/dot_general"}` carries the `jax.named_scope` path (`HloIndex` says what it does for ops XLA left without
+metadata). Executables may share a module name (the engine's prefill and decode buckets are all `jit__lambda`):
+the events of one execution (`hlo_module` + `program_id`) go to the executable of that name that holds their
+instruction names (`HloIndex.pick`). Without the HLO text, a scope path in the event's `name`/`tf_op`/
+`long_name` stat is used; events that can be mapped neither way are reported as "(unattributed)" under their own
+name, never dropped.
 
 Time per event is its exclusive time on its line (an op's duration minus ops nested inside it on the same line);
 control-flow ops (`while`, `conditional`, `call`) are not counted since their bodies' ops are.
@@ -146,78 +149,83 @@ def _common_prefix(paths: list[str]) -> str:
     return "/".join(out)
 
 
-class HloIndex:
-    """Instruction tables of the executables that ran, by HLO module name. An instruction's scope path is its own
+class Executable:
+    """One executable's instructions, with scope paths resolved on demand. An instruction's path is its own
     op_name; XLA drops the metadata of some ops it creates (layout copies, split dots, some fusions), so failing
     that: the op_name of the root of the computation it calls (a fusion's body), else the longest common path of
     the ops inside that body, else the nearest operand (breadth first, a few hops) that has one."""
 
-    def __init__(self, texts=()):
-        self.modules: dict[str, dict[str, Instr]] = {}
-        self.computations: dict[str, dict] = {}
-        self.sanitised: dict[str, dict[str, str]] = {}
-        self._resolved: dict[tuple[str, str], str] = {}
-        for t in texts:
-            self.add(t)
+    def __init__(self, text: str):
+        self.module, self.instrs, self.comps = parse_hlo(text)
+        self.sanitised = {re.sub(r"[.\-]", "_", k): k for k in self.instrs}
+        self._resolved: dict[str, str] = {}
 
-    def add(self, text: str) -> str:
-        name, instrs, comps = parse_hlo(text)
-        if name in self.modules:
-            raise ValueError(f"two executables are both named {name!r}; give the jitted functions distinct names "
-                             f"so their trace events can be told apart")
-        self.modules[name], self.computations[name] = instrs, comps
-        self.sanitised[name] = {re.sub(r"[.\-]", "_", k): k for k in instrs}
-        return name
+    def find(self, op: str | None, event_name: str) -> str | None:
+        """The instruction name an event ran: its hlo_op stat, else its name (GPU kernels: '.' and '-' -> '_')."""
+        for key in (op, event_name, self.sanitised.get(re.sub(r"[.\-]", "_", event_name))):
+            if key and key in self.instrs:
+                return key
+        return None
 
-    def op_name(self, module: str, name: str) -> str:
-        key = (module, name)
-        if key not in self._resolved:
-            self._resolved[key] = self._resolve(module, name)
-        return self._resolved[key]
+    def op_name(self, name: str) -> str:
+        if name not in self._resolved:
+            self._resolved[name] = self._resolve(name)
+        return self._resolved[name]
 
-    def _inside(self, module: str, instr: Instr, depth: int = 0) -> str:
+    def _inside(self, instr: Instr, depth: int = 0) -> str:
         """op_name from the computations an instruction calls: their root's, else the common path of their ops."""
-        instrs, comps = self.modules[module], self.computations[module]
         for comp in instr.calls:
-            root, members = comps.get(comp, ("", []))
-            if root and instrs[root].op_name:
-                return instrs[root].op_name
-            names = [instrs[n].op_name for n in members if instrs[n].op_name]
+            root, members = self.comps.get(comp, ("", []))
+            if root and self.instrs[root].op_name:
+                return self.instrs[root].op_name
+            names = [self.instrs[n].op_name for n in members if self.instrs[n].op_name]
             if not names and depth < 3:
-                names = [p for n in members for p in [self._inside(module, instrs[n], depth + 1)] if p]
+                names = [p for n in members for p in [self._inside(self.instrs[n], depth + 1)] if p]
             if names:
                 return _common_prefix(names) + "/fused"
         return ""
 
-    def _resolve(self, module: str, name: str) -> str:
-        instrs = self.modules[module]
-        instr = instrs[name]
-        found = instr.op_name or self._inside(module, instr)
+    def _resolve(self, name: str) -> str:
+        instr = self.instrs[name]
+        found = instr.op_name or self._inside(instr)
         frontier, seen = list(instr.operands), {name}
         for _ in range(4):                        # nearest operand with a scope path
             if found:
                 break
             nxt = []
             for n in frontier:
-                if n in seen or n not in instrs:
+                if n in seen or n not in self.instrs:
                     continue
                 seen.add(n)
-                found = instrs[n].op_name or self._inside(module, instrs[n])
+                found = self.instrs[n].op_name or self._inside(self.instrs[n])
                 if found:
                     break
-                nxt.extend(instrs[n].operands)
+                nxt.extend(self.instrs[n].operands)
             frontier = nxt
         return found
 
-    def lookup(self, module: str | None, op: str | None, event_name: str) -> Instr | None:
-        """The instruction an event ran, with its resolved op_name; None if the module or name is unknown."""
-        table = self.modules.get(module or "")
-        if table is None:
-            return None
-        for key in (op, event_name, self.sanitised[module].get(re.sub(r"[.\-]", "_", event_name))):
-            if key and key in table:
-                return dataclasses.replace(table[key], op_name=self.op_name(module, key))
-        return None
+
+class HloIndex:
+    """The executables that ran (`compiled.as_text()` of each). Several may share a module name (the engine's
+    prefill and decode buckets are all `jit__lambda`): the events of one execution (same `hlo_module` and
+    `program_id`) are matched to the executable of that name holding the most of their instruction names.
+    Executables that tie hold the same instructions (e.g. buckets that differ only in shapes) and so the same
+    scopes."""
+
+    def __init__(self, texts=()):
+        self.executables = [Executable(t) for t in texts]
+
+    def pick(self, module: str, names: list) -> Executable | None:
+        """The executable of these events (names: (hlo_op, event name) pairs). Events without a module stat match
+        any executable."""
+        best, best_hits = None, 0
+        for exe in self.executables:
+            if module and exe.module != module:
+                continue
+            hits = sum(exe.find(op, n) is not None for op, n in names)
+            if hits > best_hits:
+                best, best_hits = exe, hits
+        return best
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,6 +274,7 @@ class OpEvent:
     name: str              # event name (HLO instruction on CPU, kernel on GPU)
     module: str            # hlo_module stat ("" if none)
     hlo_op: str | None     # hlo_op stat
+    program_id: str        # program_id stat: which executable ("" if none)
     start_ns: float
     dur_ns: float
     line: str              # plane/line it ran on
@@ -349,8 +358,9 @@ def _load_trace(path: str, annotation_names, device) -> Trace:
                 if not device_planes and (st.get("hlo_op") is None or device is not None and
                                           int(st.get("device_ordinal", device)) != device):
                     continue                  # host: only XLA:CPU op events (of this device)
-                line_events.append(OpEvent(ev.name, st.get("hlo_module") or "", st.get("hlo_op"), ev.start_ns,
-                                           ev.duration_ns, f"{plane.name}/{line.name}", _scope_from_stats(st)))
+                line_events.append(OpEvent(ev.name, st.get("hlo_module") or "", st.get("hlo_op"),
+                                           str(st.get("program_id", "")), ev.start_ns, ev.duration_ns,
+                                           f"{plane.name}/{line.name}", _scope_from_stats(st)))
             events.extend(_exclusive(line_events))
     for plane in host:
         for line in plane.lines:
@@ -377,18 +387,25 @@ def _exclusive(line_events: list) -> list:
 
 
 def resolve(events: list, hlo: HloIndex | None = None) -> list:
-    """Give each event its scope (through `hlo`, else its own scope path, else UNATTRIBUTED) and drop control-flow
-    ops (while / conditional / call): their bodies' ops are events of their own, possibly on other threads."""
-    out = []
+    """Give each event its scope (through the HLO of its executable, else its own scope path, else UNATTRIBUTED)
+    and drop control-flow ops (while / conditional / call): their bodies' ops are events of their own, possibly
+    on other threads."""
+    groups = collections.defaultdict(list)
     for e in events:
-        instr = hlo.lookup(e.module, e.hlo_op, e.name) if hlo is not None else None
-        if instr is not None:
-            e.scope, e.opcode = scope_of(instr.op_name), instr.opcode
-        else:
-            e.scope = scope_of(e.path + "/op") if e.path else (UNATTRIBUTED, e.name, "")
-            e.opcode = (e.hlo_op or e.name).split(".")[0]
-        if e.opcode not in CONTROL_FLOW:
-            out.append(e)
+        groups[(e.module, e.program_id)].append(e)
+    out = []
+    for (module, _), group in groups.items():
+        exe = hlo.pick(module, [(e.hlo_op, e.name) for e in group]) if hlo is not None else None
+        for e in group:
+            name = exe.find(e.hlo_op, e.name) if exe is not None else None
+            if name is not None:
+                e.scope, e.opcode = scope_of(exe.op_name(name)), exe.instrs[name].opcode
+            else:
+                e.scope = scope_of(e.path + "/op") if e.path else (UNATTRIBUTED, e.name, "")
+                e.opcode = (e.hlo_op or e.name).split(".")[0]
+            if e.opcode not in CONTROL_FLOW:
+                out.append(e)
+    out.sort(key=lambda e: e.start_ns)
     return out
 
 

@@ -51,30 +51,45 @@ def test_scope_of_paths():
 
 
 def test_hlo_index_resolves_scopes():
-    index = pt.HloIndex([HLO])
-    look = lambda op: index.lookup("jit_decode", op, op)
-    assert look("dot.5").op_name.endswith("layer0/mlp/gate_up/dot_general") and look("dot.5").opcode == "dot"
+    exe = pt.Executable(HLO)
+    assert exe.module == "jit_decode"
+    path = lambda op: exe.op_name(exe.find(op, op))
+    assert path("dot.5").endswith("layer0/mlp/gate_up/dot_general") and exe.instrs["dot.5"].opcode == "dot"
     # no metadata: the op it copies (nearest operand with a scope)
-    assert pt.scope_of(look("copy.7").op_name) == ("layer0", "mlp", "gate_up")
+    assert pt.scope_of(path("copy.7")) == ("layer0", "mlp", "gate_up")
     # a fusion without metadata: its body's root
-    assert pt.scope_of(look("loop_fusion.3").op_name) == ("layer3", "gdn", "gated_norm")
+    assert pt.scope_of(path("loop_fusion.3")) == ("layer3", "gdn", "gated_norm")
     # a body whose root has none: the common path of its ops
-    assert pt.scope_of(look("input_fusion.4").op_name) == ("layer1", "attention", "(other)")
-    assert look("while.2").opcode == "while"
-    assert index.lookup("jit_decode", None, "loop_fusion_3").opcode == "fusion"    # GPU kernel names: '.' -> '_'
-    assert index.lookup("jit_other", "dot.5", "dot.5") is None
-    with pytest.raises(ValueError, match="distinct names"):
-        index.add(HLO)
+    assert pt.scope_of(path("input_fusion.4")) == ("layer1", "attention", "(other)")
+    assert exe.instrs["while.2"].opcode == "while"
+    assert exe.find(None, "loop_fusion_3") == "loop_fusion.3"        # GPU kernel names: '.' -> '_'
+    assert exe.find("nope.1", "nope.1") is None
+
+
+def event(name, start=0, dur=1, program_id="1"):
+    return pt.OpEvent(name, "jit_decode", name, program_id, start, dur, "line", None)
+
+
+def test_events_pick_their_executable():
+    """Two executables with one module name (the engine's buckets): each execution's events go to the one that
+    holds their instructions."""
+    other = HLO.replace("%dot.5", "%dot.6").replace("layer0/mlp/gate_up", "layer5/mlp/down_proj")
+    index = pt.HloIndex([HLO, other])
+    events = pt.resolve([event("dot.5", program_id="1"), event("copy.7", program_id="1"),
+                         event("dot.6", program_id="2"), event("copy.7", program_id="2")], index)
+    assert [e.scope for e in events] == [("layer0", "mlp", "gate_up"), ("layer0", "mlp", "gate_up"),
+                                         ("layer5", "mlp", "down_proj"), ("layer5", "mlp", "down_proj")]
+    assert pt.resolve([event("dot.5")], pt.HloIndex([]))[0].scope == (pt.UNATTRIBUTED, "dot.5", "")
 
 
 def test_exclusive_time_and_control_flow():
-    ev = lambda name, start, dur: pt.OpEvent(name, "jit_decode", name, start, dur, "line", None)
-    events = pt._exclusive([ev("while.2", 0, 100), ev("dot.5", 10, 30), ev("copy.7", 50, 20), ev("add.9", 120, 5)])
+    events = pt._exclusive([event("while.2", 0, 100), event("dot.5", 10, 30), event("copy.7", 50, 20),
+                            event("add.9", 120, 5)])
     assert {e.name: e.self_ns for e in events} == {"while.2": 50, "dot.5": 30, "copy.7": 20, "add.9": 5}
     kept = pt.resolve(events, pt.HloIndex([HLO]))
     assert [e.name for e in kept] == ["dot.5", "copy.7", "add.9"]          # the while's time is its body's
     assert pt.by_block(kept) == {"mlp": 50 / 1e6, "sampling": 5 / 1e6}
-    unknown = pt.resolve([ev("mystery_kernel", 0, 7)])
+    unknown = pt.resolve([event("mystery_kernel", 0, 7)])
     assert unknown[0].scope == (pt.UNATTRIBUTED, "mystery_kernel", "")
 
 
@@ -180,3 +195,33 @@ def test_record_results(report, tmp_path, monkeypatch):
     assert text.count("## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
     assert "- command: `python -m qwen35_jax.profile --batch 2`" in text and "- machine: " in text
     assert "roofline ratio" in text and "- commit: " in text
+
+
+def test_summarize_engine_trace(tmp_path):
+    """What the server does: trace live engine steps with start/stop_profile, then attribute the device time with
+    the HLO of the engine's compiled buckets (several executables share the module name jit__lambda)."""
+    from conftest import engine_args
+    from qwen35_jax.llm import LLM
+    from qwen35_jax.sampling_params import SamplingParams
+    from qwen35_jax.tools.make_tiny_model import default_model_dir
+
+    llm = LLM(default_model_dir(), skip_tokenizer_init=True,
+              **engine_args(max_num_seqs=2, max_num_batched_tokens=32, min_prefill_tokens=32, max_prefill_rows=1,
+                            precompile=False))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        llm.generate([[5, 6, 7], [8, 9]], params)                       # compile the buckets outside the trace
+        qp.start_profile(str(tmp_path))
+        try:
+            llm.generate([[5, 6, 7], [8, 9]], params)
+        finally:
+            session = qp.stop_profile()
+        texts = [exe.as_text() for exe in llm.engine.executor.compiled.values()]
+        assert len(texts) >= 2
+        blocks = qp.summarize(session, texts)
+        for name in ("embed", "gdn", "attention", "mlp", "lm_head", "sampling"):
+            assert blocks.get(name, 0) > 0, (name, blocks)
+        assert blocks.get(pt.UNATTRIBUTED, 0) == 0, blocks
+        assert set(qp.summarize(session)) == {pt.UNATTRIBUTED}          # without the HLO, CPU events say nothing
+    finally:
+        llm.shutdown()
