@@ -7,9 +7,8 @@ What the trace holds (jax 0.11.2, checked on CPU; GPU per XLA's kernel annotatio
   instruction with stats `hlo_op`, `hlo_module`, `program_id`, `run_id` and *no* scope metadata. A `while`
   op is an event that encloses its body's op events.
 - XLA:GPU kernels are events on `/device:GPU:N` planes (stream lines) with stats `hlo_op` and `hlo_module`
-  taken from the launch annotation (`Thunk:#name=<op_name minus the module prefix>,hlo_op=<instr>#`). Kernels
-  replayed from a CUDA graph (XLA "command buffers") carry the command buffer's annotation, not their own: profile
-  with command buffers off to see every kernel by name (`python -m qwen35_jax.profile` does by default).
+  taken from the launch annotation (`Thunk:#name=<op_name minus the module prefix>,hlo_op=<instr>#`). While a
+  profiler session is active XLA runs command buffers (CUDA graphs) op by op, so every kernel has its own.
 
 So an event is mapped to a scope through its HLO instruction: `hlo_module` + `hlo_op` (or the event name, which
 is the instruction name on CPU and the sanitised fusion name on GPU) are looked up in the optimised HLO text of
