@@ -26,11 +26,11 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    bt: int = 64            # prefill tokens per program
-    bc: int = 256           # prefill channels per program
+    bt: int = 64            # prefill tokens per program   (H200 sweep: 64 x 128 beat 64 x 256 and 32 x 512)
+    bc: int = 128           # prefill channels per program
     num_warps: int = 4
-    decode_bc: int = 1024   # decode channels per program
-    decode_warps: int = 4
+    decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
+    decode_warps: int = 8
 
 
 def _i(i):
