@@ -54,6 +54,7 @@ On-demand traces, the contract the server (`qwen35_jax.serve`) wires to `POST /s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -113,7 +114,10 @@ def stop_profile() -> str:
         if _active is None:
             raise ProfilerStateError("no trace is running; call start_profile first")
         active, _active = _active, None
-        jax.profiler.stop_trace()
+        try:
+            jax.profiler.stop_trace()
+        except RuntimeError as e:       # stopped behind our back (jax.profiler.stop_trace called elsewhere)
+            raise ProfilerStateError(f"jax.profiler could not stop the trace: {e}") from e
         new = sorted(_sessions(active["out_dir"]) - active["before"], key=os.path.getmtime)
         if not new:
             raise ProfilerStateError(f"the trace was stopped but no session was written under {active['out_dir']!r}")
@@ -262,7 +266,8 @@ def _sampling_batch(rows: int, greedy: bool, step: int):
     import numpy as np
     from qwen35_jax.sampler import SamplingBatch
     full = lambda v, dt: np.full(rows, v, dt)
-    return SamplingBatch(temperature=full(0.0 if greedy else 0.7, np.float32), top_k=full(0 if greedy else 20, np.int32),
+    return SamplingBatch(temperature=full(0.0 if greedy else 0.7, np.float32),
+                         top_k=full(0 if greedy else 20, np.int32),
                          top_p=full(1.0 if greedy else 0.8, np.float32), min_p=full(0.0, np.float32),
                          presence=full(0.0, np.float32), frequency=full(0.0, np.float32),
                          repetition=full(1.0, np.float32), seed=np.arange(rows, dtype=np.uint32),
@@ -301,14 +306,14 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     model_dir = tmp.name if tmp else (config or model)
     use_random = config is not None or random_weights
     dt = resolve_dtype(dtype)
-    t0 = time.perf_counter()
     if weights is None:
         from qwen35_jax.config import load_config
+        t0 = time.perf_counter()
         cfg = load_config(model_dir)
         mesh = make_mesh(tp, devices)
         weights = make_random(cfg, mesh, dt) if use_random else load_model_weights(model_dir, cfg, mesh, dt)
         jax.block_until_ready(weights)
-    log(f"weights ready in {time.perf_counter() - t0:.1f}s ({'random' if use_random else model_dir})")
+        log(f"weights ready in {time.perf_counter() - t0:.1f}s ({'random' if use_random else model_dir})")
 
     # An engine sized for exactly this run: `batch` slots, pages for prompt + decode steps, one prefill bucket
     # (batch x prompt_len) and the decode buckets, compiled on first use (the warm-up).
@@ -343,7 +348,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     def run(traced: bool):
         nonlocal x
-        ann = jax.profiler.StepTraceAnnotation if traced else _NoAnnotation
+        ann = jax.profiler.StepTraceAnnotation if traced else (lambda *a, **k: contextlib.nullcontext())
         with ann("prefill", step_num=0):
             jax.block_until_ready(ex.prefill((batch, prompt_len), tokens, zeros, np.full(batch, prompt_len, np.int32),
                                              slots, pages, np.ones(batch, np.bool_),
@@ -383,8 +388,9 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
                f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
                f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"),
-        device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id, layer_types=list(cfg.layer_types), batch=batch,
-        prompt_len=prompt_len, decode_steps=decode_steps, tp=tp, dtype=jnp.dtype(dt).name,
+        device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
+        layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
+        dtype=jnp.dtype(dt).name,
         kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
         decode_wall_ms=sorted(passes)[1],
         floor_bytes=_decode_floor_bytes(cfg, engine.weights, ex.state, batch, prompt_len, decode_steps))
@@ -394,17 +400,6 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     with open(os.path.join(session, "profile.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return load_report(session)
-
-
-class _NoAnnotation:
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _shard_bytes(x) -> int:
@@ -517,8 +512,8 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
     lines += ["", "decode roofline (per device):",
               f"  bytes that must move per step: weights {fb['weights'] / gb:.3f} GB + GDN state "
               f"{fb['gdn_state'] / gb:.3f} GB + KV {fb['kv'] / gb:.4f} GB = {sum(fb.values()) / gb:.3f} GB",
-              f"  copy bandwidth {r.copy_bandwidth / gb:.1f} GB/s (x*2 over {r.meta['copy_bytes'] // 2 >> 20} MiB fp32: "
-              f"read+write bytes / median device time of {len(r.copies)} runs in this trace)",
+              f"  copy bandwidth {r.copy_bandwidth / gb:.1f} GB/s (x*2 over {r.meta['copy_bytes'] // 2 >> 20} MiB "
+              f"fp32: read+write bytes / median device time of {len(r.copies)} runs in this trace)",
               f"  floor {r.floor_ms:.3f} ms",
               f"  decode step untraced {r.decode_wall_ms:.3f} ms (back-to-back dispatches, median of 3 passes): "
               f"roofline ratio {r.roofline_ratio:.3f}, {sum(fb.values()) / r.decode_wall_ms / 1e6:.1f} GB/s",

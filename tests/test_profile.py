@@ -98,7 +98,7 @@ def gpu_plane(pid: int, device: int, kernels) -> str:
     hlo_op or None), the hlo_module / program_id stats XLA's launch annotations give them, and a derived line."""
     events = []
     for i, (name, start, dur, op) in enumerate(kernels):
-        stats = f'stats {{ metadata_id: 2 str_value: "jit_decode" }} stats {{ metadata_id: 3 int64_value: 7 }}'
+        stats = 'stats { metadata_id: 2 str_value: "jit_decode" } stats { metadata_id: 3 int64_value: 7 }'
         if op:
             stats += f' stats {{ metadata_id: 1 str_value: "{op}" }}'
         events.append(f"events {{ metadata_id: {i + 1} offset_ps: {start * 10**6} duration_ps: {dur * 10**6} "
@@ -168,6 +168,29 @@ def test_start_stop_profile_state(tmp_path):
         with pytest.raises(qp.ProfilerStateError, match="could not start"):
             qp.start_profile(str(tmp_path / "inner"))
     assert qp.profile_active() is None
+    # Stopped behind our back: a clear error, and the state is clean again.
+    qp.start_profile(str(tmp_path / "again"))
+    jax.profiler.stop_trace()
+    with pytest.raises(qp.ProfilerStateError, match="could not stop"):
+        qp.stop_profile()
+    assert qp.profile_active() is None
+
+
+def test_profiler_server():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert qp.start_profiler_server(port) == port
+    try:
+        with pytest.raises(qp.ProfilerStateError, match=f"already running on port {port}"):
+            qp.start_profiler_server(port + 1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass                                               # xprof's capture endpoint is listening
+    finally:
+        qp.stop_profiler_server()
+    with pytest.raises(qp.ProfilerStateError, match="no profiler server"):
+        qp.stop_profiler_server()
 
 
 @pytest.fixture(scope="module")
