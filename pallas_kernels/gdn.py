@@ -5,13 +5,19 @@ Contract: pallas_kernels/gdn_reference.py (the pure-jnp oracle beside this file)
 computed inside the kernels from the raw projections.
 
 Prefill is two launches (gdn-kernels.md section 3 for the math):
-1. `_solve_kernel`, fully parallel over (chunk, key head): l2-normalises k, builds A = strict_lower(beta K K^T
-   * Gamma) per value head and writes T = (I + A)^-1 (64x64, fp32) by blocked forward substitution (four 16x16
-   diagonal blocks solved row by row in fp32, then merged with exact fp32 16x16 products, as fla does).
+1. `_solve_kernel`, fully parallel over (chunk, key head): builds A = strict_lower(beta K^ K^T * Gamma) per value
+   head (K^ = l2-normalised k: the raw bf16 K K^T is exact on tensor cores, the norms are fp32 row factors) and
+   writes T = (I + A)^-1 (64x64, fp32) by blocked forward substitution (four 16x16 diagonal blocks solved row by
+   row in fp32, then merged with exact fp32 16x16 products, as fla does).
 2. `_scan_kernel`, one program per (sequence, value head, V-block): the fp32 state block [BV, dk] stays in
    registers across chunks (never written per chunk); per chunk it computes Vnew = T (beta (v - e^gamma K H)),
    o = e^gamma Q H + (Q K^T * Gamma) Vnew and H <- e^gamma_C H + Vnew^T (e^(gamma_C - gamma) K).
    Only T (16 KiB per chunk and value head) round-trips through memory; W, U and per-chunk states never exist.
+   q and k stay raw in registers; l2norm and the scale enter as fp32 row factors of the products.
+
+Speed (bench/RESULTS.md, H200): correct and 2-9x more accurate than fla, but the scan is ~2.5x slower than fla's
+four-kernel chain: each 64-token chunk costs one program ~10 us, serialised over 6 dependent products. Moving the
+H-independent work (W, U, Q^ - P W, P U) into the parallel kernel would leave the scan fla's two products plus one.
 
 Sequences are packed: tokens [total, H, d] with per-sequence start offsets and lengths; each starts from its
 slot's state (zeros where use_state is False) and writes its final state back in place (input_output_aliases).
@@ -50,7 +56,7 @@ class PrefillConfig:
     solve_warps: int = 4
     solve_stages: int = 1
     prec: str | None = None         # scan-kernel dots; None: "tf32" for bf16 inputs, "tf32x3" for fp32 inputs
-    solve_prec: str | None = None   # K K^T in the solve kernel (the 16x16 merges are always exact fp32)
+    solve_prec: str | None = None   # K K^T of fp32 inputs (bf16 inputs: exact bf16 products; merges: exact fp32)
 
 
 @dataclasses.dataclass(frozen=True)
