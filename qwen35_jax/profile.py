@@ -242,14 +242,13 @@ def load_report(session: str) -> ProfileReport:
     with open(os.path.join(session, "profile.json")) as f:
         meta = json.load(f)
     trace = pt.load_trace(session, STEPS, device=meta["device_id"])
-    texts = []
+    texts = {}
     for name in STEPS:
         with open(os.path.join(session, f"{name}.hlo.txt")) as f:
-            texts.append(f.read())
-    index = pt.HloIndex(texts)
-    outside = pt.resolve(pt.assign(trace.events, trace.annotations), index)
-    for w in trace.annotations:
-        w.events = pt.resolve(w.events, index)
+            texts[name] = f.read()
+    outside = pt.resolve(pt.assign(trace.events, trace.annotations), pt.HloIndex(texts.values()))
+    for w in trace.annotations:         # a step ran one executable: resolve its events against that one only
+        w.events = pt.resolve(w.events, pt.HloIndex([texts[w.name]]))
     pre, dec, copies = ([w for w in trace.annotations if w.name == n] for n in STEPS)
     if len(pre) != 1 or len(dec) != meta["decode_steps"] or len(copies) != COPY_RUNS:
         raise RuntimeError(f"trace {session} holds {len(pre)} prefill / {len(dec)} decode / {len(copies)} copy "
