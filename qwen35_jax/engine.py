@@ -138,6 +138,9 @@ class Engine:
         self.pages_per_seq = -(-self.max_model_len // ps)
         num_slots = args.max_num_seqs
         num_pages = args.num_kv_pages or self._auto_pages(num_slots)
+        if jax.process_count() > 1:      # every process must build identical shapes: take the smallest pool
+            from jax.experimental import multihost_utils
+            num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages]))))
         self.abstract_state = abstract_state(self.cfg, self.layout, num_slots, num_pages, ps, self.dtype, self.dp)
         state = init_state(self.abstract_state, self.mesh)
         sstate = init_sampler_state(num_slots, self.layout.vocab_padded,
@@ -160,14 +163,18 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._stopped = False
         self.error: BaseException | None = None
+        self.leader = None
+        self.on_fetched: Callable[[int], None] | None = None    # multi-host leader: steps still in flight
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            from qwen35_jax.multihost import Leader
+            self.leader = Leader(self)
 
     def _auto_pages(self, num_slots: int) -> int:
         want = 1 + num_slots * self.pages_per_seq
-        dev = self.mesh.devices.flat[0]
-        stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+        dev = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        stats = dev.memory_stats()
         if not stats or "bytes_limit" not in stats:
             return want
         free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
@@ -193,6 +200,23 @@ class Engine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.leader is not None:
+            self.leader.shutdown()
+
+    def fail(self, error: BaseException):
+        """Mark the engine dead (health fails, new requests are refused) and end every request with an error."""
+        if self.error is None:
+            self.error = error
+        log.error("engine failed: %s", error)
+        for group in list(self._groups.values()):
+            for s in group.seqs:
+                if not s.finished:
+                    s.finish_reason, s.status = "error", Status.FINISHED
+            self._groups.pop(group.request_id, None)
+            try:
+                group.callback(self._output(group, error=True))
+            except Exception:
+                log.exception("callback failed while reporting the engine error")
 
     @property
     def healthy(self) -> bool:
@@ -308,15 +332,7 @@ class Engine:
             self._loop()
         except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
             log.exception("engine loop failed")
-            self.error = e
-            for group in list(self._groups.values()):
-                for s in group.seqs:
-                    if not s.finished:
-                        s.finish_reason, s.status = "error", Status.FINISHED
-                try:
-                    group.callback(self._output(group, error=True))
-                except Exception:
-                    log.exception("callback failed while reporting the engine error")
+            self.fail(e)
 
     def _has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -354,7 +370,7 @@ class Engine:
 
     def _loop(self):
         pending = None
-        while not self._stopped:
+        while not self._stopped and self.error is None:
             self._drain_inbox(block=pending is None and not self._has_work())
             if self._stopped:
                 break
@@ -369,6 +385,8 @@ class Engine:
                 if pending:
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
+                    if self.on_fetched is not None:
+                        self.on_fetched(len(records))
             pending = records or None
 
     def _dispatch(self, plan) -> list:

@@ -1,0 +1,168 @@
+"""Multi-process SPMD serving on JAX's distributed runtime (`jax.distributed`), no home-made RPC.
+
+Every process builds the same engine over one global (dp, tp) mesh and compiles the same executables. Process 0,
+the leader, runs the scheduler (and the HTTP server); before each compiled call it publishes the call's host
+inputs to the distributed key-value store, and every follower replays them into the same executable, so all
+processes run identical SPMD steps. Outputs are replicated and read on the leader only.
+
+Failure is reported, never a silent hang: recoverability is enabled so a dead peer does not take the leader down;
+a watchdog on the leader polls the coordination service's live-node list and marks the engine failed (its
+/health then fails and every request gets an error) within about `PEER_POLL_SECONDS`; followers exit when the
+leader is gone.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+PEER_POLL_SECONDS = 0.5
+PREFIX = "qwen35/step/"
+
+
+class PeerLost(RuntimeError):
+    pass
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, heartbeat_timeout_seconds: int = 10) -> bool:
+    """Join the distributed runtime before any other JAX use. Arguments default to JAX's environment variables
+    (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Returns True when running multi-process."""
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0) or None
+    if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if not coordinator_address or not num_processes or num_processes == 1:
+        return False
+    if process_id is None:
+        raise ValueError("multi-process serving needs --process-id (or JAX_PROCESS_ID)")
+    jax.config.update("jax_enable_recoverability", True)     # a dead peer must be reported, not kill the leader
+    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or jax.config.jax_platforms == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+    log.info("process %d of %d joined %s (%d local / %d global devices)", jax.process_index(), jax.process_count(),
+             coordinator_address, jax.local_device_count(), jax.device_count())
+    return True
+
+
+def _client():
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    return client
+
+
+def _encode(kind: str, key: tuple, inputs) -> bytes:
+    leaves, treedef = jax.tree.flatten(inputs)
+    buf = io.BytesIO()
+    np.savez(buf, *[np.asarray(x) for x in leaves])
+    header = f"{kind}|{','.join(map(str, key))}|{len(leaves)}\n".encode()
+    return header + buf.getvalue()
+
+
+def _decode(blob: bytes, treedefs: dict):
+    header, payload = blob.split(b"\n", 1)
+    kind, key, _ = header.decode().split("|")
+    if kind == "stop":
+        return "stop", None, None
+    data = np.load(io.BytesIO(payload))
+    leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+    return kind, tuple(int(x) for x in key.split(",")), jax.tree.unflatten(treedefs[kind], leaves)
+
+
+class Leader:
+    """Installed on process 0's engine: publishes every dispatch, cleans up consumed steps, watches the peers."""
+
+    def __init__(self, engine):
+        self.engine, self.client, self.step = engine, _client(), 0
+        self.peers = [p for p in range(jax.process_count()) if p != jax.process_index()]
+        engine.executor.on_dispatch = self.publish
+        engine.on_fetched = self.consumed
+        self._stop = threading.Event()
+        self.watchdog = threading.Thread(target=self._watch, name="qwen35-peer-watchdog", daemon=True)
+        self.watchdog.start()
+
+    def publish(self, kind: str, key: tuple, inputs):
+        self.client.key_value_set_bytes(f"{PREFIX}{self.step}", _encode(kind, key, inputs))
+        self.step += 1
+
+    def consumed(self, num_steps: int):
+        """Called once the leader has read back a step's outputs: every process has run it, so its key can go."""
+        for n in range(max(0, self.step - num_steps - 4), self.step - num_steps):
+            try:
+                self.client.key_value_delete(f"{PREFIX}{n}")
+            except Exception:       # already deleted
+                pass
+
+    def _watch(self):
+        while not self._stop.wait(PEER_POLL_SECONDS):
+            try:
+                live = set(self.client.get_live_nodes(list(range(jax.process_count()))))
+            except Exception as e:   # the coordination service itself is unreachable
+                self.engine.fail(PeerLost(f"lost the coordination service: {e}"))
+                return
+            dead = [p for p in self.peers if p not in live]
+            if dead and not self._stop.is_set():          # peers leaving after our own shutdown are expected
+                self.engine.fail(PeerLost(f"peer process(es) {dead} stopped responding; this multi-process engine "
+                                          f"cannot continue"))
+                return
+
+    def shutdown(self, timeout: float = 30.0):
+        """Orderly end: tell the followers to stop, wait until each has left the job, then leave it ourselves
+        (the coordination service lives in this process, so it must go last)."""
+        self._stop.set()
+        try:
+            self.client.key_value_set_bytes(f"{PREFIX}{self.step}", b"stop||0\n")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                live = set(self.client.get_live_nodes(list(range(jax.process_count()))))
+                if not live & set(self.peers):
+                    break
+                time.sleep(0.05)
+            jax.distributed.shutdown()
+        except Exception:
+            log.warning("multi-process shutdown was not clean", exc_info=True)
+
+
+def follow(engine, poll_ms: int = 1000):
+    """Follower loop: replay the leader's dispatches into this process's executables until told to stop or the
+    leader disappears (then raise PeerLost)."""
+    client = _client()
+    ex = engine.executor
+    from qwen35_jax.model import Batch
+    from qwen35_jax.sampler import host_batch
+    sp = host_batch([], 1)
+    treedefs = {"prefill": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp)),   # what the leader flattened
+                "decode": jax.tree.structure((0, 0, 0, sp))}
+    step, pending = 0, []
+    while True:
+        try:
+            blob = client.blocking_key_value_get_bytes(f"{PREFIX}{step}", poll_ms)
+        except Exception:
+            live = client.get_live_nodes(list(range(jax.process_count())))
+            if 0 not in live:
+                raise PeerLost("the leader (process 0) is gone")
+            continue
+        kind, key, inputs = _decode(blob, treedefs)
+        if kind == "stop":
+            log.info("leader asked followers to stop after %d steps", step)
+            jax.block_until_ready([o.tokens for o in pending])
+            jax.distributed.shutdown()            # leave the job before the leader (which hosts the service) does
+            return
+        if kind == "prefill":
+            batch, finishing, sp = inputs
+            out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp)
+        else:
+            out = ex.decode(key[0], *inputs)
+        pending.append(out)
+        if len(pending) > 2:                       # keep the device queue short; outputs are not needed here
+            jax.block_until_ready(pending.pop(0).tokens)
+        step += 1
