@@ -84,3 +84,7 @@ class _EngineCollector:
         yield counter("prompt_tokens", "Prompt tokens prefilled.", e.stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", e.stats.generation_tokens)
         yield counter("engine_steps", "Engine steps dispatched.", e.stats.steps)
+        yield counter("engine_host_seconds", "Engine-thread host work not hidden behind the device (schedule, "
+                      "build inputs, detokenize, stream).", e.stats.host_seconds)
+        yield counter("engine_wait_seconds", "Engine-thread time blocked reading back device results.",
+                      e.stats.wait_seconds)

@@ -75,9 +75,16 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+_http = httpx.Client(timeout=30)      # one client: httpx builds an SSL context per client, slow on a busy CPU
+
+
+def http() -> httpx.Client:
+    return _http
+
+
 def metric(url: str, name: str, **labels) -> float:
     """One sample of a Prometheus metric from /metrics (0 if absent)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = _http.get(url + "/metrics").text
     for line in text.splitlines():
         if not line.startswith(name):
             continue

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server_proc import API_KEY, ENGINE_FLAGS, ServerProcess, metric
+from server_proc import API_KEY, ENGINE_FLAGS, ServerProcess, http, metric
 
 MODEL = "tiny"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -41,12 +41,12 @@ def tokenizer(tiny_model_dir):
 def post(server, path, body, key=API_KEY, timeout=120):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(server.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
-                      timeout=timeout)
+    return http().post(server.url + path, content=data, headers={**headers, "Content-Type": "application/json"},
+                       timeout=timeout)
 
 
 def healthy(server) -> bool:
-    return httpx.get(server.url + "/health", timeout=10).status_code == 200
+    return http().get(server.url + "/health").status_code == 200
 
 
 # -- basics ------------------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_bad_input_table(server):
         assert err["param"] == param, (body, err)
         assert healthy(server)
     for path, method in (("/v1/nothing", "GET"), (C, "GET")):
-        r = httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
+        r = http().request(method, server.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code in (404, 405) and "error" in r.json()
 
 
@@ -335,7 +335,7 @@ def test_64_concurrent_streams(server):
     prompts = ["Once upon a time", "The capital of France is", "Hello world", "In 1492"]
 
     async def one(c, i):
-        n_tokens = 4 + i % 5
+        n_tokens = 2 + i % 3
         stream = await c.completions.create(model=MODEL, prompt=prompts[i % 4], max_tokens=n_tokens, stream=True,
                                             stream_options={"include_usage": True}, temperature=0,
                                             extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -376,3 +376,25 @@ def test_metrics_after_traffic(server):
         assert name in text
     assert metric(server.url, "qwen35:request_success_total", finished_reason="length") >= 64
     assert metric(server.url, "qwen35:engine_healthy") == 1
+
+
+def test_health_fails_when_engine_loop_dies(tiny_model_dir):
+    """In-process app over a real engine whose loop has died (as Engine._run records it): /health and new
+    requests answer 503, not 200 or 500."""
+    from fastapi.testclient import TestClient
+
+    from conftest import engine_args
+    from qwen35_jax.llm import LLM
+    from qwen35_jax.server_app import ServerConfig, create_app
+    llm = LLM(tiny_model_dir, **engine_args())
+    app = create_app(llm.engine, ServerConfig(served_model_names=[MODEL], model_path=tiny_model_dir))
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        llm.engine.error = RuntimeError("device lost")
+        r = c.get("/health")
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "qwen35:engine_healthy" in c.get("/metrics").text
+    llm.shutdown()
