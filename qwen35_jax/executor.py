@@ -65,12 +65,13 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
                  sp: SamplingBatch):
     """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
     prompt completes here sample their first token."""
-    fresh = jnp.where(batch.start == 0, batch.slots, 0)
-    mask = sstate.prompt_mask.at[fresh].set(False)
-    t = batch.tokens.shape[1]
-    real = jnp.arange(t)[None, :] < batch.lens[:, None]
-    mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
-    sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
+    with jax.named_scope("sampling"):
+        fresh = jnp.where(batch.start == 0, batch.slots, 0)
+        mask = sstate.prompt_mask.at[fresh].set(False)
+        t = batch.tokens.shape[1]
+        real = jnp.arange(t)[None, :] < batch.lens[:, None]
+        mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
+        sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
     logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
     with jax.named_scope("sampling"):
         sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing)
