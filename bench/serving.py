@@ -1,8 +1,8 @@
 """HTTP serving benchmark, like vLLM's `bench serve`: random token-id prompts of a given length through
 /v1/completions (streaming), at a fixed concurrency or a Poisson request rate; TTFT / TPOT / ITL / E2E percentiles,
 request and token throughput, errors; JSON out. With --compare it also runs the same workload (same prompts,
-same arrival schedule, same engine flags) through the in-process engine, and reports HTTP / in-process output
-throughput side by side (issue 5's target: >= 0.90).
+same arrival schedule, same engine flags) through the in-process engine (Engine.generate_async, in a child process
+run first), and reports HTTP / in-process output throughput side by side (issue 5's target: >= 0.90).
 
   # against a running server
   python bench/serving.py --base-url http://127.0.0.1:8000 --vocab-size 248320 --num-prompts 64 \\
@@ -16,13 +16,17 @@ throughput side by side (issue 5's target: >= 0.90).
 config.json; `--load-format dummy --skip-tokenizer-init`), so prompts are token ids and outputs are not detokenized
 on either side.
 
-On the GPU machine (no fastapi/uvicorn there): carry these wheels (cp312, manylinux x86_64), downloaded here with
-`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_17_x86_64 -d .whl NAME==VERSION`: fastapi, starlette, uvicorn, pydantic, pydantic-core,
-annotated-types, typing-inspection (anyio, h11, click, httpx, httpcore, prometheus-client, typing-extensions,
-annotated-doc and uvloop are already in its image). Then:
+On the GPU machine (no fastapi/uvicorn there) carry these wheels (cp312, manylinux x86_64): fastapi==0.165.0
+starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 (fastapi imports it); anyio, h11,
+click, httpx, httpcore, prometheus-client, annotated-doc and uvloop are in its image. Download them here with
+  pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
+      --platform manylinux_2_17_x86_64 -d .whl fastapi==0.165.0 starlette==1.10.0 ...
+then, there (carry .whl):
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
-  python3 bench/serving.py --compare --config bench/configs/qwen3.5-9b.json ... --result-file $OUT/serving.json
+  python3 bench/serving.py --compare --config bench/configs/qwen3.5-9b.json --num-prompts 64 --input-len 1024 \\
+      --output-len 256 --max-concurrency 16 --ignore-eos --result-file $OUT/serving.json --record \\
+      -- --max-model-len 1536 --max-num-seqs 16
 """
 from __future__ import annotations
 
@@ -323,6 +327,25 @@ def run_engine(serve_args: list[str], prompts, warm, args) -> dict:
         engine.shutdown()
 
 
+def run_child_in_process(args, vocab: int, serve_args: list[str]) -> dict:
+    """`bench/serving.py --in-process` with this run's workload, in a child process; its summary."""
+    out = tempfile.NamedTemporaryFile(prefix="qwen35-bench-inproc-", suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.abspath(__file__), "--in-process", "--vocab-size", str(vocab), "--result-file", out]
+    for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "request_rate", "temperature",
+                 "num_warmups", "seed"):
+        if getattr(args, name) is not None:
+            cmd += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    cmd += ["--ignore-eos"] if args.ignore_eos else []
+    print("in-process run:", " ".join(cmd + ["--", *serve_args]), flush=True)
+    r = subprocess.run(cmd + ["--", *serve_args], cwd=ROOT)
+    if not os.path.exists(out) or os.path.getsize(out) == 0:
+        raise RuntimeError(f"the in-process run failed (exit code {r.returncode})")
+    with open(out) as f:
+        result = json.load(f)["in-process"]
+    os.unlink(out)
+    return result
+
+
 # -- report ------------------------------------------------------------------------------------------------------
 def table(runs: dict) -> str:
     rows = [("completed / failed", lambda s: f"{s['completed']} / {s['failed']}"),
@@ -336,7 +359,7 @@ def table(runs: dict) -> str:
     rows.append(("engine steps", lambda s: f"{s['server']['engine_steps_total']:.0f}"))
     rows.append(("engine host ms/step", lambda s: f"{s['server']['host_ms_per_step']:.2f}"))
     rows.append(("engine wait ms/step", lambda s: f"{s['server']['wait_ms_per_step']:.2f}"))
-    names = list(runs)
+    names = sorted(runs, key=lambda n: n != "http")
     out = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     out += [f"| {label} | " + " | ".join(f(runs[n]) for n in names) + " |" for label, f in rows]
     return "\n".join(out)
@@ -366,6 +389,10 @@ def main(argv=None):
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "result_file", "record")}
     config["serve_args"] = serve_args
     runs = {}
+    if args.compare:
+        # In a child process, so its device memory is released before the server starts; and first, so the server
+        # (not the baseline) is the one that finds the executables already in the persistent compilation cache.
+        runs["in-process"] = run_child_in_process(args, vocab, serve_args)
     if not args.in_process:
         if args.base_url:
             runs["http"] = asyncio.run(run_http(args.base_url.rstrip("/"), prompts, warm, args))
@@ -375,7 +402,7 @@ def main(argv=None):
                 runs["http"] = asyncio.run(run_http(server.url, prompts, warm, args))
             finally:
                 server.stop()
-    if args.in_process or args.compare:
+    if args.in_process:
         runs["in-process"] = run_engine(serve_args, prompts, warm, args)
     result = {"config": config, **runs}
     if args.compare:

@@ -115,11 +115,12 @@ def test_eval_dev_split_and_errors(server, tmp_path):
 
 
 def test_serving_benchmark_smoke(tiny_model_dir, tmp_path):
-    """bench/serving.py --compare: starts the server, runs the workload over HTTP, then in-process; all complete."""
+    """bench/serving.py --compare --config, as on the GPU (random weights, no tokenizer, token-id prompts): the
+    in-process run, then a server it starts itself, the same workload through both; all requests complete."""
     out = tmp_path / "serving.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--compare", "--num-prompts", "4",
            "--input-len", "20", "--output-len", "5", "--max-concurrency", "3", "--ignore-eos", "--num-warmups", "1",
-           "--result-file", str(out), "--", "--model", tiny_model_dir, *ENGINE_FLAGS]
+           "--config", os.path.join(tiny_model_dir, "config.json"), "--result-file", str(out), "--", *ENGINE_FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -130,3 +131,4 @@ def test_serving_benchmark_smoke(tiny_model_dir, tmp_path):
         assert all(s[k]["p99"] >= s[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms", "e2el_ms"))
     assert res["http_over_in_process_output_throughput"] > 0 and "meets_target" in res
     assert "HTTP / in-process output throughput" in r.stdout
+    assert "--load-format dummy --skip-tokenizer-init" in " ".join(res["config"]["serve_args"])
