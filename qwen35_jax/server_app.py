@@ -245,7 +245,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                                  defaults=config.generation_defaults)
         gen = submit(items, params, "cmpl", "prompt")
         prompt_lens = [len(it["prompt_token_ids"]) for it in items]
-        head = {"id": gen.id, "object": "text_completion", "created": int(time.time()), "model": req.model or model_name}
+        head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
+                "model": req.model or model_name}
         k = req.logprobs
 
         def choice_index(i, c):
@@ -333,7 +334,8 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                  defaults=config.generation_defaults)
         gen = submit([{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
-        head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()), "model": req.model or model_name}
+        head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
+                "model": req.model or model_name}
         k = req.top_logprobs or 0
         splitters = [ReasoningSplitter(tokenizer, think_ids, ids, params.skip_special_tokens) for _ in range(req.n)]
 

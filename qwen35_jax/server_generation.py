@@ -106,6 +106,7 @@ class ReasoningSplitter:
             try:
                 k = token_ids.index(self.end_id, self.search_from)
             except ValueError:
+                self.search_from = max(self.search_from, len(token_ids))    # each token is looked at once
                 return text[self.begin:], ""
             self.boundary = max(self.begin, len(self.tokenizer.decode(token_ids[:k], skip_special_tokens=self.skip)))
         rest = text[self.boundary:]

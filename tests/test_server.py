@@ -3,6 +3,7 @@ async) and raw HTTP: chat, completions, streaming, logprobs, seeds, n, stop stri
 table, client disconnects, 64 concurrent streams, API-key auth."""
 import asyncio
 import json
+import os
 
 import httpx
 import openai
@@ -412,3 +413,48 @@ def test_health_fails_when_engine_loop_dies(tiny_model_dir):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
         assert "qwen35:engine_healthy" in c.get("/metrics").text
     llm.shutdown()
+
+
+@pytest.mark.parametrize("special_tags", [True, False])
+def test_reasoning_splitter(tiny_model_dir, tmp_path, special_tags):
+    """The split at the think-end token, fed token by token as the engine streams it: with the tags as special
+    tokens (dropped from the text, as the tiny tokenizer has them) and as plain added tokens (kept in the text, as
+    released Qwen checkpoints have them); reasoning and content only ever grow."""
+    import shutil
+
+    from qwen35_jax.server_generation import ReasoningSplitter, think_token_ids
+    from qwen35_jax.tokenizer import Tokenizer
+    model = tiny_model_dir
+    if not special_tags:
+        model = str(tmp_path / "tok")
+        os.makedirs(model)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tiny_model_dir, f), model)
+        spec = json.load(open(os.path.join(model, "tokenizer.json")))
+        for t in spec["added_tokens"]:
+            t["special"] = t["special"] and t["content"] not in ("<think>", "</think>")
+        json.dump(spec, open(os.path.join(model, "tokenizer.json"), "w"))
+    tok = Tokenizer(model)
+    ids = think_token_ids(tok)
+    start, end = ids
+    body, answer = tok.encode("Paris, surely"), tok.encode("\n\nThe capital is Paris.")
+
+    def run(prompt_text, out_ids):
+        sp = ReasoningSplitter(tok, ids, tok.encode(prompt_text), skip_special_tokens=True)
+        prev = ("", "")
+        for k in range(1, len(out_ids) + 1):
+            r, c = sp.split(tok.decode(out_ids[:k]), out_ids[:k])
+            assert (r or "").startswith(prev[0]) and c.startswith(prev[1])
+            prev = (r or "", c)
+        return r, c
+
+    thinking = tok.apply_chat_template(CHAT, enable_thinking=True)
+    assert thinking.endswith("<think>\n")
+    assert run(thinking, body + [end] + answer) == ("Paris, surely", "The capital is Paris.")
+    assert run(thinking, body) == ("Paris, surely", "")                       # cut off while thinking
+    no_thinking = tok.apply_chat_template(CHAT, enable_thinking=False)
+    assert run(no_thinking, answer) == (None, tok.decode(answer))
+    plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"        # the model opens <think> itself
+    assert run(plain, [start] + body + [end] + answer) == ("Paris, surely", "The capital is Paris.")
+    assert ReasoningSplitter(tok, None, tok.encode(thinking), True).split("x</think>y", [1, end, 2]) == (None,
+                                                                                                        "x</think>y")

@@ -132,3 +132,16 @@ def test_serving_benchmark_smoke(tiny_model_dir, tmp_path):
     assert res["http_over_in_process_output_throughput"] > 0 and "meets_target" in res
     assert "HTTP / in-process output throughput" in r.stdout
     assert "--load-format dummy --skip-tokenizer-init" in " ".join(res["config"]["serve_args"])
+
+
+def test_serving_benchmark_request_rate(server, tmp_path):
+    """--base-url (an existing server, with its API key) and Poisson arrivals."""
+    out = tmp_path / "rate.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "serving.py"), "--base-url", server.url, "--api-key", API_KEY,
+           "--vocab-size", "1024", "--num-prompts", "4", "--input-len", "12", "--output-len", "3",
+           "--request-rate", "20", "--ignore-eos", "--num-warmups", "0", "--result-file", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert (res["http"]["completed"], res["http"]["failed"], res["http"]["total_output_tokens"]) == (4, 0, 12)
+    assert res["config"]["request_rate"] == 20 and "in-process" not in res
