@@ -81,6 +81,10 @@ def main():
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-prefill-rows", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1536)
+    ap.add_argument("--compilation-cache-dir", default=None,
+                    help="persistent XLA cache (must be empty for a cold sweep; default: a fresh temp dir)")
     ap.add_argument("--decode-steps", type=int, default=1)
     ap.add_argument("--kernel-backend", default=None)
     ap.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
@@ -92,23 +96,25 @@ def main():
     cfg = ModelConfig.from_hf(raw)
     model_dir = tempfile.mkdtemp(prefix="qwen35-bench-")
     json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
-    cache = tempfile.mkdtemp(prefix="qwen35-xla-")
+    cache = args.compilation_cache_dir or tempfile.mkdtemp(prefix="qwen35-xla-")
+    os.makedirs(cache, exist_ok=True)
+    cold_cache = not os.listdir(cache)
     mesh = make_mesh(1)
     t0 = time.perf_counter()
     weights = random_weights(cfg, mesh, jnp.bfloat16)
     jax.block_until_ready(weights)
     print(f"random weights in {time.perf_counter() - t0:.1f}s")
-    max_len = args.prompt_len + args.output_len + 64
-    eargs = EngineArgs(max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, decode_steps=args.decode_steps,
-                       compilation_cache_dir=cache, kernel_backend=args.kernel_backend)
+    eargs = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_rows=args.max_prefill_rows,
+                       decode_steps=args.decode_steps, compilation_cache_dir=cache, kernel_backend=args.kernel_backend)
     engine = Engine(model_dir, eargs, weights=weights)
     cold = engine.precompile_seconds
     n_exe = len(engine.executor.compiled)
     engine.executor.compiled.clear()
     jax.clear_caches()
     warm = engine.executor.precompile()
-    print(f"precompile {n_exe} executables: cold {cold:.1f}s, warm cache {warm:.1f}s")
+    print(f"precompile {n_exe} executables: {'cold' if cold_cache else 'pre-filled cache'} {cold:.1f}s, "
+          f"warm cache {warm:.1f}s", flush=True)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
     slot_bytes = bytes_per_slot(cfg, jnp.bfloat16)
@@ -148,7 +154,9 @@ def main():
             f"`{engine.backend}`, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
             f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights + GDN state read and written + KV read at "
             f"context {ctx}) / copy bandwidth.\n\n"
-            f"Precompile sweep ({n_exe} executables): cold {cold:.1f} s, warm persistent cache {warm:.1f} s.\n\n"
+            f"Precompile sweep ({n_exe} executables, {eargs.precompile_threads or 'default'} threads): "
+            f"{'cold (empty persistent cache)' if cold_cache else 'first start (cache not empty)'} {cold:.1f} s, "
+            f"warm persistent cache {warm:.1f} s.\n\n"
             + results.table(rows, list(rows[0])) + "\n\n"
             f"Serving workload: {args.concurrency} concurrent × {args.prompt_len}-token prompts × "
             f"{args.output_len} output tokens (greedy, ignore_eos), in-process engine. 'host ms/step' is host work "
