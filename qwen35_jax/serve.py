@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="qwen3: chat output inside <think>...</think> is returned as reasoning_content")
     e = ap.add_argument_group("engine")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas over tp x dp devices, each with --max-num-seqs slots")
     e.add_argument("--max-model-len", type=int, default=None, help="default: min(max_position_embeddings, 8192)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences (default 16)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="prefill token budget per step "
@@ -71,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_kwargs(args) -> dict:
     """EngineArgs fields from the CLI (the tiny default model fills the unset ones with a small bucket set)."""
-    kw = dict(tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype, max_model_len=args.max_model_len,
+    kw = dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_prefill_rows=args.max_prefill_rows, decode_steps=args.decode_steps, page_size=args.block_size,
               num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -105,7 +108,7 @@ def build_engine(args):
     if tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
         raise SystemExit(f"--load-format dummy: random weights can sample any of {cfg.vocab_size} ids but the "
                          f"tokenizer in {model} knows {tokenizer.vocab_size}; pass --skip-tokenizer-init")
-    mesh = make_mesh(kw["tensor_parallel_size"])
+    mesh = make_mesh(kw["tensor_parallel_size"], None, kw["data_parallel_size"])
     weights = random_weights(cfg, mesh, resolve_dtype(kw["dtype"]), seed=args.seed)
     engine = Engine(model, EngineArgs(**kw), tokenizer=tokenizer, weights=weights)
     engine.eos_token_ids = eos_token_ids(model, cfg, tokenizer)
