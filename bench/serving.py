@@ -233,6 +233,18 @@ def _replace(args, **kw):
     return ns
 
 
+_LIBC = None
+if sys.platform.startswith("linux"):
+    import ctypes
+    _LIBC = ctypes.CDLL(None, use_errno=True)      # loaded here: the child between fork and exec only calls it
+
+
+def _die_with_parent():
+    """preexec_fn: the server is killed if this script dies (Linux), so it never holds the GPU as an orphan."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
 class Server:
     """`python -m qwen35_jax.serve` on a free loopback port, stopped (process group) on exit."""
 
@@ -244,7 +256,7 @@ class Server:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         print("starting:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         deadline, self.url = time.monotonic() + timeout, None
         try:
             while True:

@@ -30,12 +30,25 @@ def server_env() -> dict:
     return env
 
 
+_LIBC = None
+if sys.platform.startswith("linux"):
+    import ctypes
+    _LIBC = ctypes.CDLL(None, use_errno=True)      # loaded here: the child between fork and exec only calls it
+
+
+def die_with_parent():
+    """preexec_fn: the child gets SIGKILL if the process that started it dies (Linux), so a killed test run
+    leaves no server behind."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     def __init__(self, args: list[str], timeout: float = 240.0):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="qwen35-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "qwen35_jax.serve", "--port", "0", *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=server_env(), cwd=ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         self.url = None
         try:
             self._wait(timeout)
