@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pages (default: as many as fit)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kernel-backend", default=None, help="xla, pallas or pallas_interpret (default: per platform)")
+    e.add_argument("--kernel-backend", default=None, help="reference, pallas or pallas_interpret (default: pallas on GPU, reference elsewhere)")
     e.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache (default: <cache root>/xla; '' disables it)")
     e.add_argument("--no-precompile", action="store_true", help="compile each bucket on first use")
@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("QWEN35_API_KEY"),
                    help="require Authorization: Bearer KEY on /v1/* (default: $QWEN35_API_KEY; none: open)")
     s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, help="larger bodies get a 413")
+    s.add_argument("--profile-dir", default=None,
+                   help="where POST /start_profile writes XLA traces (default: <cache root>/profiles)")
+    s.add_argument("--profiler-port", type=int, default=None,
+                   help="also run jax.profiler's server on this port, for xprof/TensorBoard on-demand capture")
+    d = ap.add_argument_group("multi-process (jax.distributed; one command per host, same flags but --process-id)")
+    d.add_argument("--coordinator-address", default=None, help="host:port of process 0 (or $JAX_COORDINATOR_ADDRESS)")
+    d.add_argument("--num-processes", type=int, default=None, help="processes in the job (or $JAX_NUM_PROCESSES)")
+    d.add_argument("--process-id", type=int, default=None, help="this process (or $JAX_PROCESS_ID); 0 serves HTTP")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -127,13 +135,27 @@ def _bind(host: str, port: int) -> socket.socket:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from qwen35_jax import multihost
+    if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id):
+        import jax
+        if jax.process_index() != 0:        # followers: same engine, replaying process 0's steps; no HTTP
+            engine = build_engine(args)
+            try:
+                multihost.follow(engine)
+            except multihost.PeerLost as e:
+                log.error("%s; exiting", e)
+                return 3
+            return 0
     import uvicorn
 
     from qwen35_jax.server_app import ServerConfig, create_app
     from qwen35_jax.server_protocol import load_generation_defaults
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.tools.make_tiny_model import cache_root, default_model_dir
 
     sock = _bind(args.host, args.port)       # fail on a taken port before spending minutes compiling
+    if args.profiler_port is not None:
+        from qwen35_jax.profile import start_profiler_server
+        start_profiler_server(args.profiler_port)
     engine = build_engine(args)
     model = args.model or default_model_dir()
     defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
@@ -141,7 +163,8 @@ def main(argv=None):
         log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
     config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
                           api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
-                          generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3")
+                          generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
+                          profile_dir=args.profile_dir or os.path.join(cache_root(), "profiles"))
     app = create_app(engine, config)
     engine.start()
     host, port = sock.getsockname()[:2]

@@ -42,6 +42,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     generation_defaults: dict = dataclasses.field(default_factory=dict)
     reasoning_parser: bool = True         # split <think>...</think> into reasoning_content
+    profile_dir: str | None = None        # where POST /start_profile writes traces
 
 
 class _ClientGone(Exception):
@@ -211,6 +212,30 @@ def create_app(engine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/start_profile")
+    async def start_profile(request: Request):
+        """Start an XLA profiler trace of whatever the engine runs next (as vLLM's endpoint)."""
+        from qwen35_jax import profile
+        check_auth(request)
+        try:
+            out = profile.start_profile(config.profile_dir)
+        except profile.ProfilerStateError as e:
+            raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
+        return {"status": "started", "trace_dir": out}
+
+    @app.post("/stop_profile")
+    async def stop_profile(request: Request):
+        """Stop the trace; returns the session directory and device ms per block (embed, gdn, attention, ...)."""
+        from qwen35_jax import profile
+        check_auth(request)
+        try:
+            session = await asyncio.to_thread(profile.stop_profile)
+        except profile.ProfilerStateError as e:
+            raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
+        hlo = [exe.as_text() for exe in list(engine.executor.compiled.values())]
+        blocks = await asyncio.to_thread(profile.summarize, session, hlo)
+        return {"status": "stopped", "session_dir": session, "device_ms_by_block": blocks}
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -28,7 +28,10 @@ class Tokenizer:
                                            **kwargs)
 
     def token_to_text(self, token_id: int) -> str:
-        return self.hf.convert_tokens_to_string([self.hf.convert_ids_to_tokens(int(token_id))])
+        """The text of one token; ids past the tokenizer (the embedding is padded, e.g. 248320 rows for ~248077
+        tokens) have none, and are shown as <id:N>."""
+        token = self.hf.convert_ids_to_tokens(int(token_id))
+        return f"<id:{int(token_id)}>" if token is None else self.hf.convert_tokens_to_string([token])
 
     @property
     def vocab_size(self) -> int:

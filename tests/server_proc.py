@@ -45,12 +45,12 @@ def die_with_parent():
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], timeout: float = 240.0):
+    def __init__(self, args: list[str], timeout: float = 240.0, env: dict | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", prefix="qwen35-serve-", suffix=".log", delete=False)
         with warnings.catch_warnings():     # JAX warns on any fork; this child only calls prctl, then exec
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
             self.proc = subprocess.Popen([sys.executable, "-m", "qwen35_jax.serve", "--port", "0", *args],
-                                         stdout=self.log, stderr=subprocess.STDOUT, env=server_env(), cwd=ROOT,
+                                         stdout=self.log, stderr=subprocess.STDOUT, env=env or server_env(), cwd=ROOT,
                                          start_new_session=True, preexec_fn=die_with_parent)
         self.url = None
         try:

@@ -20,7 +20,8 @@ import numpy as np
 from qwen35_jax.checkpoint import write_safetensors
 
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]     # added tokens but not special, as in Qwen's tokenizer
 PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 CHAT_TEMPLATE = """{%- for message in messages %}
@@ -59,10 +60,11 @@ def train_tokenizer(vocab_size: int = 1024):
         pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL) - len(ADDED), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([CORPUS], trainer)
     tok.add_special_tokens(SPECIAL)
+    tok.add_tokens(ADDED)
     return tok
 
 
