@@ -33,6 +33,17 @@ class ConvConfig:
     decode_warps: int = 8
 
 
+def decode_sweep():
+    """Conv decode configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
+    return [ConvConfig(), ConvConfig(decode_bc=1024, decode_warps=4), ConvConfig(decode_bc=4096, decode_warps=8)]
+
+
+def prefill_sweep():
+    """Conv prefill configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
+    return [ConvConfig(), ConvConfig(bt=64, bc=64, num_warps=2), ConvConfig(bt=32, bc=128, num_warps=4),
+            ConvConfig(bt=128, bc=64, num_warps=4)]
+
+
 def _i(i):
     """A static index as an int32 array (interpret mode's masked load/store rejects plain Python ints)."""
     return jnp.asarray(i, jnp.int32)

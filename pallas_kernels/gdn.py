@@ -4,29 +4,43 @@ Contract: pallas_kernels/gdn_reference.py (the pure-jnp oracle beside this file)
 [slots, Hv, dv, dk]; value head hv reads key head hv // (Hv // Hk); gates, l2norm and the dk^-0.5 scale are
 computed inside the kernels from the raw projections.
 
-Prefill is two launches (gdn-kernels.md section 3 for the math):
-1. `_solve_kernel`, fully parallel over (chunk, key head): builds A = strict_lower(beta K^ K^T * Gamma) per value
-   head (K^ = l2-normalised k: the raw bf16 K K^T is exact on tensor cores, the norms are fp32 row factors) and
-   writes T = (I + A)^-1 (64x64, fp32) by blocked forward substitution (four 16x16 diagonal blocks solved row by
-   row in fp32, then merged with exact fp32 16x16 products, as fla does).
-2. `_scan_kernel`, one program per (sequence, value head, V-block): the fp32 state block [BV, dk] stays in
-   registers across chunks (never written per chunk); per chunk it computes Vnew = T (beta (v - e^gamma K H)),
-   o = e^gamma Q H + (Q K^T * Gamma) Vnew and H <- e^gamma_C H + Vnew^T (e^(gamma_C - gamma) K).
-   Only T (16 KiB per chunk and value head) round-trips through memory; W, U and per-chunk states never exist.
-   q and k stay raw in registers; l2norm and the scale enter as fp32 row factors of the products.
+Two prefill pipelines (gdn-kernels.md section 3 for the math), chosen by the type of `config`:
 
-Speed (bench/RESULTS.md, H200): correct and 2-9x more accurate than fla, but the scan is ~2.5x slower than fla's
-four-kernel chain: each 64-token chunk costs one program ~10 us, serialised over 6 dependent products. Moving the
-H-independent work (W, U, Q^ - P W, P U) into the parallel kernel would leave the scan fla's two products plus one.
+WYConfig (the default, "wy"): everything that does not depend on the running state is done by one fully parallel
+kernel, so the sequential scan does the minimum per 64-token chunk.
+1. `_prep_kernel`, grid (chunk, key head), both value heads of a key head in one program (K K^T and Q K^T are
+   computed once per key head): A = strict_lower(beta K^ K^T * Gamma), T = (I + A)^-1 (fp32 blocked forward
+   substitution as fla), and per value head
+     W = T (beta e^gamma K^)  [64, dk]  (bf16: a W·H operand; the error analysis below)
+     U = T (beta V)           [64, dv]  (fp32)
+     P = Q^ K^T * Gamma       [64, 64]  (fp32, causal incl. the diagonal)
+     row factors fq = e^gamma |q|^-1 dk^-0.5, fk = e^(gamma_C - gamma) |k|^-1, e^gamma_C.
+2. `_wy_scan_kernel`, one program per (sequence, value head, V-block), the fp32 state H^T [dk, BV] on chip:
+     X = W H,  Y = q H          (raw bf16 q: exact operand; bf16 H operand)
+     Vnew = U - X
+     o = fq * Y + P Vnew        (TF32)
+     H <- e^gamma_C H + k^T (fk * Vnew)   (raw bf16 k; fk * Vnew as a bf16 hi + lo pair: ~16-bit operand)
+   Four dots per chunk of which two (X, then the update) are the sequential dependency, against six dependent
+   products per chunk in the previous kernel; no per-chunk state ever goes to memory.
+   Operand precision was chosen by emulating every rounding on the CPU against the fp32 token scan (9B head dims,
+   777 tokens, fast and slow decays): rounding H or W to bf16 costs <= 7e-4 of o; rounding U, P, Vnew or T to bf16
+   costs ~1.7e-3 each (fla rounds all of them: 2.5-3.4e-3 o, 2.2-3.1e-3 state). With the choice above the emulated
+   errors are o <= 8e-4, state <= 3e-4.
+
+PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
+(chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
+chunk: six dependent products per chunk, ~10 us per chunk on the H200 (bench/RESULTS.md).
 
 Sequences are packed: tokens [total, H, d] with per-sequence start offsets and lengths; each starts from its
 slot's state (zeros where use_state is False) and writes its final state back in place (input_output_aliases).
 The padded-batch contract of the model (`gdn_prefill`) is the packed call with row n starting at n * T.
 
-Dot precision (`prec`): "tf32" (fp32 operands on tensor cores, ~5e-4 relative per product; the default for
-bf16 models), "tf32x3" (three TF32 products, near fp32; the default for fp32 models, whose logits must match the
-reference closely), "ieee", or "bf16" (fla's operand precision; misses the issue's 4e-3 output bar). Interpret
-mode (CPU) reproduces the operand rounding of "tf32" and "bf16" and computes the others in fp32.
+Dot precisions ("bf16", "bf16x2" = a bf16 hi + lo split of the fp32 operand against an exact bf16 operand,
+"tf32", "tf32x3", "ieee"): fp32 model inputs select "tf32x3" everywhere (their logits must match the reference
+closely); interpret mode (CPU) reproduces the operand rounding of "bf16", "bf16x2" and "tf32" and computes the
+others in fp32.
+
+Decode: one program per (row, value head or key head group, V-block); see DecodeConfig.
 """
 from __future__ import annotations
 
@@ -49,7 +63,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters of the prefill kernels. bv=None picks the V-block from the amount of parallel work."""
+    """The previous prefill kernels ("v1": T from a parallel kernel, six products per chunk in the scan).
+    bv=None picks the V-block from the amount of parallel work."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int = 2
@@ -58,12 +73,83 @@ class PrefillConfig:
     prec: str | None = None         # scan-kernel dots; None: "tf32" for bf16 inputs, "tf32x3" for fp32 inputs
     solve_prec: str | None = None   # K K^T of fp32 inputs (bf16 inputs: exact bf16 products; merges: exact fp32)
 
+    @property
+    def name(self):
+        return f"v1_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}_{self.prec or 'auto'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WYConfig:
+    """The WY prefill ("wy"): parallel prep kernel + a scan of four dots per chunk (module docstring).
+    bv=None: the largest V-block (16..64) that still gives two scan programs per SM.
+    prefetch: the scan loads chunk c+1's tiles while it computes chunk c (register double buffering, independent
+    of Triton's software pipelining; meant for num_stages=1).
+    Precisions (None = auto: bf16 inputs "bf16" / "tf32" / "bf16x2" / "tf32", fp32 inputs "tf32x3" everywhere):
+    h_prec  X = W H and Y = q H (W is stored bf16 iff h_prec == "bf16"),
+    o_prec  P Vnew,
+    s_prec  the state update k^T (fk Vnew),
+    prep_prec  W = T (..) and U = T (..) in the prep kernel."""
+    bv: int | None = None
+    num_warps: int = 4
+    num_stages: int = 1
+    prefetch: bool = True
+    prep_warps: int = 4
+    h_prec: str | None = None
+    o_prec: str | None = None
+    s_prec: str | None = None
+    prep_prec: str | None = None
+
+    @property
+    def name(self):
+        p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
+        return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
+                f"_pw{self.prep_warps}" + ("" if p == "a_a_a_a" else f"_{p}"))
+
+    def precisions(self, dtype):
+        auto = ("tf32x3",) * 4 if dtype == jnp.float32 else ("bf16", "tf32", "bf16x2", "tf32")
+        return tuple(x or a for x, a in zip((self.h_prec, self.o_prec, self.s_prec, self.prep_prec), auto))
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    bv: int = 32
-    num_warps: int = 2
+    """bv: V-rows of the state per program; group: one program does all value heads of a key head (q, k and
+    their norms loaded once), grid (rows, Hk, dv / bv) instead of (rows, Hv, dv / bv)."""
+    bv: int = 8                # fla's decode tile ([8, 128] fp32 per program, one warp): 96% of copy at batch 256
+    num_warps: int = 1
     num_stages: int = 1
+    group: bool = False
+
+    @property
+    def name(self):
+        return f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "")
+
+
+DEFAULT_PREFILL = WYConfig()
+DEFAULT_DECODE = DecodeConfig()
+
+
+def prefill_sweep():
+    """Every prefill configuration bench/kernels.py times (tests cross-lower each one for CUDA). Compiled for sm_90
+    with Triton 3.9 on the CPU (pallas_kernels/triton_compile_check.py), the WY scan uses 61-74 KB of shared memory
+    and 166-255 registers at num_stages=1 (2-3 programs per SM), 148-197 KB at num_stages=2 (one per SM)."""
+    return [WYConfig(),                                                   # bv auto, 4 warps, 1 stage, prefetch
+            WYConfig(bv=16, prefetch=False), WYConfig(bv=32), WYConfig(bv=64),
+            WYConfig(bv=16, num_stages=2, prefetch=False), WYConfig(bv=32, num_stages=2, prefetch=False),
+            WYConfig(bv=16, num_warps=8), WYConfig(bv=32, num_warps=8, num_stages=2, prefetch=False),
+            WYConfig(s_prec="bf16"),                      # one-dot state update; emulated state error ~1.8e-3
+            WYConfig(s_prec="tf32"),
+            PrefillConfig(), PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
+
+
+PREP_WARPS = (2, 4, 8)     # prep-kernel warps the benchmark times (the prep is timed on its own)
+
+
+def decode_sweep():
+    """Every decode configuration bench/kernels.py times (tests cross-lower each one for CUDA)."""
+    return [DecodeConfig(), DecodeConfig(bv=32, num_warps=2), DecodeConfig(bv=16, num_warps=1),
+            DecodeConfig(bv=16, num_warps=2), DecodeConfig(bv=64, num_warps=4), DecodeConfig(bv=128, num_warps=8),
+            DecodeConfig(bv=8, num_warps=1, group=True), DecodeConfig(bv=32, num_warps=4, group=True),
+            DecodeConfig(bv=64, num_warps=8, group=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,11 +163,20 @@ def _round_tf32(x):
 
 
 def _mm(a, b, contract, prec, interpret):
-    """2-D dot with fp32 accumulation. contract = (lhs axis, rhs axis)."""
+    """2-D dot with fp32 accumulation. contract = (lhs axis, rhs axis).
+    "bf16x2": a is taken as bf16 (meant for an exact bf16 operand), b as a bf16 hi + lo pair (two dots)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32)
     if prec == "bf16":
-        a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
-    elif interpret and prec == "tf32":         # reproduce the GPU's operand rounding on the CPU
+        return dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
+    if prec == "bf16x2":
+        a = a.astype(jnp.bfloat16)
+        b = b.astype(jnp.float32)
+        hi = b.astype(jnp.bfloat16)
+        lo = (b - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        return dot(a, lo) + dot(a, hi)
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    if interpret and prec == "tf32":           # reproduce the GPU's operand rounding on the CPU
         a, b, precision = _round_tf32(a), _round_tf32(b), HIGHEST
     elif interpret or prec == "ieee":
         precision = HIGHEST
@@ -91,7 +186,7 @@ def _mm(a, b, contract, prec, interpret):
         precision = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     else:
         raise ValueError(f"unknown dot precision {prec!r}")
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return dot(a, b, precision=precision)
 
 
 def _l2norm(x):
@@ -267,6 +362,189 @@ def _scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_re
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The WY pipeline (WYConfig): a fully parallel prep kernel, then a scan of four dots per chunk.
+
+
+def _chunk_gates(a_ref, b_ref, row0, hv, valid, a_log, dt_bias):
+    """Per 16-row block of a chunk: gates (zero on invalid rows: inert) and the chunk-local cumulative log decay.
+    Returns (gammas, betas, gamma at the last valid row)."""
+    gs, betas = [], []
+    for i, vi in enumerate(valid):
+        av = _load(a_ref.at[pl.ds(row0 + i * SUB, SUB), hv], vi)
+        bv = _load(b_ref.at[pl.ds(row0 + i * SUB, SUB), hv], vi)
+        g, beta = _gates(av, bv, a_log, dt_bias)
+        gs.append(jnp.where(vi, g, 0.0))
+        betas.append(jnp.where(vi, beta, 0.0))
+    gam, acc = [], 0.0
+    for g in gs:
+        cs = jnp.cumsum(g) + acc
+        gam.append(cs)
+        acc = jnp.min(cs)                                    # = last entry: gamma is non-increasing
+    return gam, betas, acc
+
+
+def _unit_lower_inverse(kk, gam, betas, interpret):
+    """T = (I + A)^-1 as 16x16 blocks {(i, j): block, j <= i}, A = strict_lower(beta K^ K^T * Gamma) (kk: the
+    blocks of K^ K^T). Diagonal blocks by forward substitution, off-diagonal ones by the exact fp32 merge
+    T_ij = -T_ii sum_m A_im T_mj (fla's scheme)."""
+    nb = len(gam)
+    exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
+    idx = jnp.arange(SUB, dtype=jnp.int32)
+    strict = idx[:, None] > idx[None, :]
+    blocks = {}
+    for i in range(nb):
+        for j in range(i + 1):
+            diff = gam[i][:, None] - gam[j][None, :]
+            if i == j:                                       # mask before exp: i < j would overflow
+                blocks[i, j] = jnp.where(
+                    strict, betas[i][:, None] * kk[i, j] * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+            else:
+                blocks[i, j] = betas[i][:, None] * kk[i, j] * jnp.exp(diff)
+    inv = dict(zip([(i, i) for i in range(nb)], _inv_unit_lower([blocks[i, i] for i in range(nb)])))
+    for d in range(1, nb):
+        for j in range(nb - d):
+            i = j + d
+            s = exact(blocks[i, j], inv[j, j])
+            for m in range(j + 1, i):
+                s = s + exact(blocks[i, m], inv[m, j])
+            inv[i, j] = -exact(inv[i, i], s)
+    return inv
+
+
+def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
+                 w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret):
+    """Grid (flat chunk, key head). Writes, per value head of this key head: W [64, dk], U [64, dv], P [64, 64]
+    and the row factors f [3, 64] = (fq, fk, e^gamma_C broadcast), all in 16-row blocks."""
+    c, kh = pl.program_id(0), pl.program_id(1)
+    nvalid = nvalid_ref[c]
+
+    @pl.when(nvalid > 0)
+    def _():
+        row0 = row0_ref[c]
+        dk, dv = k_ref.shape[-1], v_ref.shape[-1]
+        scale = dk ** -0.5
+        mm = functools.partial(_mm, interpret=interpret)
+        idx = jnp.arange(SUB, dtype=jnp.int32)
+        incl = idx[:, None] >= idx[None, :]
+        nb = CHUNK // SUB
+        ks, rks, valid = [], [], []
+        for i in range(nb):
+            vi = idx + i * SUB < nvalid
+            valid.append(vi)
+            kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
+            kf = kx.astype(jnp.float32)
+            ks.append(kx)
+            rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))          # l2norm as row factors
+        raw = "bf16" if k_ref.dtype == jnp.bfloat16 else prec  # raw bf16 products are exact on tensor cores
+        kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
+              for i in range(nb) for j in range(i + 1)}
+
+        def per_head(r, carry):                              # the value heads sharing this key head
+            hv = kh * ratio + r
+            gam, betas, g_last = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
+            inv = _unit_lower_inverse(kk, gam, betas, interpret)
+            xw = [(betas[j] * jnp.exp(gam[j]) * rks[j])[:, None] * ks[j].astype(jnp.float32) for j in range(nb)]
+            for i in range(nb):
+                rows_i = pl.ds(i * SUB, SUB)
+                w_i = mm(inv[i, 0], xw[0], (1, 0), prec)
+                for j in range(1, i + 1):
+                    w_i = w_i + mm(inv[i, j], xw[j], (1, 0), prec)
+                w_ref[c, hv, rows_i, :] = w_i.astype(w_ref.dtype)
+            xu = []
+            for j in range(nb):
+                vj = _load(v_ref.at[pl.ds(row0 + j * SUB, SUB), hv, :], jnp.broadcast_to(valid[j][:, None], (SUB, dv)))
+                xu.append(betas[j][:, None] * vj.astype(jnp.float32))
+            for i in range(nb):
+                rows_i = pl.ds(i * SUB, SUB)
+                u_i = mm(inv[i, 0], xu[0], (1, 0), prec)
+                for j in range(1, i + 1):
+                    u_i = u_i + mm(inv[i, j], xu[j], (1, 0), prec)
+                u_ref[c, hv, rows_i, :] = u_i
+            # P = Q^ K^T * Gamma: q loaded and Q K^T formed here (per value head) so they are not live above
+            qs, rqs = [], []
+            for i in range(nb):
+                qx = _load(q_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(valid[i][:, None], (SUB, dk)))
+                qf = qx.astype(jnp.float32)
+                qs.append(qx)
+                rqs.append(jax.lax.rsqrt(jnp.sum(qf * qf, axis=1) + 1e-6) * scale)
+            zero = jnp.zeros((SUB, SUB), jnp.float32)
+            for i in range(nb):
+                rows_i = pl.ds(i * SUB, SUB)
+                qk = {j: mm(qs[i], ks[j], (1, 1), raw) * (rqs[i][:, None] * rks[j][None, :]) for j in range(i + 1)}
+                for j in range(nb):
+                    if j < i:
+                        blk = qk[j] * jnp.exp(gam[i][:, None] - gam[j][None, :])
+                    elif j == i:                             # causal incl. the diagonal; mask before exp
+                        blk = jnp.where(incl, qk[i] * jnp.exp(jnp.where(incl, gam[i][:, None] - gam[i][None, :],
+                                                                           0.0)), 0.0)
+                    else:
+                        blk = zero
+                    p_ref[c, hv, rows_i, pl.ds(j * SUB, SUB)] = blk
+                f_ref[c, hv, 0, rows_i] = jnp.exp(gam[i]) * rqs[i]
+                f_ref[c, hv, 1, rows_i] = jnp.where(valid[i], jnp.exp(g_last - gam[i]) * rks[i], 0.0)
+                f_ref[c, hv, 2, rows_i] = jnp.broadcast_to(jnp.exp(g_last), (SUB,))
+            return carry
+
+        jax.lax.fori_loop(0, ratio, per_head, 0)
+
+
+def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
+                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, interpret):
+    """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
+    h_prec, o_prec, s_prec = precs
+    n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = hv // ratio
+    start, length, span = start_ref[n], len_ref[n], span_ref[n]
+    slot, coff = slot_ref[n], coff_ref[n]
+    dk = q_ref.shape[-1]
+    last_chunk = w_ref.shape[0] - 1
+    mm = functools.partial(_mm, interpret=interpret)
+    vcols = pl.ds(vb * bv, bv)
+    rows = jnp.arange(CHUNK, dtype=jnp.int32)
+
+    h = pool_ref[slot, hv, vcols, :]                         # [BV, dk], V-first as the pool
+    h = jnp.where(use_ref[n] != 0, h, 0.0).T                 # -> [dk, BV]: every product below is a plain one
+    nch = (length + CHUNK - 1) // CHUNK
+
+    def fetch(c):
+        """Chunk c's tiles; only the state-independent inputs (prefetchable)."""
+        row0 = start + c * CHUNK
+        vk = jnp.broadcast_to((rows < length - c * CHUNK)[:, None], (CHUNK, dk))
+        cc = jnp.minimum(coff + c, last_chunk)               # in bounds even for an empty sequence's fetch
+        return (_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk), _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk),
+                w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols], p_ref[cc, hv, :, :],
+                f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
+
+    def step(c, h, tiles):
+        qr, kr, w, u, p, fq, fk, fd = tiles
+        vnew = u - mm(w, h, (1, 0), h_prec)                  # [C, BV] the true per-token deltas
+        wgt = vnew * fk[:, None]                             # decay to the chunk end and |k|^-1, on Vnew's rows
+        h_new = jnp.max(fd) * h + mm(kr, wgt, (0, 0), s_prec)
+        o = fq[:, None] * mm(qr, h, (1, 0), h_prec) + mm(p, vnew, (1, 0), o_prec)
+        ostore = jnp.broadcast_to((rows < span - c * CHUNK)[:, None], (CHUNK, bv))
+        pltriton.store(o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols], o.astype(o_ref.dtype), mask=ostore)
+        return h_new
+
+    if prefetch:
+        def body(c, carry):
+            h, tiles = carry
+            nxt = fetch(jnp.minimum(c + 1, nch - 1))        # issued before this chunk's products: overlaps them
+            return step(c, h, tiles), nxt
+        h, _ = jax.lax.fori_loop(0, nch, body, (h, fetch(0)))
+    else:
+        h = jax.lax.fori_loop(0, nch, lambda c, h: step(c, h, fetch(c)), h)
+
+    def zero_chunk(c, carry):                                # rows [len, span): padding of a padded batch
+        m = jnp.broadcast_to((rows < span - c * CHUNK)[:, None], (CHUNK, bv))
+        pltriton.store(o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols], jnp.zeros((CHUNK, bv), o_ref.dtype),
+                       mask=m)
+        return carry
+
+    jax.lax.fori_loop(nch, (span + CHUNK - 1) // CHUNK, zero_chunk, 0)
+    pool_out_ref[slot, hv, vcols, :] = h.T               # same buffer as pool_ref (aliased): in place
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Wrappers.
 
 
@@ -286,19 +564,83 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return min(bv, dv)
 
 
-def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, config: PrefillConfig, interpret):
-    """Kernel 1 of the prefill: T = (I + A)^-1 for every chunk of every sequence, [max_chunks, Hv, 64, 64] fp32.
-    Returns (chunk_off [N]: the first flat chunk of each sequence, T)."""
+def pick_bv_wy(n_seq, hv, dv, cores=132):
+    """WY scan: the largest V-block in 16..64 that still gives two programs per SM."""
+    bv = min(64, dv)
+    while bv > 16 and n_seq * hv * (dv // bv) < 2 * cores:
+        bv //= 2
+    return bv
+
+
+def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, interpret=False):
+    """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
+    P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten."""
+    hk, dk = k.shape[1:]
+    hv, dv = v.shape[1:]
+    mc = row0.shape[0]
+    f32 = jnp.float32
+    return pl.pallas_call(
+        functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
+                   jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
+        grid=(mc, hk),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="gdn_wy_prep",
+    )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
+
+
+def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, config: WYConfig,
+            precs, interpret=False):
+    """The WY scan kernel given the prep outputs (wy_prep). precs = (h_prec, o_prec, s_prec).
+    Returns (o [total, Hv, dv] in q.dtype, pool)."""
+    total, hk, dk = k.shape
+    hv, dv = u.shape[1], u.shape[-1]
     n = starts.shape[0]
-    hk, hv = k.shape[1], a.shape[1]
-    nch = (lens + CHUNK - 1) // CHUNK                    # flat chunk id -> (first row, valid rows)
+    bv = min(config.bv or pick_bv_wy(n, hv, dv), dv)
+    if dv % bv or bv < 16:
+        raise ValueError(f"V-block {bv} must divide dv={dv} and be >= 16")
+    return pl.pallas_call(
+        functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs), prefetch=config.prefetch,
+                          interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        grid=(n, hv, dv // bv),
+        input_output_aliases={12: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="gdn_wy_scan",
+    )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool)
+
+
+def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
+                config: WYConfig, interpret):
+    h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
+    chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
+    w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
+    w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
+                         num_warps=config.prep_warps, interpret=interpret)
+    return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
+                   precs=(h_prec, o_prec, s_prec), interpret=interpret)
+
+
+def chunk_map(starts, lens, max_chunks):
+    """Flat chunk ids of packed sequences. Returns (chunk_off [N]: each sequence's first flat chunk,
+    row0 [max_chunks]: a chunk's first row, nvalid [max_chunks]: its valid rows, 0 for unused ids)."""
+    n = starts.shape[0]
+    nch = (lens + CHUNK - 1) // CHUNK
     cum = jnp.cumsum(nch)
     chunk_off = (cum - nch).astype(jnp.int32)
     cid = jnp.arange(max_chunks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(cum, cid, side="right"), n - 1).astype(jnp.int32)
     local = cid - chunk_off[seq]
-    row0 = starts[seq] + local * CHUNK
+    row0 = (starts[seq] + local * CHUNK).astype(jnp.int32)
     nvalid = jnp.where(cid < cum[-1], jnp.clip(lens[seq] - local * CHUNK, 0, CHUNK), 0).astype(jnp.int32)
+    return chunk_off, row0, nvalid
+
+
+def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, config: PrefillConfig, interpret):
+    """Kernel 1 of the v1 prefill: T = (I + A)^-1 for every chunk of every sequence, [max_chunks, Hv, 64, 64] fp32.
+    Returns (chunk_off [N]: the first flat chunk of each sequence, T)."""
+    hk, hv = k.shape[1], a.shape[1]
+    chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     tmat = pl.pallas_call(
         functools.partial(_solve_kernel, ratio=ratio, prec=prec, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((max_chunks, hv, CHUNK, CHUNK), jnp.float32),
@@ -310,12 +652,13 @@ def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, conf
 
 
 def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, *, spans=None,
-                       max_chunks=None, config: PrefillConfig = PrefillConfig(), interpret=False):
+                       max_chunks=None, config: WYConfig | PrefillConfig | None = None, interpret=False):
     """Packed prefill. q,k [total, Hk, dk]; v [total, Hv, dv]; a,b [total, Hv] raw; pool [slots, Hv, dv, dk] fp32.
     Sequence n is rows [starts[n], starts[n] + lens[n]) (disjoint ranges); it starts from pool[slots[n]] (zeros
     where use_state[n] is False) and its final state is written back there. Output rows [starts + lens,
     starts + spans) are zeroed (spans default to lens); rows outside every sequence are left unwritten.
     max_chunks: static bound on sum(ceil(lens / 64)) (default ceil(total / 64) + N).
+    config: WYConfig (the WY pipeline; None = DEFAULT_PREFILL) or PrefillConfig (the previous kernels).
     Returns (o [total, Hv, dv] in v.dtype, pool)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[-2:]
@@ -323,6 +666,14 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     if pool.dtype != jnp.float32:
         raise ValueError(f"the GDN state pool must be float32, got {pool.dtype}")
     n = starts.shape[0]
+    config = DEFAULT_PREFILL if config is None else config
+    i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
+    if isinstance(config, WYConfig):
+        return _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, i32(starts), i32(lens), i32(slots), i32(use_state),
+                           i32(lens) if spans is None else i32(spans), max_chunks or (-(-total // CHUNK) + n),
+                           config, interpret)
+    if not isinstance(config, PrefillConfig):
+        raise TypeError(f"config must be a WYConfig or a PrefillConfig, got {type(config).__name__}")
     ratio = hv // hk
     bv = config.bv or pick_bv(n, hv, dv)
     auto = "tf32x3" if v.dtype == jnp.float32 else "tf32"
@@ -349,7 +700,7 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
-                config: PrefillConfig = PrefillConfig(), interpret=False):
+                config: WYConfig | PrefillConfig | None = None, interpret=False):
     """The model's padded-batch contract (gdn_reference.gdn_prefill): row n holds lens[n] real tokens of T."""
     n, t = q.shape[:2]
     flat = lambda x: x.reshape(n * t, *x.shape[2:])
@@ -365,39 +716,46 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, pool_ref, o_ref, pool_out_ref,
-                   *, ratio, bv):
-    n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = hv // ratio
+                   *, ratio, bv, group):
+    """Grid (row, value head, V-block), or with group=True (row, key head, V-block) doing its `ratio` value heads."""
+    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h if group else h // ratio
     slot = slot_ref[n]
     vcols = pl.ds(vb * bv, bv)
     dk = q_ref.shape[-1]
     q = _l2norm(q_ref[n, kh, :].astype(jnp.float32)) * (dk ** -0.5)
     k = _l2norm(k_ref[n, kh, :].astype(jnp.float32))
-    v = v_ref[n, hv, vcols].astype(jnp.float32)
-    g, beta = _gates(a_ref[n, hv], b_ref[n, hv], alog_ref[hv], dtb_ref[hv])
-    alpha = jnp.exp(g)
-    s = pool_ref[slot, hv, vcols, :]                                    # [BV, dk] fp32, contiguous dk
-    r_k = jnp.sum(s * k[None, :], axis=1)
-    r_q = jnp.sum(s * q[None, :], axis=1)
-    u = beta * (v - alpha * r_k)
-    o = alpha * r_q + jnp.sum(q * k) * u
-    pool_out_ref[slot, hv, vcols, :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
-    o_ref[n, hv, vcols] = o.astype(o_ref.dtype)
+    qk = jnp.sum(q * k)
+    for hv in ([kh * ratio + r for r in range(ratio)] if group else [h]):
+        v = v_ref[n, hv, vcols].astype(jnp.float32)
+        g, beta = _gates(a_ref[n, hv], b_ref[n, hv], alog_ref[hv], dtb_ref[hv])
+        alpha = jnp.exp(g)
+        s = pool_ref[slot, hv, vcols, :]                                # [BV, dk] fp32, contiguous dk
+        r_k = jnp.sum(s * k[None, :], axis=1)
+        r_q = jnp.sum(s * q[None, :], axis=1)
+        u = beta * (v - alpha * r_k)
+        o = alpha * r_q + qk * u
+        pool_out_ref[slot, hv, vcols, :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
+        o_ref[n, hv, vcols] = o.astype(o_ref.dtype)
 
 
-def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig = DecodeConfig(),
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig | None = None,
                interpret=False):
-    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0."""
+    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0.
+    config None = DEFAULT_DECODE."""
+    config = DEFAULT_DECODE if config is None else config
     n, hk, dk = k.shape
     hv, dv = v.shape[-2:]
     _check_dims(dk, dv, hk, hv)
     if pool.dtype != jnp.float32:
         raise ValueError(f"the GDN state pool must be float32, got {pool.dtype}")
     bv = min(config.bv, dv)
+    if dv % bv or bv & (bv - 1):
+        raise ValueError(f"decode V-block {bv} must be a power of two dividing dv={dv}")
     o, pool = pl.pallas_call(
-        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv),
+        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group),
         out_shape=(jax.ShapeDtypeStruct((n, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(n, hv, dv // bv),
+        grid=(n, hk if config.group else hv, dv // bv),
         input_output_aliases={8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gdn_decode",

@@ -2,11 +2,19 @@
 
 "reference": the pure-jnp references (any platform); "pallas": the Pallas-Triton kernels, compiled (GPU only);
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
+
+Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`: a
+parallel prep kernel + a four-dot chunk scan) and the decode step `gdn.DEFAULT_DECODE` ([8, 128] state tiles,
+one warp per program). These are the variants expected to be fastest from the kernels' design and their
+sm_90 compile statistics; they are NOT yet validated by a GPU run (bench/kernels.py times them against the
+previous kernels). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2`
+(or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import jax
 
@@ -17,18 +25,36 @@ log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
+def prefill_variants() -> dict:
+    return {"wy": gdn.DEFAULT_PREFILL, "v1": gdn.PrefillConfig()}
+
+
+def decode_variants() -> dict:
+    return {"default": gdn.DEFAULT_DECODE, **{c.name: c for c in gdn.decode_sweep()}}
+
+
 def reference_kernels() -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode)
 
 
-def pallas_kernels(interpret: bool) -> Kernels:
-    p = lambda f: functools.partial(f, interpret=interpret)
-    return Kernels(gdn_prefill=p(gdn.gdn_prefill), gdn_decode=p(gdn.gdn_decode),
+def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None) -> Kernels:
+    """prefill / decode: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE, else "wy" / "default")."""
+    prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
+    decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
+    pv, dv = prefill_variants(), decode_variants()
+    if prefill not in pv:
+        raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
+    if decode not in dv:
+        raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s)", prefill, pv[prefill].name, decode, dv[decode].name)
+    p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
+    return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode))
 
 
 def default_backend() -> str:
+    """"pallas" on GPU (with the default kernel variants above, unvalidated on the GPU so far), else "reference"."""
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 

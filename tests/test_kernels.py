@@ -36,19 +36,23 @@ def gdn_inputs(seed, n, t, hk, hv, dk, dv, slots=10, dtype=jnp.float32):
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_fn():
-    return jax.jit(functools.partial(gdn.gdn_prefill, interpret=True))
+def _prefill_fn(config=None):
+    return jax.jit(functools.partial(gdn.gdn_prefill, config=config, interpret=True))
 
 
-@pytest.mark.parametrize("ratio,dk,dv", [(1, 16, 32), (3, 16, 16)])     # ratio 2: the two tests below
-def test_gdn_prefill_matches_token_scan(ratio, dk, dv):
+WY, V1 = gdn.WYConfig(), gdn.PrefillConfig()
+
+
+@pytest.mark.parametrize("ratio,dk,dv,config", [(1, 16, 32, WY), (3, 16, 16, WY), (3, 16, 32, V1)],
+                         ids=["wy-r1", "wy-r3", "v1-r3"])
+def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
     n, t = len(LENS), max(LENS)
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(ratio, n, t, 2, 2 * ratio, dk, dv)
     slots = jnp.array([3, 1, 5, 9, 2, 7, 0])
     lens = jnp.array(LENS)
     use = jnp.array([True, False, True, True, False, True, False])
-    o, new = _prefill_fn()(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
+    o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
     o_ref, new_ref = gdn_reference.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use, method="scan")
     real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
     assert rel(np.where(real, o, 0), np.where(real, o_ref, 0)) <= 1e-4
@@ -60,21 +64,39 @@ def test_gdn_prefill_matches_token_scan(ratio, dk, dv):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-def test_gdn_prefill_tf32_meets_issue_bars():
-    """bf16 model inputs select TF32 dots; interpret mode rounds the operands as the tensor cores do. Bars of the
-    issue against an fp32 token scan: output rel-L2 <= 4e-3, final state <= 3e-3."""
-    n, t = len(LENS), max(LENS)
+# bf16 model inputs: every precision code path of both pipelines. Interpret mode rounds the operands as the
+# tensor cores do ("bf16", "bf16x2", "tf32"). The fast state update (s_prec="bf16") is held to the issue's bars only.
+BF16_CASES = {
+    "wy-default": (WY, LENS, 1.5e-3),
+    "wy-prefetch-bv16-fast-update": (gdn.WYConfig(bv=16, num_stages=1, prefetch=True, s_prec="bf16"), [200, 65, 0],
+                                     3e-3),
+    "wy-tf32-fp32W": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3"), [130, 1, 0],
+                      1.5e-3),
+    "v1": (V1, [200, 63, 0], 1.5e-3),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
+    """Bars of the issue against an fp32 token scan: output rel-L2 <= 4e-3, final state <= 3e-3 (fla's level). The
+    output error includes the bf16 rounding of o itself (~1.2e-3 rel-L2), so the state is the sharper check: the
+    default WY path is held to 1.5e-3 (its CPU emulation at 9B head dims gives ~3e-4)."""
+    config, lens_l, state_bar = BF16_CASES[case]
+    n, t = len(lens_l), max(lens_l)
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(11, n, t, 2, 4, 32, 32, dtype=jnp.bfloat16)
-    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])
-    lens = jnp.array(LENS)
-    use = jnp.array([True] * 6 + [False])
-    o, new = _prefill_fn()(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
+    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])[-n:]
+    lens = jnp.array(lens_l)
+    use = jnp.array([True] * (n - 1) + [False])
+    o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, a, b)]
     o_ref, new_ref = gdn_reference.gdn_prefill(*f32, A_log, dt_bias, pool, slots, lens, use, method="scan")
     real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
     err_o = rel(np.where(real, np.asarray(o, np.float32), 0), np.where(real, o_ref, 0))
     err_s = rel(new[slots[:-1]], new_ref[slots[:-1]])
-    assert err_o <= 4e-3 and err_s <= 3e-3, (err_o, err_s)
+    assert err_o <= 4e-3 and err_s <= min(3e-3, state_bar), (err_o, err_s)
+    assert np.all(np.asarray(o, np.float32)[~np.broadcast_to(real, o.shape)] == 0)
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
+    np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
 def test_gdn_prefill_packed_ragged():
@@ -98,13 +120,15 @@ def test_gdn_prefill_packed_ragged():
         assert rel(new[slots[i]], p_ref[slots[i]]) <= 1e-4
 
 
-@pytest.mark.parametrize("ratio", [1, 2, 3])
-def test_gdn_decode_in_place(ratio):
+@pytest.mark.parametrize("ratio,config", [(1, gdn.DecodeConfig()), (2, gdn.DecodeConfig(bv=8, num_warps=1, group=True)),
+                                          (3, gdn.DecodeConfig(bv=16, num_warps=1)), (2, gdn.DecodeConfig(bv=16, group=True))],
+                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16"])
+def test_gdn_decode_in_place(ratio, config):
     n, hk, dk, dv = 5, 2, 32, 16
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(20 + ratio, n, 1, hk, hk * ratio, dk, dv)
     q, k, v, a, b = (x[:, 0] for x in (q, k, v, a, b))
     slots = jnp.array([4, 1, 0, 7, 0])                  # rows 2 and 4 are padding on the null slot
-    fn = jax.jit(functools.partial(gdn.gdn_decode, interpret=True))
+    fn = jax.jit(functools.partial(gdn.gdn_decode, config=config, interpret=True))
     o, new = fn(q, k, v, a, b, A_log, dt_bias, pool, slots)
     o_ref, new_ref = gdn_reference.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)
     live = [0, 1, 3]
@@ -155,23 +179,42 @@ def lower_for_cuda(fn, *shapes):
 
 @pytest.mark.parametrize("hk,hv,dk,dv,conv_ch", [(16, 32, 128, 128, 8192), (2, 6, 16, 32, 256 + 96)])
 def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
+    """Every configuration the GPU benchmark sweeps (gdn.prefill_sweep / decode_sweep, conv1d's) plus the defaults,
+    at the 9B shapes and at a small one, so the GPU run cannot fail on a Triton-illegal shape."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     n, t, slots = 3, 300, 9
     prefill = (S((n, t, hk, dk), bf), S((n, t, hk, dk), bf), S((n, t, hv, dv), bf), S((n, t, hv), bf),
                S((n, t, hv), bf), S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32),
                S((n,), i32), S((n,), jnp.bool_))
-    configs = [gdn.PrefillConfig(), gdn.PrefillConfig(bv=min(64, dv), prec="bf16", solve_prec="bf16"),
-               gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8)]
+    configs = gdn.prefill_sweep() + [None, gdn.WYConfig(bv=64, prefetch=True, num_warps=8),
+                                     gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8)]
     for cfg in configs:
-        assert "__gpu$xla.gpu.triton" in lower_for_cuda(functools.partial(gdn.gdn_prefill, config=cfg), *prefill)
+        text = lower_for_cuda(functools.partial(gdn.gdn_prefill, config=cfg), *prefill)
+        assert text.count("__gpu$xla.gpu.triton") == 2, getattr(cfg, "name", cfg)     # prep/solve + scan
+    packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
+              S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
+              S((n,), jnp.bool_))
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(gdn.gdn_prefill_packed, *packed)
+    f32_prefill = tuple(S(s.shape, f32) if s.dtype == bf else s for s in prefill)   # fp32 models: tf32x3 dots
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(gdn.gdn_prefill, *f32_prefill)
     decode = (S((n, hk, dk), bf), S((n, hk, dk), bf), S((n, hv, dv), bf), S((n, hv), bf), S((n, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32))
-    assert "__gpu$xla.gpu.triton" in lower_for_cuda(gdn.gdn_decode, *decode)
+    for cfg in gdn.decode_sweep() + [None]:
+        assert "__gpu$xla.gpu.triton" in lower_for_cuda(functools.partial(gdn.gdn_decode, config=cfg), *decode)
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
-    assert "__gpu$xla.gpu.triton" in lower_for_cuda(conv1d.conv_prefill, *conv)
-    assert "__gpu$xla.gpu.triton" in lower_for_cuda(conv1d.conv_decode, S((n, conv_ch), bf), S((4, conv_ch), bf),
-                                                   S((slots, 3, conv_ch), bf), S((n,), i32))
+    for cfg in conv1d.prefill_sweep():
+        assert "__gpu$xla.gpu.triton" in lower_for_cuda(functools.partial(conv1d.conv_prefill, config=cfg), *conv)
+    for cfg in conv1d.decode_sweep():
+        assert "__gpu$xla.gpu.triton" in lower_for_cuda(
+            functools.partial(conv1d.conv_decode, config=cfg), S((n, conv_ch), bf), S((4, conv_ch), bf),
+            S((slots, 3, conv_ch), bf), S((n,), i32))
+
+
+def test_sweep_names_unique():
+    for sweep in (gdn.prefill_sweep(), gdn.decode_sweep()):
+        names = [c.name for c in sweep]
+        assert len(names) == len(set(names)), names
 
 
 def test_illegal_head_dim_raises():

@@ -1,0 +1,111 @@
+"""Compile the Pallas-Triton GDN kernels for sm_90 on a machine without a GPU: shared memory, registers, spills.
+
+CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
+further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() at the 9B shapes
+(with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
+machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
+memory, registers, local-memory spills, programs per SM and the tensor-core path of the dots. jaxlib bundles its
+own Triton, so PyPI Triton's passes are a close proxy, not the exact compiler the GPU run uses.
+
+  python pallas_kernels/triton_compile_check.py dump /tmp/ttir              # the project's venv (jax)
+  python3 -m venv /tmp/tritonenv && /tmp/tritonenv/bin/pip install triton
+  /tmp/tritonenv/bin/python pallas_kernels/triton_compile_check.py compile /tmp/ttir/*.ttir
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+
+def dump(out_dir, only=()):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from pallas_kernels import gdn
+
+    os.makedirs(out_dir, exist_ok=True)
+    captured, meta = [], []
+    lower_module = reg.lowering.lower_jaxpr_to_triton_module
+    custom_call = reg.mlir.custom_call
+
+    def capture_module(*a, **k):
+        r = lower_module(*a, **k)
+        captured.append(r.module.operation.get_asm(enable_debug_info=False))
+        return r
+
+    def capture_call(*a, backend_config=None, **k):
+        meta.append({kk: str(vv) for kk, vv in backend_config.items() if kk in ("num_warps", "num_stages", "name")})
+        return custom_call(*a, backend_config=backend_config, **k)
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture_module
+    reg.mlir.custom_call = capture_call
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    hk, hv, dk, dv, t, slots = 16, 32, 128, 128, 8192, 9
+    prefill = (S((1, t, hk, dk), bf), S((1, t, hk, dk), bf), S((1, t, hv, dv), bf), S((1, t, hv), bf),
+               S((1, t, hv), bf), S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((1,), i32),
+               S((1,), i32), S((1,), jnp.bool_))
+    decode = (S((64, hk, dk), bf), S((64, hk, dk), bf), S((64, hv, dv), bf), S((64, hv), bf), S((64, hv), bf),
+              S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((64,), i32))
+    jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in gdn.prefill_sweep()]
+    jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
+             for c in (gdn.WYConfig(prep_warps=w) for w in gdn.PREP_WARPS)]
+    jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    for name, fn, shapes in jobs:
+        if only and name not in only:
+            continue
+        captured.clear()
+        meta.clear()
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
+            jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+        for i, (txt, m) in enumerate(zip(captured, meta)):
+            base = os.path.join(out_dir, f"{name}__{i}_{m['name'].strip(chr(34))}")
+            open(base + ".ttir", "w").write(txt)
+            json.dump(m, open(base + ".json", "w"))
+            print(base, m, flush=True)
+
+
+def compile_all(paths):
+    import warnings
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    target = GPUTarget("cuda", 90, 32)
+    failed = 0
+    for path in paths:
+        m = json.load(open(path[:-5] + ".json"))
+        nw, ns = int(m["num_warps"].split()[0]), int(m["num_stages"].split()[0])
+        try:
+            k = triton.compile(path, target=target, options={"num_warps": nw, "num_stages": ns})
+            cubin = path[:-5] + ".cubin"
+            open(cubin, "wb").write(k.asm["cubin"])
+            res = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+            reg = int(re.search(r"REG:(\d+)", res).group(1))
+            local = int(re.search(r"LOCAL:(\d+)", res).group(1))
+            smem = k.metadata.shared
+            per_sm = min(227 * 1024 // max(smem, 1), 65536 // max(reg * 32 * nw, 1), 32)
+            ttgir = k.asm["ttgir"]
+            wgmma = len(re.findall(r"ttng\.warp_group_dot ", ttgir))
+            other = len(re.findall(r"= tt\.dot ", ttgir))
+            print(f"{os.path.basename(path)[:-5]:60s} warps={nw} stages={ns} smem={smem:6d} regs={reg:3d} "
+                  f"spill={local} programs/SM={per_sm} wgmma={wgmma} other_dots={other}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            print(os.path.basename(path), "FAILED", repr(e)[:3000], flush=True)
+    return failed
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("dump", "compile"):
+        sys.exit(__doc__)
+    if sys.argv[1] == "dump":
+        dump(sys.argv[2], set(sys.argv[3:]))
+    else:
+        sys.exit(1 if compile_all(sys.argv[2:]) else 0)
