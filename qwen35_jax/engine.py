@@ -332,6 +332,16 @@ class Engine:
             self._loop()
         except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
             log.exception("engine loop failed")
+            if self.leader is not None:          # a collective that lost its peer: say which peer
+                from qwen35_jax.multihost import PEER_POLL_SECONDS, PeerLost
+                time.sleep(2 * PEER_POLL_SECONDS)        # let the coordination service notice the departure
+                try:
+                    dead = self.leader.dead_peers()
+                except Exception:
+                    dead = []
+                if dead:
+                    e = PeerLost(f"peer process(es) {dead} stopped responding; this multi-process engine cannot "
+                                 f"continue ({e})")
             self.fail(e)
 
     def _has_work(self) -> bool:

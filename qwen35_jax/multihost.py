@@ -102,14 +102,17 @@ class Leader:
             except Exception:       # already deleted
                 pass
 
+    def dead_peers(self) -> list[int]:
+        live = set(self.client.get_live_nodes(list(range(jax.process_count()))))
+        return [p for p in self.peers if p not in live]
+
     def _watch(self):
         while not self._stop.wait(PEER_POLL_SECONDS):
             try:
-                live = set(self.client.get_live_nodes(list(range(jax.process_count()))))
+                dead = self.dead_peers()
             except Exception as e:   # the coordination service itself is unreachable
                 self.engine.fail(PeerLost(f"lost the coordination service: {e}"))
                 return
-            dead = [p for p in self.peers if p not in live]
             if dead and not self._stop.is_set():          # peers leaving after our own shutdown are expected
                 self.engine.fail(PeerLost(f"peer process(es) {dead} stopped responding; this multi-process engine "
                                           f"cannot continue"))
