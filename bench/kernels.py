@@ -13,10 +13,10 @@ Order (most valuable first; the model step has a reserved slice of the time, `--
     o <= 4e-3 and state <= 3e-3 rel-L2, decode state <= 1e-5, untouched slots bit-identical, finite) or failing to
     compile is reported and excluded from timing;
  3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the previous kernels and fla;
- 4. prefill sweep at 1x8k: each WY scan configuration on its own (prep outputs precomputed), the prep kernel on its
-    own per warp count, the previous (v1) kernels whole;
- 5. prefill cases 1x1k, 1x8k, 1x32k, 8x2k packed: best WY (fastest valid scan + prep), default WY, v1, fla;
- 6. decode batch 1, 8, 32, 128, 256 for every valid configuration and fla;
+ 4. the other cases with the defaults, v1 and fla: prefill 1x1k, 1x32k, 8x2k packed; decode 8, 32, 128;
+ 5. prefill sweep at 1x8k: each WY scan configuration on its own (prep outputs precomputed), the prep kernel on its
+    own per warp count; then the best WY combination (fastest scan + fastest prep) on every prefill case;
+ 6. decode sweep: every valid configuration at batch 1, 8, 32, 128, 256;
  7. conv decode / prefill sweeps and fla;
  8. the whole 9B-shaped model's decode step with the `pallas` and `reference` backends (batch 64, then 1).
 Writes $OUT/results.json, $OUT/log.txt, $OUT/RESULTS_section.md, records the section in bench/RESULTS.md through
@@ -359,7 +359,7 @@ class PrefillProblem:
         _, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
         w_dtype = jnp.bfloat16 if precs[0] == "bf16" else jnp.float32
         f = jax.jit(functools.partial(gdn.wy_prep, w_dtype=w_dtype, prec=precs[3], num_warps=config.prep_warps,
-                                      **kernel_kw()))
+                                      mode=config.prep_mode, **kernel_kw()))
         return [f(q, k, v, a, b, self.A_log, self.dt_bias, row0, nvalid) for q, k, v, a, b, _ in self.sets]
 
     def scan_us(self, config, preps):
@@ -382,7 +382,7 @@ class PrefillProblem:
 
         def call(c, q, k, v, a, b, slots):
             outs = gdn.wy_prep(q, k, v, a, b, self.A_log, self.dt_bias + c[0], row0, nvalid, w_dtype=w_dtype,
-                               prec=precs[3], num_warps=config.prep_warps, **kernel_kw())
+                               prec=precs[3], num_warps=config.prep_warps, mode=config.prep_mode, **kernel_kw())
             return c + 0.0 * outs[3][0, 0, 0, :1]       # a data dependence: no call is dead or CSE'd
         us, _ = time_calls(call, jnp.zeros((1,), jnp.float32), self.sets, calls=(2, 10))
         return us
@@ -516,8 +516,8 @@ def main():
 
     # ------------------------------------------------------------------ correctness of every variant
     prefill_variants = {c.name: c for c in gdn.prefill_sweep()}
-    for w in gdn.PREP_WARPS:                    # the prep warp counts timed below run through the full pipeline here
-        c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_warps=w)
+    for mode, w in gdn.PREP_VARIANTS:          # the prep variants timed below run through the full pipeline here
+        c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=mode, prep_warps=w)
         prefill_variants.setdefault(c.name, c)
     decode_variants = {c.name: c for c in gdn.decode_sweep()}
     RES["valid"] = {"prefill": [], "decode": [], "conv_prefill": [], "conv_decode": []}
@@ -727,7 +727,7 @@ def main():
     v1_default = gdn.PrefillConfig()
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
 
-    # ------------------------------------------------------------------ headline numbers first
+    # ------------------------------------------------------------------ headline: the defaults vs v1 vs fla
     @section("headline", need=30)
     def _():
         vp = RES["valid"]["prefill"]
@@ -743,17 +743,35 @@ def main():
                     time_decode(n, cfg.name, cfg)
             time_fla_decode(n)
 
+    # ------------------------------------------------------------------ the other cases, defaults
+    @section("prefill_cases", need=20)
+    def _():
+        for case in PREFILL_CASES:
+            if gdn.DEFAULT_PREFILL.name in RES["valid"]["prefill"]:
+                time_prefill(case, "wy_default", gdn.DEFAULT_PREFILL)
+            if v1_default.name in RES["valid"]["prefill"]:
+                time_prefill(case, "v1", v1_default)
+            time_fla_prefill(case)
+            RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
+        problems.clear()
+
+    @section("decode_cases", need=15)
+    def _():
+        for n in DECODE_BATCHES:
+            for cfg in (gdn.DEFAULT_DECODE, old_decode):
+                if cfg.name in RES["valid"]["decode"]:
+                    time_decode(n, cfg.name, cfg)
+            time_fla_decode(n)
+
     # ------------------------------------------------------------------ prefill sweep at 1x8k
     @section("prefill_sweep", need=20)
     def _():
         sw = RES["prefill"][SWEEP_CASE].setdefault("sweep", {})
         pr = problem(SWEEP_CASE)
-        wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)]
+        wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)
+              and c.prep_warps == gdn.DEFAULT_PREFILL.prep_warps]
         by_prec = {}
         for c in wy:                           # scan configurations (the prep is timed on its own below)
-            if c.prep_warps != gdn.DEFAULT_PREFILL.prep_warps and dataclasses.replace(
-                    c, prep_warps=gdn.DEFAULT_PREFILL.prep_warps).name in sw:
-                continue
             key_ = c.precisions(jnp.bfloat16)
             if not have_time(f"prefill sweep scan {c.name}", 8):
                 break
@@ -768,49 +786,46 @@ def main():
             save()
         by_prec.clear()
         prep = RES["prefill"][SWEEP_CASE].setdefault("prep", {})
-        for w in gdn.PREP_WARPS:
-            c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_warps=w)
-            if c.name not in RES["valid"]["prefill"] or not have_time(f"prep w{w}", 8):
+        for mode, w in gdn.PREP_VARIANTS:
+            c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=mode, prep_warps=w)
+            label = f"{mode}_w{w}"
+            if c.name not in RES["valid"]["prefill"] or not have_time(f"prep {label}", 8):
                 continue
             try:
-                prep[w] = pr.prep_us(c)
+                prep[label] = pr.prep_us(c)
             except Exception as e:  # noqa: BLE001
-                RES["errors"][f"prep w{w}"] = repr(e)[:400]
-            log("prefill prep alone", w, prep.get(w))
+                RES["errors"][f"prep {label}"] = repr(e)[:400]
+            log("prefill prep alone", label, prep.get(label))
             save()
-        for c in valid_prefill().values():     # the previous kernels, whole
+        for c in valid_prefill().values():     # other configurations of the previous kernels, whole
             if isinstance(c, gdn.PrefillConfig) and c.name != v1_default.name:
                 time_prefill(SWEEP_CASE, c.name, c)
 
     def best_wy():
-        """The fastest valid scan configuration of the sweep with the fastest prep warp count (None: default)."""
+        """The fastest valid scan configuration of the sweep with the fastest prep warp count (None: no sweep)."""
         sw = RES["prefill"][SWEEP_CASE].get("sweep", {})
         ok = {nm: r["scan_us"] for nm, r in sw.items() if r.get("scan_us")}
         if not ok:
             return None
         cfg = prefill_variants[min(ok, key=ok.get)]
-        prep = RES["prefill"][SWEEP_CASE].get("prep", {})
+        prep = {k: v for k, v in RES["prefill"][SWEEP_CASE].get("prep", {}).items() if v}
         if prep:
-            cfg = dataclasses.replace(cfg, prep_warps=int(min(prep, key=prep.get)))
+            mode, w = min(prep, key=prep.get).split("_w")
+            cfg = dataclasses.replace(cfg, prep_mode=mode, prep_warps=int(w))
         return cfg
 
-    # ------------------------------------------------------------------ prefill cases
-    @section("prefill_cases", need=20)
+    # ------------------------------------------------------------------ the best WY configuration on every case
+    @section("prefill_best", need=20)
     def _():
         best = best_wy()
-        if best is not None:
-            RES["prefill"]["best_config"] = best.name
+        if best is None:
+            return
+        RES["prefill"]["best_config"] = best.name
         for case in PREFILL_CASES:
-            if best is not None:
+            if best != gdn.DEFAULT_PREFILL:
                 time_prefill(case, "wy_best", best)
-                if case == "8x2k" and best.bv is not None:      # several sequences: also the automatic V-block
-                    time_prefill(case, "wy_best_bvauto", dataclasses.replace(best, bv=None))
-            if gdn.DEFAULT_PREFILL.name in RES["valid"]["prefill"]:
-                time_prefill(case, "wy_default", gdn.DEFAULT_PREFILL)
-            if v1_default.name in RES["valid"]["prefill"]:
-                time_prefill(case, "v1", v1_default)
-            time_fla_prefill(case)
-            RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
+            if case == "8x2k" and best.bv is not None:          # several sequences: also the automatic V-block
+                time_prefill(case, "wy_best_bvauto", dataclasses.replace(best, bv=None))
         problems.clear()
 
     # ------------------------------------------------------------------ decode sweep
@@ -819,7 +834,6 @@ def main():
         for n in DECODE_BATCHES:
             for nm, cfg in valid_decode().items():
                 time_decode(n, nm, cfg)
-            time_fla_decode(n)
 
     # ------------------------------------------------------------------ conv
     RES["conv"] = {}
@@ -1034,7 +1048,7 @@ def report() -> str:
             f"{k} {fmt(v.get('scan_us'))}" for k, v in sw.items()))
     prep = pf.get(SWEEP_CASE, {}).get("prep")
     if prep:
-        L.append(f"WY prep kernel alone {SWEEP_CASE} (µs) by warps: " + ", ".join(f"w{k} {fmt(v)}" for k, v in prep.items()))
+        L.append(f"WY prep kernel alone {SWEEP_CASE} (µs), mode_warps: " + ", ".join(f"{k} {fmt(v)}" for k, v in prep.items()))
     others = {k: v for k, v in pf.get(SWEEP_CASE, {}).items()
               if isinstance(v, dict) and k.startswith("v1_") and v.get("us")}
     if others:
@@ -1143,7 +1157,7 @@ def record(md):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds; checked before every section and point")
-    ap.add_argument("--model-reserve", type=float, default=90.0, help="seconds held back for the model step")
+    ap.add_argument("--model-reserve", type=float, default=100.0, help="seconds held back for the model step")
     ap.add_argument("--model-batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model decode step")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md")

@@ -10,11 +10,13 @@ WYConfig (the default, "wy"): everything that does not depend on the running sta
 kernel, so the sequential scan does the minimum per 64-token chunk.
 1. `_prep_kernel`, grid (chunk, key head), both value heads of a key head in one program (K K^T and Q K^T are
    computed once per key head): A = strict_lower(beta K^ K^T * Gamma), T = (I + A)^-1 (fp32 blocked forward
-   substitution as fla), and per value head
+   substitution as fla: 16x16 diagonal blocks row by row, every head's chains in one loop, exact fp32 merges),
+   assembled into one [64, 64] tile, and per value head, as full-tile products stored whole:
      W = T (beta e^gamma K^)  [64, dk]  (bf16: a W·H operand; the error analysis below)
      U = T (beta V)           [64, dv]  (fp32)
      P = Q^ K^T * Gamma       [64, 64]  (fp32, causal incl. the diagonal)
      row factors fq = e^gamma |q|^-1 dk^-0.5, fk = e^(gamma_C - gamma) |k|^-1, e^gamma_C.
+   (`_prep_blocks_kernel`, prep_mode="blocks", computes the same in 16-row blocks without the tile assembly.)
 2. `_wy_scan_kernel`, one program per (sequence, value head, V-block), the fp32 state H^T [dk, BV] on chip:
      X = W H,  Y = q H          (raw bf16 q: exact operand; bf16 H operand)
      Vnew = U - X
@@ -88,12 +90,15 @@ class WYConfig:
     h_prec  X = W H and Y = q H (W is stored bf16 iff h_prec == "bf16"),
     o_prec  P Vnew,
     s_prec  the state update k^T (fk Vnew),
-    prep_prec  W = T (..) and U = T (..) in the prep kernel."""
+    prep_prec  W = T (..) and U = T (..) in the prep kernel.
+    prep_mode  "tile": T assembled into one [64, 64] tile, W, U, P as full-tile products (the default);
+               "blocks": everything in 16-row blocks (no assembly; the fallback)."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = True
     prep_warps: int = 4
+    prep_mode: str = "tile"
     h_prec: str | None = None
     o_prec: str | None = None
     s_prec: str | None = None
@@ -103,7 +108,8 @@ class WYConfig:
     def name(self):
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
-                f"_pw{self.prep_warps}" + ("" if p == "a_a_a_a" else f"_{p}"))
+                f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
+                + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
         auto = ("tf32x3",) * 4 if dtype == jnp.float32 else ("bf16", "tf32", "bf16x2", "tf32")
@@ -130,26 +136,25 @@ DEFAULT_DECODE = DecodeConfig()
 
 def prefill_sweep():
     """Every prefill configuration bench/kernels.py times (tests cross-lower each one for CUDA). Compiled for sm_90
-    with Triton 3.9 on the CPU (pallas_kernels/triton_compile_check.py), the WY scan uses 61-74 KB of shared memory
-    and 166-255 registers at num_stages=1 (2-3 programs per SM), 148-197 KB at num_stages=2 (one per SM)."""
+    with Triton 3.9 on the CPU (pallas_kernels/triton_compile_check.py), the WY scan uses 59-98 KB of shared memory
+    and <= 255 registers without spills at num_stages=1 (2-3 programs per SM); num_stages=2 takes 148-197 KB (one
+    program per SM), so bv=16 there would run its 256 single-sequence programs in two waves (not swept)."""
     return [WYConfig(),                                                   # bv auto, 4 warps, 1 stage, prefetch
             WYConfig(bv=16, prefetch=False), WYConfig(bv=32), WYConfig(bv=64),
-            WYConfig(bv=16, num_stages=2, prefetch=False), WYConfig(bv=32, num_stages=2, prefetch=False),
-            WYConfig(bv=16, num_warps=8), WYConfig(bv=32, num_warps=8, num_stages=2, prefetch=False),
+            WYConfig(bv=32, num_stages=2, prefetch=False), WYConfig(bv=32, num_warps=8, num_stages=2, prefetch=False),
             WYConfig(s_prec="bf16"),                      # one-dot state update; emulated state error ~1.8e-3
             WYConfig(s_prec="tf32"),
-            PrefillConfig(), PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
+            PrefillConfig()]
 
 
-PREP_WARPS = (2, 4, 8)     # prep-kernel warps the benchmark times (the prep is timed on its own)
+PREP_VARIANTS = (("tile", 4), ("tile", 2), ("tile", 8), ("blocks", 4))   # (prep_mode, warps) timed on their own
 
 
 def decode_sweep():
     """Every decode configuration bench/kernels.py times (tests cross-lower each one for CUDA)."""
     return [DecodeConfig(), DecodeConfig(bv=32, num_warps=2), DecodeConfig(bv=16, num_warps=1),
-            DecodeConfig(bv=16, num_warps=2), DecodeConfig(bv=64, num_warps=4), DecodeConfig(bv=128, num_warps=8),
-            DecodeConfig(bv=8, num_warps=1, group=True), DecodeConfig(bv=32, num_warps=4, group=True),
-            DecodeConfig(bv=64, num_warps=8, group=True)]
+            DecodeConfig(bv=64, num_warps=4), DecodeConfig(bv=8, num_warps=1, group=True),
+            DecodeConfig(bv=32, num_warps=4, group=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,10 +416,121 @@ def _unit_lower_inverse(kk, gam, betas, interpret):
     return inv
 
 
+def _hcat(a, b):
+    """[m, n] and [m, n] -> [m, 2n] (join + transpose + reshape: Triton-legal, no reordering concatenate)."""
+    m, n = a.shape
+    return jnp.transpose(jnp.stack([a, b], axis=-1), (0, 2, 1)).reshape(m, 2 * n)
+
+
+def _vcat(a, b):
+    """[m, n] and [m, n] -> [2m, n]."""
+    m, n = a.shape
+    return jnp.transpose(jnp.stack([a, b], axis=-1), (2, 0, 1)).reshape(2 * m, n)
+
+
+def _assemble(blocks, nb):
+    """{(i, j): [16, 16], j <= i} -> the lower block-triangular [16 nb, 16 nb] matrix (zeros above)."""
+    zero = jnp.zeros_like(blocks[0, 0])
+    rows = []
+    for i in range(nb):
+        parts = [blocks[i, j] if j <= i else zero for j in range(nb)]
+        while len(parts) > 1:
+            parts = [_hcat(parts[2 * m], parts[2 * m + 1]) for m in range(len(parts) // 2)]
+        rows.append(parts[0])
+    while len(rows) > 1:
+        rows = [_vcat(rows[2 * m], rows[2 * m + 1]) for m in range(len(rows) // 2)]
+    return rows[0]
+
+
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
                  w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret):
-    """Grid (flat chunk, key head). Writes, per value head of this key head: W [64, dk], U [64, dv], P [64, 64]
-    and the row factors f [3, 64] = (fq, fk, e^gamma_C broadcast), all in 16-row blocks."""
+    """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program. Per value head:
+    T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
+    exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
+    full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C)."""
+    c, kh = pl.program_id(0), pl.program_id(1)
+    nvalid = nvalid_ref[c]
+
+    @pl.when(nvalid > 0)
+    def _():
+        row0 = row0_ref[c]
+        dk, dv = k_ref.shape[-1], v_ref.shape[-1]
+        scale = dk ** -0.5
+        mm = functools.partial(_mm, interpret=interpret)
+        exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
+        idx = jnp.arange(SUB, dtype=jnp.int32)
+        strict = idx[:, None] > idx[None, :]
+        rows = jnp.arange(CHUNK, dtype=jnp.int32)
+        incl = rows[:, None] >= rows[None, :]
+        valid64 = rows < nvalid
+        nb = CHUNK // SUB
+        raw = "bf16" if k_ref.dtype == jnp.bfloat16 else prec  # raw bf16 products are exact on tensor cores
+        # full tiles (W, U, P) and 16-row blocks (the solve)
+        kt = _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], jnp.broadcast_to(valid64[:, None], (CHUNK, dk)))
+        qt = _load(q_ref.at[pl.ds(row0, CHUNK), kh, :], jnp.broadcast_to(valid64[:, None], (CHUNK, dk)))
+        ktf, qtf = kt.astype(jnp.float32), qt.astype(jnp.float32)
+        rk = jax.lax.rsqrt(jnp.sum(ktf * ktf, axis=1) + 1e-6)
+        rq = jax.lax.rsqrt(jnp.sum(qtf * qtf, axis=1) + 1e-6) * scale
+        qk = mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
+        ks, rks, valid = [], [], []
+        for i in range(nb):
+            vi = idx + i * SUB < nvalid
+            valid.append(vi)
+            kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
+            kf = kx.astype(jnp.float32)
+            ks.append(kx)
+            rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))
+        kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
+              for i in range(nb) for j in range(i + 1)}
+
+        heads = [kh * ratio + r for r in range(ratio)]
+        gates, blocks = [], []
+        for hv in heads:
+            a_log, dt_bias = alog_ref[hv], dtb_ref[hv]
+            gam_b, betas_b, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, a_log, dt_bias)
+            g, beta = _gates(_load(a_ref.at[pl.ds(row0, CHUNK), hv], valid64),
+                             _load(b_ref.at[pl.ds(row0, CHUNK), hv], valid64), a_log, dt_bias)
+            g, beta = jnp.where(valid64, g, 0.0), jnp.where(valid64, beta, 0.0)
+            gates.append((jnp.cumsum(g), beta))
+            blk = {}
+            for i in range(nb):
+                for j in range(i + 1):
+                    diff = gam_b[i][:, None] - gam_b[j][None, :]
+                    if i == j:                               # mask before exp: i < j would overflow
+                        blk[i, j] = jnp.where(strict, betas_b[i][:, None] * kk[i, j]
+                                              * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+                    else:
+                        blk[i, j] = betas_b[i][:, None] * kk[i, j] * jnp.exp(diff)
+            blocks.append(blk)
+        diag = _inv_unit_lower([blk[i, i] for blk in blocks for i in range(nb)])   # every head's chains at once
+        for h, hv in enumerate(heads):
+            blk = blocks[h]
+            inv = {(i, i): diag[h * nb + i] for i in range(nb)}
+            for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
+                for j in range(nb - d):
+                    i = j + d
+                    s = exact(blk[i, j], inv[j, j])
+                    for m in range(j + 1, i):
+                        s = s + exact(blk[i, m], inv[m, j])
+                    inv[i, j] = -exact(inv[i, i], s)
+            t = _assemble(inv, nb)                           # [64, 64] fp32
+            gam, beta = gates[h]
+            g_last = jnp.min(gam)                            # gamma at the last valid row (non-increasing)
+            w = mm(t, (beta * jnp.exp(gam) * rk)[:, None] * ktf, (1, 0), prec)
+            w_ref[c, hv, :, :] = w.astype(w_ref.dtype)
+            vt = _load(v_ref.at[pl.ds(row0, CHUNK), hv, :], jnp.broadcast_to(valid64[:, None], (CHUNK, dv)))
+            u_ref[c, hv, :, :] = mm(t, beta[:, None] * vt.astype(jnp.float32), (1, 0), prec)
+            p_ref[c, hv, :, :] = jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)),
+                                           0.0)
+            f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
+            f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
+            f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
+
+
+def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
+                        w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret):
+    """prep_mode="blocks": the same outputs as _prep_kernel computed and stored in 16-row blocks only (no [64, 64]
+    assembly; 16x16 tensor-core products throughout). A fallback should the tile assembly not compile."""
     c, kh = pl.program_id(0), pl.program_id(1)
     nvalid = nvalid_ref[c]
 
@@ -572,7 +688,8 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
     return bv
 
 
-def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, interpret=False):
+def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
+            interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten."""
     hk, dk = k.shape[1:]
@@ -580,7 +697,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     mc = row0.shape[0]
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret),
+        functools.partial({"tile": _prep_kernel, "blocks": _prep_blocks_kernel}[mode], ratio=hv // hk, prec=prec,
+                          interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
         grid=(mc, hk),
@@ -616,7 +734,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                         num_warps=config.prep_warps, interpret=interpret)
+                         num_warps=config.prep_warps, mode=config.prep_mode, interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                    precs=(h_prec, o_prec, s_prec), interpret=interpret)
 

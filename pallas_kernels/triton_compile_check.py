@@ -53,7 +53,7 @@ def dump(out_dir, only=()):
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((64,), i32))
     jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in gdn.prefill_sweep()]
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
-             for c in (gdn.WYConfig(prep_warps=w) for w in gdn.PREP_WARPS)]
+             for c in (gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:

@@ -43,22 +43,23 @@ def _prefill_fn(config=None):
 WY, V1 = gdn.WYConfig(), gdn.PrefillConfig()
 
 
-@pytest.mark.parametrize("ratio,dk,dv,config", [(1, 16, 32, WY), (3, 16, 16, WY), (3, 16, 32, V1)],
+@pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
+                                                       (3, 16, 32, V1, [65, 130, 1, 0])],
                          ids=["wy-r1", "wy-r3", "v1-r3"])
-def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config):
+def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
-    n, t = len(LENS), max(LENS)
+    n, t = len(lens_l), max(lens_l)
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(ratio, n, t, 2, 2 * ratio, dk, dv)
-    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])
-    lens = jnp.array(LENS)
-    use = jnp.array([True, False, True, True, False, True, False])
+    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])[-n:]
+    lens = jnp.array(lens_l)
+    use = jnp.array([True, False, True, True, False, True, False])[-n:]
     o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
     o_ref, new_ref = gdn_reference.gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use, method="scan")
     real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
     assert rel(np.where(real, o, 0), np.where(real, o_ref, 0)) <= 1e-4
     for i, s in enumerate(np.asarray(slots[:-1])):
-        assert rel(new[s], new_ref[s]) <= 1e-4, f"row {i} (len {LENS[i]}) state"
-        assert rel(np.asarray(o)[i, :LENS[i]], np.asarray(o_ref)[i, :LENS[i]]) <= 1e-4, f"row {i} output"
+        assert rel(new[s], new_ref[s]) <= 1e-4, f"row {i} (len {lens_l[i]}) state"
+        assert rel(np.asarray(o)[i, :lens_l[i]], np.asarray(o_ref)[i, :lens_l[i]]) <= 1e-4, f"row {i} output"
     assert np.all(np.asarray(o)[~np.broadcast_to(real, o.shape)] == 0)       # padding rows are written as zeros
     untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
     np.testing.assert_array_equal(new[untouched], pool[untouched])
@@ -68,8 +69,9 @@ def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config):
 # tensor cores do ("bf16", "bf16x2", "tf32"). The fast state update (s_prec="bf16") is held to the issue's bars only.
 BF16_CASES = {
     "wy-default": (WY, LENS, 1.5e-3),
-    "wy-prefetch-bv16-fast-update": (gdn.WYConfig(bv=16, num_stages=1, prefetch=True, s_prec="bf16"), [200, 65, 0],
-                                     3e-3),
+    "wy-bv16-fast-update-blocks-prep": (gdn.WYConfig(bv=16, s_prec="bf16", prep_mode="blocks"), [200, 65, 0], 3e-3),
+    "wy-no-prefetch-tf32-update": (gdn.WYConfig(bv=32, prefetch=False, num_stages=2, s_prec="tf32"), [129, 3, 0],
+                                   1.5e-3),
     "wy-tf32-fp32W": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3"), [130, 1, 0],
                       1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
@@ -187,7 +189,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                S((n, t, hv), bf), S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32),
                S((n,), i32), S((n,), jnp.bool_))
     configs = gdn.prefill_sweep() + [None, gdn.WYConfig(bv=64, prefetch=True, num_warps=8),
-                                     gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8)]
+                                     gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8),
+                                     gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
+    configs += [gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS]
     for cfg in configs:
         text = lower_for_cuda(functools.partial(gdn.gdn_prefill, config=cfg), *prefill)
         assert text.count("__gpu$xla.gpu.triton") == 2, getattr(cfg, "name", cfg)     # prep/solve + scan
@@ -209,6 +213,17 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         assert "__gpu$xla.gpu.triton" in lower_for_cuda(
             functools.partial(conv1d.conv_decode, config=cfg), S((n, conv_ch), bf), S((4, conv_ch), bf),
             S((slots, 3, conv_ch), bf), S((n,), i32))
+
+
+def test_backend_kernel_variants():
+    from qwen35_jax import backends
+    k = backends.pallas_kernels(interpret=True)
+    assert k.gdn_prefill.keywords["config"] == gdn.DEFAULT_PREFILL and k.gdn_decode.keywords["config"] == gdn.DEFAULT_DECODE
+    k = backends.pallas_kernels(interpret=True, prefill="v1", decode="bv32_w2")
+    assert isinstance(k.gdn_prefill.keywords["config"], gdn.PrefillConfig)
+    assert k.gdn_decode.keywords["config"] == gdn.DecodeConfig(bv=32, num_warps=2)
+    with pytest.raises(ValueError, match="prefill variant"):
+        backends.pallas_kernels(interpret=True, prefill="nope")
 
 
 def test_sweep_names_unique():
