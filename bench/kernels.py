@@ -8,17 +8,19 @@ cleanly and records what it got), from the repo root on the GPU machine:
 
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
- 2. GPU correctness of EVERY variant against the references (prefill: fp32 token scan, 4 packed sequences
-    100/777/65/1 with random initial states, one fresh; decode; conv). A variant failing its bars (prefill
-    o <= 4e-3 and state <= 3e-3 rel-L2, decode state <= 1e-5, untouched slots bit-identical, finite) or failing to
-    compile is reported and excluded from timing;
+ 2. GPU correctness of the defaults and the previous kernels against the references (prefill: fp32 token scan,
+    4 packed sequences 100/777/65/1 with random initial states, one fresh; decode: 8 rows, 2 on the null slot);
  3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the previous kernels and fla;
  4. the other cases with the defaults, v1 and fla: prefill 1x1k, 1x32k, 8x2k packed; decode 8, 32, 128;
- 5. prefill sweep at 1x8k: each WY scan configuration on its own (prep outputs precomputed), the prep kernel on its
-    own per warp count; then the best WY combination (fastest scan + fastest prep) on every prefill case;
- 6. decode sweep: every valid configuration at batch 1, 8, 32, 128, 256;
- 7. conv decode / prefill sweeps and fla;
- 8. the whole 9B-shaped model's decode step with the `pallas` and `reference` backends (batch 64, then 1).
+ 5. GPU correctness of every other variant (prefill, decode, conv);
+ 6. prefill sweep at 1x8k: each WY scan configuration on its own (prep outputs precomputed), each prep variant on
+    its own; then the best WY combination (fastest scan + fastest prep) on every prefill case;
+ 7. decode sweep: every valid configuration at batch 1, 8, 32, 128, 256;
+ 8. conv decode / prefill sweeps and fla;
+ 9. the whole 9B-shaped model's decode step with the `pallas` and `reference` backends (batch 64, then 1).
+No variant is timed before it passed its check: failing one of the bars (prefill o <= 4e-3 and state <= 3e-3
+rel-L2, decode state <= 1e-5, untouched slots bit-identical, finite outputs; conv bit-exact) or failing to compile
+is reported in the results and excludes it from timing.
 Writes $OUT/results.json, $OUT/log.txt, $OUT/RESULTS_section.md, records the section in bench/RESULTS.md through
 bench/results.py (replacing the previous kernels section) and copies that file to $OUT/RESULTS.md; prints a
 short summary table last.
@@ -522,8 +524,13 @@ def main():
     decode_variants = {c.name: c for c in gdn.decode_sweep()}
     RES["valid"] = {"prefill": [], "decode": [], "conv_prefill": [], "conv_decode": []}
 
-    @section("correct_prefill", need=20)
-    def _():
+    RES["correct_prefill"], RES["correct_decode_conv"] = {}, {}
+    CHECK = {}
+
+    def prefill_checker():
+        """The reference (fp32 token scan) of the prefill check problem, computed once."""
+        if "prefill" in CHECK:
+            return CHECK["prefill"]
         key = jax.random.key(1)
         lens = [100, 777, 65, 1] if not DRY else [40, 77, 65, 1]
         total = sum(lens)
@@ -539,95 +546,117 @@ def main():
                              for s0, ln in zip(np.asarray(starts), lens)]) for x in (q, k, v, a, b)]
         o_r, p_r = jax.jit(functools.partial(gdn_reference.gdn_prefill, method="scan"))(
             *padded, A_log, dt_bias, pool, slots, jnp.array(lens), use)
-        ref_o = np.concatenate([np.asarray(o_r[i, :ln]) for i, ln in enumerate(lens)])
-        ref_s = np.stack([np.asarray(p_r[slots[i]]) for i in range(len(lens))])
-        rows = np.concatenate([np.arange(int(s0), int(s0) + ln) for s0, ln in zip(np.asarray(starts), lens)])
+        CHECK["prefill"] = dict(
+            lens=lens, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, pool=pool, slots=slots, use=use,
+            ref_o=np.concatenate([np.asarray(o_r[i, :ln]) for i, ln in enumerate(lens)]),
+            ref_s=np.stack([np.asarray(p_r[slots[i]]) for i in range(len(lens))]),
+            rows=np.concatenate([np.arange(int(s0), int(s0) + ln) for s0, ln in zip(np.asarray(starts), lens)]),
+            args=(q, k, v, a, b, A_log, dt_bias, pool, starts, jnp.array(lens), slots, use))
+        return CHECK["prefill"]
+
+    def check_prefill(variants):
+        """GPU correctness of prefill variants (all in one program; one by one if that fails); updates
+        RES["valid"]["prefill"]. A variant that fails is reported and never timed."""
+        ck = prefill_checker()
+        out = RES["correct_prefill"]
         untouched = jnp.array([0, 1, 4, 6])
-        out = {}
 
         def check(name, o, p):
             o = np.asarray(o.astype(jnp.float32))
-            r = dict(o_rel=rel(o[rows], ref_o), state_rel=rel(np.asarray(p[slots]), ref_s),
-                     untouched_ok=bool(np.array_equal(np.asarray(p[untouched]), np.asarray(pool[untouched]))),
-                     finite=bool(np.isfinite(o[rows]).all()))
+            r = dict(o_rel=rel(o[ck["rows"]], ck["ref_o"]), state_rel=rel(np.asarray(p[ck["slots"]]), ck["ref_s"]),
+                     untouched_ok=bool(np.array_equal(np.asarray(p[untouched]), np.asarray(ck["pool"][untouched]))),
+                     finite=bool(np.isfinite(o[ck["rows"]]).all()))
             r["ok"] = (r["o_rel"] <= PREFILL_BARS[0] and r["state_rel"] <= PREFILL_BARS[1] and r["untouched_ok"]
                        and r["finite"])
             out[name] = r
             log("prefill correctness", name, r)
 
-        run = lambda cfg: gdn.gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, jnp.array(lens),
-                                                 slots, use, config=cfg, **kernel_kw())
-        try:   # all variants in one program: the shared prep kernel compiles once
-            outs = jax.jit(lambda: {nm: run(c) for nm, c in prefill_variants.items()})()
+        run = lambda cfg, *x: gdn.gdn_prefill_packed(*x, config=cfg, **kernel_kw())
+        try:   # all variants in one program: a shared prep kernel compiles once
+            outs = jax.jit(lambda *x: {nm: run(c, *x) for nm, c in variants.items()})(*ck["args"])
             for nm, (o, p) in outs.items():
                 check(nm, o, p)
         except Exception as e:  # noqa: BLE001
             log("combined prefill check failed, checking one by one:", repr(e)[:400])
-            for nm, c in prefill_variants.items():
+            for nm, c in variants.items():
                 if not have_time(f"correct_prefill {nm}", 8):
                     break
                 try:
-                    check(nm, *jax.jit(lambda c=c: run(c))())
+                    check(nm, *jax.jit(functools.partial(run, c))(*ck["args"]))
                 except Exception as e2:  # noqa: BLE001
                     out[nm] = dict(ok=False, error=repr(e2)[:600])
                     log("prefill correctness", nm, "ERROR", repr(e2)[:600])
-        if FLA:
-            torch = FLA["torch"]
-            tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(torch.bfloat16)[None]
-                          for x in (q, k, v))
-            g_, beta_ = gdn_reference.gates(a, b, A_log, dt_bias)
-            tg, tb = (torch.from_numpy(np.asarray(x)).cuda()[None] for x in (g_, beta_))
-            h0 = torch.from_numpy(np.asarray(jnp.where(use[:, None, None, None], pool[slots], 0))).cuda()
-            cu = torch.tensor(np.cumsum([0] + lens), device="cuda", dtype=torch.long)
-            with torch.inference_mode():
-                fo, fs = FLA["chunk"](tq, tk, tv, tg, tb, initial_state=h0, output_final_state=True,
-                                      use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu)
-            fo = fo[0].float().cpu().numpy()
-            out["fla"] = dict(o_rel=rel(fo[rows], ref_o), state_rel=rel(fs.cpu().numpy(), ref_s))
-            log("prefill correctness fla", out["fla"])
-        RES["correct_prefill"] = out
-        RES["valid"]["prefill"] = [nm for nm in prefill_variants if out.get(nm, {}).get("ok")]
-        for nm in prefill_variants:
-            if not out.get(nm, {}).get("ok"):
+        for nm in variants:
+            if out.get(nm, {}).get("ok"):
+                RES["valid"]["prefill"].append(nm)
+            else:
                 RES["errors"][f"prefill variant {nm}"] = "failed or not checked: excluded from timing"
 
-    @section("correct_decode_conv", need=15)
-    def _():
+    def check_fla_prefill():
+        ck = prefill_checker()
+        torch = FLA["torch"]
+        tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(torch.bfloat16)[None]
+                      for x in (ck["q"], ck["k"], ck["v"]))
+        g_, beta_ = gdn_reference.gates(ck["a"], ck["b"], ck["A_log"], ck["dt_bias"])
+        tg, tb = (torch.from_numpy(np.asarray(x)).cuda()[None] for x in (g_, beta_))
+        h0 = torch.from_numpy(np.asarray(jnp.where(ck["use"][:, None, None, None], ck["pool"][ck["slots"]], 0))).cuda()
+        cu = torch.tensor(np.cumsum([0] + ck["lens"]), device="cuda", dtype=torch.long)
+        with torch.inference_mode():
+            fo, fs = FLA["chunk"](tq, tk, tv, tg, tb, initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu)
+        fo = fo[0].float().cpu().numpy()
+        RES["correct_prefill"]["fla"] = dict(o_rel=rel(fo[ck["rows"]], ck["ref_o"]),
+                                             state_rel=rel(fs.cpu().numpy(), ck["ref_s"]))
+        log("prefill correctness fla", RES["correct_prefill"]["fla"])
+
+    def decode_checker():
+        if "decode" in CHECK:
+            return CHECK["decode"]
         key = jax.random.key(2)
-        n = 8
-        q, k, v, a, b = (x[:n] for x in gdn_inputs(key, n))
+        q, k, v, a, b = (x[:8] for x in gdn_inputs(key, 8))
         A_log, dt_bias = gates_params(key)
         pool = rand_pool(jax.random.fold_in(key, 1), 12)
         slots = jnp.array([3, 0, 7, 1, 0, 11, 5, 9], jnp.int32)
+        o_r, p_r = gdn_reference.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)
+        CHECK["decode"] = dict(pool=pool, slots=slots, o_r=o_r, p_r=p_r, args=(q, k, v, a, b, A_log, dt_bias, pool,
+                                                                               slots))
+        return CHECK["decode"]
+
+    def check_decode(variants):
+        ck = decode_checker()
+        out = RES["correct_decode_conv"]
         live = np.array([0, 2, 3, 5, 6, 7])
         untouched = jnp.array([2, 4, 6, 8, 10])
-        o_r, p_r = gdn_reference.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)
-        out = {}
+        slots, pool = ck["slots"], ck["pool"]
 
         def check(name, o, p):
-            r = dict(state_rel=rel(p[slots[live]], p_r[slots[live]]),
-                     o_rel=rel(np.asarray(o[live], np.float32), np.asarray(o_r[live], np.float32)),
+            r = dict(state_rel=rel(p[slots[live]], ck["p_r"][slots[live]]),
+                     o_rel=rel(np.asarray(o[live], np.float32), np.asarray(ck["o_r"][live], np.float32)),
                      untouched_ok=bool(np.array_equal(np.asarray(p[untouched]), np.asarray(pool[untouched]))))
             r["ok"] = r["state_rel"] <= DECODE_STATE_BAR and r["o_rel"] <= 1e-2 and r["untouched_ok"]
             out[name] = r
             log("decode correctness", name, r)
 
-        run = lambda c: gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, config=c, **kernel_kw())
+        run = lambda c, *x: gdn.gdn_decode(*x, config=c, **kernel_kw())
         try:
-            for nm, (o, p) in jax.jit(lambda: {nm: run(c) for nm, c in decode_variants.items()})().items():
+            for nm, (o, p) in jax.jit(lambda *x: {nm: run(c, *x) for nm, c in variants.items()})(*ck["args"]).items():
                 check(nm, o, p)
         except Exception as e:  # noqa: BLE001
             log("combined decode check failed, checking one by one:", repr(e)[:400])
-            for nm, c in decode_variants.items():
+            for nm, c in variants.items():
                 try:
-                    check(nm, *jax.jit(lambda c=c: run(c))())
+                    check(nm, *jax.jit(functools.partial(run, c))(*ck["args"]))
                 except Exception as e2:  # noqa: BLE001
                     out[nm] = dict(ok=False, error=repr(e2)[:600])
-        RES["valid"]["decode"] = [nm for nm in decode_variants if out.get(nm, {}).get("ok")]
-        for nm in decode_variants:
-            if not out.get(nm, {}).get("ok"):
+        for nm in variants:
+            if out.get(nm, {}).get("ok"):
+                RES["valid"]["decode"].append(nm)
+            else:
                 RES["errors"][f"decode variant {nm}"] = "failed: excluded from timing"
-        # conv: every swept configuration, bit-exact against the reference
+
+    def check_conv():
+        key = jax.random.key(2)
+        out = RES["correct_decode_conv"]
         x = jax.random.normal(key, (3, 300, CONV_CH), jnp.bfloat16)
         w = (0.3 * jax.random.normal(jax.random.fold_in(key, 2), (4, CONV_CH))).astype(jnp.bfloat16)
         cpool = jax.random.normal(jax.random.fold_in(key, 3), (6, 3, CONV_CH), jnp.bfloat16)
@@ -661,10 +690,23 @@ def main():
             if out[nm]["ok"]:
                 RES["valid"]["conv_decode"].append(nm)
         for nm, r in out.items():
-            if not r.get("ok"):
+            if nm.startswith("conv") and not r.get("ok"):
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
-        RES["correct_decode_conv"] = out
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
+
+    v1_default = gdn.PrefillConfig()
+    old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
+    first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, v1_default)}
+    first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
+
+    # phase 1: the defaults and the previous kernels (what the headline times); phase 2 (below, before the sweeps):
+    # every other variant. Nothing is timed before it passed its check.
+    @section("correct_defaults", need=20)
+    def _():
+        check_prefill(first_prefill)
+        if FLA:
+            check_fla_prefill()
+        check_decode(first_decode)
 
     valid_prefill = lambda: {nm: prefill_variants[nm] for nm in RES["valid"]["prefill"]}
     valid_decode = lambda: {nm: decode_variants[nm] for nm in RES["valid"]["decode"]}
@@ -724,9 +766,6 @@ def main():
             RES["errors"][f"fla decode {n}"] = repr(e)[:400]
         log("decode", n, "fla", r.get("fla"))
 
-    v1_default = gdn.PrefillConfig()
-    old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
-
     # ------------------------------------------------------------------ headline: the defaults vs v1 vs fla
     @section("headline", need=30)
     def _():
@@ -762,6 +801,13 @@ def main():
                 if cfg.name in RES["valid"]["decode"]:
                     time_decode(n, cfg.name, cfg)
             time_fla_decode(n)
+
+    # ------------------------------------------------------------------ phase 2 correctness: every other variant
+    @section("correct_variants", need=20)
+    def _():
+        check_prefill({nm: c for nm, c in prefill_variants.items() if nm not in first_prefill})
+        check_decode({nm: c for nm, c in decode_variants.items() if nm not in first_decode})
+        check_conv()
 
     # ------------------------------------------------------------------ prefill sweep at 1x8k
     @section("prefill_sweep", need=20)

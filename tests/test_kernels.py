@@ -192,9 +192,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                      gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8),
                                      gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
     configs += [gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS]
-    for cfg in configs:
-        text = lower_for_cuda(functools.partial(gdn.gdn_prefill, config=cfg), *prefill)
-        assert text.count("__gpu$xla.gpu.triton") == 2, getattr(cfg, "name", cfg)     # prep/solve + scan
+    text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
+    assert text.count("__gpu$xla.gpu.triton") == 2 * len(configs)                   # prep/solve + scan each
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
               S((n,), jnp.bool_))
@@ -203,16 +202,18 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(gdn.gdn_prefill, *f32_prefill)
     decode = (S((n, hk, dk), bf), S((n, hk, dk), bf), S((n, hv, dv), bf), S((n, hv), bf), S((n, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32))
-    for cfg in gdn.decode_sweep() + [None]:
-        assert "__gpu$xla.gpu.triton" in lower_for_cuda(functools.partial(gdn.gdn_decode, config=cfg), *decode)
+    dcfgs = gdn.decode_sweep() + [None]
+    text = lower_for_cuda(lambda *x: [gdn.gdn_decode(*x, config=cfg) for cfg in dcfgs], *decode)
+    assert text.count("__gpu$xla.gpu.triton") == len(dcfgs)
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
-    for cfg in conv1d.prefill_sweep():
-        assert "__gpu$xla.gpu.triton" in lower_for_cuda(functools.partial(conv1d.conv_prefill, config=cfg), *conv)
-    for cfg in conv1d.decode_sweep():
-        assert "__gpu$xla.gpu.triton" in lower_for_cuda(
-            functools.partial(conv1d.conv_decode, config=cfg), S((n, conv_ch), bf), S((4, conv_ch), bf),
-            S((slots, 3, conv_ch), bf), S((n,), i32))
+    ccfgs = conv1d.prefill_sweep()
+    text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs], *conv)
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
+    ccfgs = conv1d.decode_sweep()
+    text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
+                          S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
 
 
 def test_backend_kernel_variants():
