@@ -92,6 +92,7 @@ class WYConfig:
     s_prec  the state update k^T (fk Vnew),
     prep_prec  W = T (..) and U = T (..) in the prep kernel.
     prep_mode  "tile": T assembled into one [64, 64] tile, W, U, P as full-tile products (the default);
+               "tile1": the same with one value head per program (twice the programs, fewer live values);
                "blocks": everything in 16-row blocks (no assembly; the fallback)."""
     bv: int | None = None
     num_warps: int = 4
@@ -147,7 +148,7 @@ def prefill_sweep():
             PrefillConfig()]
 
 
-PREP_VARIANTS = (("tile", 4), ("tile", 2), ("tile", 8), ("blocks", 4))   # (prep_mode, warps) timed on their own
+PREP_VARIANTS = (("tile", 4), ("tile", 2), ("tile", 8), ("tile1", 4), ("blocks", 4))   # (mode, warps) timed alone
 
 
 def decode_sweep():
@@ -443,12 +444,14 @@ def _assemble(blocks, nb):
 
 
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
-                 w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret):
-    """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program. Per value head:
+                 w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret, per_value_head=False):
+    """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
+    (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C)."""
-    c, kh = pl.program_id(0), pl.program_id(1)
+    c, pid1 = pl.program_id(0), pl.program_id(1)
+    kh = pid1 // ratio if per_value_head else pid1
     nvalid = nvalid_ref[c]
 
     @pl.when(nvalid > 0)
@@ -483,7 +486,7 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
               for i in range(nb) for j in range(i + 1)}
 
-        heads = [kh * ratio + r for r in range(ratio)]
+        heads = [pid1] if per_value_head else [kh * ratio + r for r in range(ratio)]
         gates, blocks = [], []
         for hv in heads:
             a_log, dt_bias = alog_ref[hv], dtb_ref[hv]
@@ -697,11 +700,11 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     mc = row0.shape[0]
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial({"tile": _prep_kernel, "blocks": _prep_blocks_kernel}[mode], ratio=hv // hk, prec=prec,
-                          interpret=interpret),
+        functools.partial({"tile": _prep_kernel, "tile1": functools.partial(_prep_kernel, per_value_head=True),
+                           "blocks": _prep_blocks_kernel}[mode], ratio=hv // hk, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
-        grid=(mc, hk),
+        grid=(mc, hv if mode == "tile1" else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_wy_prep",
     )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
