@@ -66,6 +66,9 @@ sys.path.insert(0, ROOT)
 from bench import results as results_md  # noqa: E402
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference  # noqa: E402
 
+results_md.machine = functools.lru_cache(maxsize=None)(results_md.machine)   # nvidia-smi once, not per save
+results_md.commit = functools.lru_cache(maxsize=None)(results_md.commit)
+
 OUT = os.environ.get("OUT", "/tmp/bench_out")
 os.makedirs(OUT, exist_ok=True)
 DRY = os.environ.get("BENCH_DRY") == "1"     # CPU smoke test of this script: tiny shapes, interpret-mode kernels
@@ -112,9 +115,14 @@ def have_time(what, need=5.0, reserve_model=True):
 
 
 def save():
+    """Results so far: $OUT/results.json, $OUT/RESULTS_section.md and (unless --no-record) the section in
+    bench/RESULTS.md, after every section and sweep point, so a run cut off from outside still leaves them."""
     json.dump(RES, open(os.path.join(OUT, "results.json"), "w"), indent=1, default=str)
     try:
-        open(os.path.join(OUT, "RESULTS_section.md"), "w").write(report())
+        md = report()
+        open(os.path.join(OUT, "RESULTS_section.md"), "w").write(md)
+        if not ARGS.no_record:
+            record(md, quiet=True)
     except Exception as e:  # noqa: BLE001
         log("report failed", repr(e))
         traceback.print_exc()
@@ -704,8 +712,6 @@ def main():
     @section("correct_defaults", need=20)
     def _():
         check_prefill(first_prefill)
-        if FLA:
-            check_fla_prefill()
         check_decode(first_decode)
 
     valid_prefill = lambda: {nm: prefill_variants[nm] for nm in RES["valid"]["prefill"]}
@@ -774,12 +780,13 @@ def main():
             time_prefill(SWEEP_CASE, "wy_default", gdn.DEFAULT_PREFILL)
         if v1_default.name in vp:
             time_prefill(SWEEP_CASE, "v1", v1_default)
-        time_fla_prefill(SWEEP_CASE)
         vd = RES["valid"]["decode"]
         for n in (1, DECODE_BATCHES[-1]):
             for cfg in (gdn.DEFAULT_DECODE, old_decode):
                 if cfg.name in vd:
                     time_decode(n, cfg.name, cfg)
+        time_fla_prefill(SWEEP_CASE)          # fla last: its first call autotunes (seconds)
+        for n in (1, DECODE_BATCHES[-1]):
             time_fla_decode(n)
 
     # ------------------------------------------------------------------ the other cases, defaults
@@ -805,6 +812,8 @@ def main():
     # ------------------------------------------------------------------ phase 2 correctness: every other variant
     @section("correct_variants", need=20)
     def _():
+        if FLA:
+            check_fla_prefill()
         check_prefill({nm: c for nm, c in prefill_variants.items() if nm not in first_prefill})
         check_decode({nm: c for nm, c in decode_variants.items() if nm not in first_decode})
         check_conv()
@@ -1187,7 +1196,7 @@ def summary() -> str:
     return "\n".join(rows)
 
 
-def record(md):
+def record(md, quiet=False):
     """Replace the kernels section of bench/RESULTS.md (the legacy hand-written block included) and copy the file
     to $OUT."""
     path = results_md.RESULTS
@@ -1196,17 +1205,27 @@ def record(md):
         legacy = re.compile(r"^# " + re.escape(TITLE) + r"\n.*?(?=^# |^## [^\n]*\n\n- command: |\Z)", re.S | re.M)
         if legacy.search(text):
             open(path, "w").write(legacy.sub("", text).rstrip() + "\n")
-    results_md.record(TITLE, md, command=ARGS.command_line)
+    if quiet:
+        import contextlib
+        import io
+        with contextlib.redirect_stdout(io.StringIO()):
+            results_md.record(TITLE, md, command=ARGS.command_line)
+    else:
+        results_md.record(TITLE, md, command=ARGS.command_line)
     shutil.copy(path, os.path.join(OUT, "RESULTS.md"))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds; checked before every section and point")
-    ap.add_argument("--model-reserve", type=float, default=100.0, help="seconds held back for the model step")
+    ap.add_argument("--model-reserve", type=float, default=None,
+                    help="seconds held back for the model step (default: min(100, 0.4 x time limit))")
     ap.add_argument("--model-batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model decode step")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md")
     ARGS = ap.parse_args()
+    ARGS.no_record = ARGS.no_record or DRY           # a CPU smoke run never writes bench/RESULTS.md
+    if ARGS.model_reserve is None:
+        ARGS.model_reserve = min(100.0, 0.4 * ARGS.time_limit)
     ARGS.command_line = os.environ.get("BENCH_COMMAND", "python3 bench/kernels.py " + " ".join(sys.argv[1:]))
     main()
