@@ -580,8 +580,30 @@ def main():
             log("prefill correctness", name, r)
 
         run = lambda cfg, *x: gdn.gdn_prefill_packed(*x, config=cfg, **kernel_kw())
-        try:   # all variants in one program: a shared prep kernel compiles once
-            outs = jax.jit(lambda *x: {nm: run(c, *x) for nm, c in variants.items()})(*ck["args"])
+
+        def run_all(*x):
+            """Every variant; WY variants sharing a prep configuration share one prep call (the composition
+            gdn_prefill_packed does: wy_prep then wy_scan), so each distinct kernel is compiled once."""
+            q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use = x
+            use_i = use.astype(jnp.int32)
+            chunk_off, row0, nvalid = gdn.chunk_map(starts, lens, -(-q.shape[0] // gdn.CHUNK) + starts.shape[0])
+            outs, preps = {}, {}
+            for nm, c in variants.items():
+                if not isinstance(c, gdn.WYConfig):
+                    outs[nm] = run(c, *x)
+                    continue
+                precs = c.precisions(v.dtype)
+                key = (c.prep_mode, c.prep_warps, precs[0], precs[3])
+                if key not in preps:
+                    preps[key] = gdn.wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid,
+                                             w_dtype=jnp.bfloat16 if precs[0] == "bf16" else jnp.float32,
+                                             prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode, **kernel_kw())
+                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, config=c,
+                                       precs=precs[:3], **kernel_kw())
+            return outs
+
+        try:   # all variants in one program
+            outs = jax.jit(run_all)(*ck["args"])
             for nm, (o, p) in outs.items():
                 check(nm, o, p)
         except Exception as e:  # noqa: BLE001
@@ -823,8 +845,8 @@ def main():
     def _():
         sw = RES["prefill"][SWEEP_CASE].setdefault("sweep", {})
         pr = problem(SWEEP_CASE)
-        wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)
-              and c.prep_warps == gdn.DEFAULT_PREFILL.prep_warps]
+        wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)   # scan variants (default prep)
+              and (c.prep_warps, c.prep_mode) == (gdn.DEFAULT_PREFILL.prep_warps, gdn.DEFAULT_PREFILL.prep_mode)]
         by_prec = {}
         for c in wy:                           # scan configurations (the prep is timed on its own below)
             key_ = c.precisions(jnp.bfloat16)
@@ -841,9 +863,13 @@ def main():
             save()
         by_prec.clear()
         prep = RES["prefill"][SWEEP_CASE].setdefault("prep", {})
+        tile_ok = any(dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=m, prep_warps=w).name in RES["valid"]["prefill"]
+                      for m, w in gdn.PREP_VARIANTS if m != "blocks")
         for mode, w in gdn.PREP_VARIANTS:
             c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=mode, prep_warps=w)
             label = f"{mode}_w{w}"
+            if mode == "blocks" and tile_ok:      # the fallback is timed only when no tile prep compiled
+                continue
             if c.name not in RES["valid"]["prefill"] or not have_time(f"prep {label}", 8):
                 continue
             try:

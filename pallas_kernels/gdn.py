@@ -8,10 +8,10 @@ Two prefill pipelines (gdn-kernels.md section 3 for the math), chosen by the typ
 
 WYConfig (the default, "wy"): everything that does not depend on the running state is done by one fully parallel
 kernel, so the sequential scan does the minimum per 64-token chunk.
-1. `_prep_kernel`, grid (chunk, key head), both value heads of a key head in one program (K K^T and Q K^T are
-   computed once per key head): A = strict_lower(beta K^ K^T * Gamma), T = (I + A)^-1 (fp32 blocked forward
-   substitution as fla: 16x16 diagonal blocks row by row, every head's chains in one loop, exact fp32 merges),
-   assembled into one [64, 64] tile, and per value head, as full-tile products stored whole:
+1. `_prep_kernel`, grid (chunk, value head) (prep_mode "tile"; "tile2": grid (chunk, key head) with both value
+   heads of a key head in one program): A = strict_lower(beta K^ K^T * Gamma), T = (I + A)^-1 (fp32 blocked
+   forward substitution as fla: 16x16 diagonal blocks row by row, exact fp32 merges), assembled into one [64, 64]
+   tile, and per value head, as full-tile products stored whole:
      W = T (beta e^gamma K^)  [64, dk]  (bf16: a W·H operand; the error analysis below)
      U = T (beta V)           [64, dv]  (fp32)
      P = Q^ K^T * Gamma       [64, 64]  (fp32, causal incl. the diagonal)
@@ -91,9 +91,11 @@ class WYConfig:
     o_prec  P Vnew,
     s_prec  the state update k^T (fk Vnew),
     prep_prec  W = T (..) and U = T (..) in the prep kernel.
-    prep_mode  "tile": T assembled into one [64, 64] tile, W, U, P as full-tile products (the default);
-               "tile1": the same with one value head per program (twice the programs, fewer live values);
-               "blocks": everything in 16-row blocks (no assembly; the fallback)."""
+    prep_mode  "tile": one value head per program, T assembled into one [64, 64] tile, W, U, P as full-tile
+               products (the default; its Triton compile takes ~7 s on a CPU core, against ~20 s for "tile2");
+               "tile2": the same with all value heads of a key head in one program (K K^T, Q K^T computed once,
+               the heads' solve chains interleaved);
+               "blocks": everything in 16-row blocks, heads in a loop (no assembly; the fallback)."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int = 1
@@ -148,7 +150,7 @@ def prefill_sweep():
             PrefillConfig()]
 
 
-PREP_VARIANTS = (("tile", 4), ("tile", 2), ("tile", 8), ("tile1", 4), ("blocks", 4))   # (mode, warps) timed alone
+PREP_VARIANTS = (("tile", 4), ("tile", 2), ("tile", 8), ("tile2", 4), ("blocks", 4))   # (mode, warps) timed alone
 
 
 def decode_sweep():
@@ -700,11 +702,11 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     mc = row0.shape[0]
     f32 = jnp.float32
     return pl.pallas_call(
-        functools.partial({"tile": _prep_kernel, "tile1": functools.partial(_prep_kernel, per_value_head=True),
+        functools.partial({"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
                            "blocks": _prep_blocks_kernel}[mode], ratio=hv // hk, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
-        grid=(mc, hv if mode == "tile1" else hk),
+        grid=(mc, hv if mode == "tile" else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_wy_prep",
     )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))

@@ -72,8 +72,8 @@ BF16_CASES = {
     "wy-bv16-fast-update-blocks-prep": (gdn.WYConfig(bv=16, s_prec="bf16", prep_mode="blocks"), [200, 65, 0], 3e-3),
     "wy-no-prefetch-tf32-update": (gdn.WYConfig(bv=32, prefetch=False, num_stages=2, s_prec="tf32"), [129, 3, 0],
                                    1.5e-3),
-    "wy-tf32-fp32W-tile1-prep": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3",
-                                              prep_mode="tile1"), [130, 1, 0], 1.5e-3),
+    "wy-tf32-fp32W-tile2-prep": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3",
+                                              prep_mode="tile2"), [130, 1, 0], 1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
 }
 
