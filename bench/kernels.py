@@ -4,7 +4,13 @@ One invocation, under a hard time limit (`--time-limit`, checked before every se
 cleanly and records what it got), from the repo root on the GPU machine:
 
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-0.6.0-py3-none-any.whl
-  PYTHONPATH=/tmp/site:$PWD FLA_FLASH_QLA=0 FLA_TILELANG=0 QWEN35_COMMIT=<sha> python3 bench/kernels.py
+  PYTHONPATH=/tmp/site:$PWD FLA_FLASH_QLA=0 FLA_TILELANG=0 QWEN35_COMMIT=<sha> python3 bench/kernels.py \
+      --time-limit 240
+
+(the fla-core wheel is the ignored .whl/ folder, carried to the GPU machine; bench/gpu_session.sh runs the same
+line with its own limit). 240 s covers the checks of the defaults, the headline numbers and the model step at
+batch 64; about 600 s covers every section. Give the outside timeout ~60 s more than --time-limit: a compile that
+starts just before the limit still finishes.
 
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
