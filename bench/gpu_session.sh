@@ -3,7 +3,8 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: kernels throughput serving profile tp9b tp27b. Single-GPU sections run on GPU 0.
+# Sections: kernels throughput serving servinglite profile tp9b tp27b. Single-GPU sections run on GPU 0.
+# XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 set -u
 total=${1:-560}; shift || true
 sections=${*:-kernels throughput serving profile tp9b}
@@ -29,6 +30,7 @@ run() {   # name share_seconds command...
   pack
 }
 engine_flags="--max-model-len 1536 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-rows 2"
+lite_flags="--max-model-len 1536 --max-num-seqs 16 --max-num-batched-tokens 1024 --max-prefill-rows 1"
 for s in $sections; do
   case $s in
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
@@ -38,6 +40,10 @@ for s in $sections; do
                --config bench/configs/qwen3.5-9b.json --num-prompts 32 --input-len 1024 --output-len 256 \
                --max-concurrency 16 --ignore-eos --result-file "$work/serving.json" --record -- \
                $engine_flags --compilation-cache-dir $xla/engine ;;
+    servinglite) CUDA_VISIBLE_DEVICES=0 run serving 170 python3 bench/serving.py --compare \
+               --config bench/configs/qwen3.5-9b.json --num-prompts 16 --input-len 1024 --output-len 256 \
+               --max-concurrency 16 --ignore-eos --result-file "$work/serving.json" --record -- \
+               $lite_flags --compilation-cache-dir $xla/lite ;;
     profile) CUDA_VISIBLE_DEVICES=0 run profile 80 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/prof --append-results \
                --compilation-cache-dir $xla/profile ;;
