@@ -47,7 +47,8 @@ for s in $sections; do
     profile) CUDA_VISIBLE_DEVICES=0 run profile 80 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/prof --append-results \
                --compilation-cache-dir $xla/profile ;;
-    tp9b) run tp9b 210 python3 bench/tp.py --configs bench/configs/qwen3.5-9b.json --tp 2 --record ;;
+    tp9b) XLA_FLAGS="${TP_XLA_FLAGS:-${XLA_FLAGS:-}}" run tp9b 210 python3 bench/tp.py \
+            --configs bench/configs/qwen3.5-9b.json --tp 2 --record ;;
     tp27b) run tp27b 240 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
 done

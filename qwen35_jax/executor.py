@@ -95,7 +95,11 @@ def decode_step(cfg, layout, kernels, steps, weights, state, sstate: SamplerStat
                                        active)
         return (state, sstate), out
 
-    (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
+    if steps == 1:      # no loop: a while loop would split XLA's command buffer (CUDA graph) of the step
+        (state, sstate), out = one((state, sstate), jnp.int32(0))
+        outs = jax.tree.map(lambda x: x[None], out)
+    else:
+        (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
     return state, sstate, _gather_rows(outs, 1)
 
 
