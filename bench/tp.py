@@ -117,8 +117,9 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
 
     table = [{"batch": b, "tp=1 ms": f"{t1[b] * 1e3:.2f}", f"tp={tp} ms": f"{tn[b] * 1e3:.2f}",
               "speed-up": f"{t1[b] / tn[b]:.2f}×", f"tp={tp} tok/s": f"{b / tn[b]:.0f}"} for b in batches]
+    flags = os.environ.get("XLA_FLAGS")
     body = (f"Model: `{path}` shapes, random bf16 weights (tp={tp} weights are the tp=1 weights re-laid-out, "
-            f"`weights.relayout`). Decode at context {ctx}.\n\n"
+            f"`weights.relayout`). Decode at context {ctx}." + (f" XLA_FLAGS=`{flags}`." if flags else "") + "\n\n"
             f"- logits of one {prompt_len}-token prompt, tp={tp} vs tp=1: top-1 agreement {agree:.4f}, "
             f"mean |Δ log-prob| of the tp=1 top token {dlp:.4f}\n"
             f"- per device: weights {mem1[0] / GiB:.2f} GiB (tp=1) → {memn[0] / GiB:.2f} GiB (tp={tp}, "
