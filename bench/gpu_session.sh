@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: kernels throughput serving servinglite profile tp9b tp27b. Single-GPU sections run on GPU 0.
+# Sections: attention kernels throughput serving servinglite profile tp9b tp27b. Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 set -u
 total=${1:-560}; shift || true
@@ -33,6 +33,7 @@ engine_flags="--max-model-len 1536 --max-num-seqs 64 --max-num-batched-tokens 20
 lite_flags="--max-model-len 1536 --max-num-seqs 16 --max-num-batched-tokens 1024 --max-prefill-rows 1"
 for s in $sections; do
   case $s in
+    attention) CUDA_VISIBLE_DEVICES=0 run attention 90 python3 bench/attention.py --record ;;
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 150 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;

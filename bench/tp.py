@@ -92,7 +92,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
     ref = prompt_logits(cfg, mesh1, w1, ids)
     eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
     mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
-    t1 = {b: time_decode(eng1, b, ctx, 10) for b in batches}
+    t1 = {b: time_decode(eng1, b, ctx, 10)[0] for b in batches}
     print(f"[{name}] tp=1 decode ms {[round(v * 1e3, 2) for v in t1.values()]}", flush=True)
     eng1.shutdown()
     del eng1
@@ -108,7 +108,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
     print(f"[{name}] tp={tp} vs tp=1: top-1 agreement {agree:.4f}, mean |dlogprob| {dlp:.4f}", flush=True)
     engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
     memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
-    tn = {b: time_decode(engn, b, ctx, 10) for b in batches}
+    tn = {b: time_decode(engn, b, ctx, 10)[0] for b in batches}
     coll, total = allreduce_ms_per_step(engn, 16 if 16 in batches else batches[-1], ctx)
     sweep = engn.precompile_seconds
     n_exe = len(engn.executor.compiled)

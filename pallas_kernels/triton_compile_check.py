@@ -1,7 +1,8 @@
 """Compile the Pallas-Triton GDN kernels for sm_90 on a machine without a GPU: shared memory, registers, spills.
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
-further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() at the 9B shapes
+further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
+paged_attention.config_sweep() at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM and the tensor-core path of the dots. jaxlib bundles its
@@ -26,7 +27,7 @@ def dump(out_dir, only=()):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from pallas_kernels import gdn
+    from pallas_kernels import gdn, paged_attention as pa
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -55,6 +56,11 @@ def dump(out_dir, only=()):
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
              for c in (gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
+    for b in (1, 64):               # paged decode attention at 9B shapes (Hq 16, Hkv 4, D 256, page 16, 8k context)
+        attn = (S((b, 16, 256), bf), S((4, 8193, 16, 256), bf), S((4, 8193, 16, 256), bf), S((b, 512), i32),
+                S((b,), i32))
+        jobs += [(f"attn_b{b}_{c.name}", functools.partial(pa.paged_decode_attention, config=c), attn)
+                 for c in pa.config_sweep()]
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:

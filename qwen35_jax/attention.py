@@ -62,3 +62,10 @@ def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens):
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]                    # rows with no visible key (padding): zeros
     return jnp.moveaxis(o, 3, 1).reshape(n, t, hq, d).astype(q.dtype)
+
+
+def decode_attention(q, k_pages, v_pages, pages, ctx_lens):
+    """One query token per row (q [N, Hq, D], at position ctx_lens - 1): the contract of
+    pallas_kernels/paged_attention.py, whose reference this is."""
+    positions = jnp.maximum(ctx_lens - 1, 0)[:, None]
+    return paged_attention(q[:, None], k_pages, v_pages, pages, positions, ctx_lens)[:, 0]

@@ -1,4 +1,4 @@
-"""Which implementation of the GDN / conv operations the model runs (`kernel_backend`).
+"""Which implementation of the GDN / conv / decode-attention operations the model runs (`kernel_backend`).
 
 "reference": the pure-jnp references (any platform); "pallas": the Pallas-Triton kernels, compiled (GPU only);
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
@@ -8,7 +8,8 @@ parallel prep kernel + a four-dot chunk scan) and the decode step `gdn.DEFAULT_D
 one warp per program). These are the variants expected to be fastest from the kernels' design and their
 sm_90 compile statistics; they are NOT yet validated by a GPU run (bench/kernels.py times them against the
 previous kernels). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2`
-(or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
+(or any name in gdn.decode_sweep()) another decode configuration; the choice is logged. Decode attention:
+pallas_kernels/paged_attention.py (DEFAULT config, also not yet timed on a GPU; bench/attention.py times it).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import os
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
+from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ def decode_variants() -> dict:
 
 def reference_kernels() -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode,
-                   conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode)
+                   conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
+                   attention_decode=decode_attention)
 
 
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None) -> Kernels:
@@ -50,7 +53,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s)", prefill, pv[prefill].name, decode, dv[decode].name)
     p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
-                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode))
+                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
+                   attention_decode=p(paged_attention.paged_decode_attention))
 
 
 def default_backend() -> str:

@@ -35,13 +35,15 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The GDN/conv operations the model runs; a backend supplies them (see qwen35_jax.backends). Contracts:
-    pallas_kernels/gdn_reference.py and conv1d_reference.py. Prefill rows starting at position 0 begin from
-    zero state (use_state False), so a recycled slot never leaks its previous request's state."""
+    """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.backends).
+    Contracts: pallas_kernels/gdn_reference.py, conv1d_reference.py and attention.decode_attention. Prefill rows
+    starting at position 0 begin from zero state (use_state False), so a recycled slot never leaks its previous
+    request's state."""
     gdn_prefill: Callable
     gdn_decode: Callable
     conv_prefill: Callable
     conv_decode: Callable
+    attention_decode: Callable
 
 
 def rms_norm_1p(x, w, eps):
@@ -86,7 +88,8 @@ def embed(cfg: ModelConfig, table, tokens):
     return jax.lax.psum(x, TP)
 
 
-def attention_block(cfg: ModelConfig, layout: Layout, w: Attention, x, k_pages, v_pages, batch: Batch, positions):
+def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, x, k_pages, v_pages,
+                    batch: Batch, positions):
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
@@ -101,7 +104,11 @@ def attention_block(cfg: ModelConfig, layout: Layout, w: Attention, x, k_pages, 
     with jax.named_scope("kv_write"):
         k_pages, v_pages = attn_ops.write_kv(k_pages, v_pages, k, v, batch.pages, positions, batch.lens)
     with jax.named_scope("attention"):
-        o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, batch.start + batch.lens)
+        ctx = batch.start + batch.lens
+        if t == 1:
+            o = kernels.attention_decode(q[:, 0], k_pages, v_pages, batch.pages, ctx)[:, None]
+        else:
+            o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
         return row_parallel(o, w.o_proj), k_pages, v_pages
@@ -162,7 +169,8 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
             h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
                 with jax.named_scope("attention"):
-                    h, kp[ai], vp[ai] = attention_block(cfg, layout, layer.mixer, h, kp[ai], vp[ai], batch, positions)
+                    h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
+                                                          positions)
                 ai += 1
             else:
                 with jax.named_scope("gdn"):

@@ -100,27 +100,18 @@ def _filter(x, p: SamplingBatch):
 
 
 def sample(logits, p: SamplingBatch, counts, prompt_mask):
-    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict)."""
+    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict).
+
+    Branch-free on purpose: XLA:GPU runs a `lax.cond` by copying its predicate to the host and blocking on the
+    stream, which would make every decode dispatch wait for the device. So the filters, the Gumbel noise and the
+    top-N logprobs are computed for every row, and rows that asked for none of them ignore the results."""
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = apply_penalties(logits, p, counts, prompt_mask)
     greedy = p.temperature <= 0
-    x_t = x / jnp.where(greedy, 1.0, p.temperature)[:, None]
-    needs_filter = jnp.any(((p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)) & ~greedy)
-    x_t = jax.lax.cond(needs_filter, lambda y: _filter(y, p), lambda y: y, x_t)
+    x_t = _filter(x / jnp.where(greedy, 1.0, p.temperature)[:, None], p)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
-    gumbel = lambda y: y + jax.vmap(lambda k: jax.random.gumbel(k, y.shape[-1:], jnp.float32))(keys)
-    sampled = jnp.argmax(jax.lax.cond(jnp.all(greedy), lambda y: y, gumbel, x_t), axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), sampled).astype(jnp.int32)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, x_t.shape[-1:], jnp.float32))(keys)
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x_t + noise, axis=-1)).astype(jnp.int32)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-
-    b, v = logits.shape
-    n = min(MAX_LOGPROBS, v)
-
-    def top(lp):
-        vals, idx = jax.lax.top_k(lp, n)
-        return vals, idx.astype(jnp.int32)
-
-    top_v, top_i = jax.lax.cond(jnp.any(p.logprobs), top,
-                                lambda lp: (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), jnp.int32)),
-                                raw_logprobs)
-    return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i}
+    top_v, top_i = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i.astype(jnp.int32)}

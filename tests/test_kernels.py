@@ -1,5 +1,6 @@
-"""The Pallas GDN / conv kernels (interpret mode on CPU) against the pure-jnp references; CUDA cross-lowering so a
-Triton-illegal shape fails here and not on the GPU; and model logits with the interpret kernels = reference's."""
+"""The Pallas GDN / conv / paged decode attention kernels (interpret mode on CPU) against the pure-jnp references;
+CUDA cross-lowering so a Triton-illegal shape fails here and not on the GPU; model logits with the interpret kernels
+= reference's; and a decode step lowered for CUDA has no host synchronisation (no while / conditional)."""
 import functools
 
 import jax
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
+from qwen35_jax.attention import decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -170,6 +172,56 @@ def test_conv_prefill_and_decode_exact():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Paged decode attention
+
+
+def attention_inputs(seed, n, hq, hkv, d, page_size, pages_per_seq, ctx, dtype):
+    """Rows with their pages scattered over a shared pool (page 0 = null page, left zero)."""
+    rng = np.random.default_rng(seed)
+    num_pages = 1 + n * pages_per_seq
+    k = rng.standard_normal((hkv, num_pages, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, num_pages, page_size, d)).astype(np.float32)
+    k[:, 0] = v[:, 0] = 0.0
+    q = 2.0 * rng.standard_normal((n, hq, d))
+    pages = np.zeros((n, pages_per_seq), np.int32)
+    free = rng.permutation(np.arange(1, num_pages))
+    for i, c in enumerate(ctx):
+        used = -(-c // page_size)
+        pages[i, :used] = free[i * pages_per_seq:i * pages_per_seq + used]
+    cast = lambda x: jnp.asarray(x, dtype)
+    return cast(q), cast(k), cast(v), jnp.asarray(pages), jnp.asarray(ctx, jnp.int32)
+
+
+@pytest.mark.parametrize("hq,hkv,config", [
+    (4, 4, None), (8, 4, None), (6, 2, paged_attention.DecodeAttentionConfig(pages_per_block=2, target_programs=64)),
+    (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1))])
+def test_paged_decode_attention_matches_reference(hq, hkv, config):
+    """G = 1, 2, 3, 6 query heads per KV head (padded to 16 rows); contexts empty (padded row), one token, page
+    boundaries, long; several splits and one."""
+    ctx = [0, 1, 15, 16, 17, 64, 200, 127]
+    args = attention_inputs(0, len(ctx), hq, hkv, 32, 8, 32, ctx, jnp.float32)
+    ref = decode_attention(*args)
+    got = jax.jit(functools.partial(paged_attention.paged_decode_attention, config=config, interpret=True))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    assert not np.asarray(got[0]).any()                    # no visible key: zeros
+
+
+def test_paged_decode_attention_bf16():
+    ctx = [33, 300, 7]
+    args = attention_inputs(1, 3, 16, 4, 64, 16, 24, ctx, jnp.bfloat16)
+    ref = np.asarray(decode_attention(*args), np.float32)
+    got = np.asarray(paged_attention.paged_decode_attention(*args, interpret=True), np.float32)
+    assert rel(got, ref) < 5e-3
+
+
+def test_paged_decode_attention_splits():
+    cfg = paged_attention.DEFAULT
+    assert paged_attention.num_splits(64, 4, 512, cfg) == 2          # 9B batch 64: 512 programs from 2 splits
+    assert paged_attention.num_splits(1, 4, 512, cfg) == cfg.max_splits
+    assert paged_attention.num_splits(1, 4, 3, cfg) == 1              # never more splits than page blocks
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering on the CPU (jax-anchors section 6): Triton-illegal shapes or ops fail here.
 
 
@@ -214,6 +266,55 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
     assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
+
+    for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
+        attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
+                S((b,), i32))
+        acfgs = paged_attention.config_sweep()
+        text = lower_for_cuda(lambda *x: [paged_attention.paged_decode_attention(*x, config=c) for c in acfgs], *attn)
+        assert text.count("__gpu$xla.gpu.triton") == len(acfgs)
+
+
+def test_decode_step_has_no_host_synchronisation():
+    """XLA:GPU runs a while loop with a data-dependent trip count, and a conditional, by copying the predicate to
+    the host and blocking on the stream; a decode step must have neither, so the engine can dispatch ahead. The
+    decode step with the Pallas kernels, lowered for CUDA: no while / case / if outside the Triton kernels."""
+    from qwen35_jax import backends
+    from qwen35_jax.config import load_config
+    from qwen35_jax.executor import decode_step
+    from qwen35_jax.sampler import SamplerState, SamplingBatch
+    from qwen35_jax.sharding import DP, TP, Layout
+    from qwen35_jax.state import abstract_state
+    from qwen35_jax.weights import abstract_weights
+    cfg = load_config(fixture_dir("mm_tied_r2_g2"))
+    layout = Layout.build(cfg, 1)
+    kernels = backends.pallas_kernels(interpret=False)
+    S, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+    as_struct = lambda tree: jax.tree.map(lambda p: S(p.shape, p.dtype), tree,
+                                          is_leaf=lambda x: hasattr(x, "axes"))
+    weights = as_struct(abstract_weights(cfg, layout, jnp.bfloat16))
+    state = as_struct(abstract_state(cfg, layout, 4, 9, 16, jnp.bfloat16))
+    b, v = 4, weights.embed.shape[0]
+    sstate = SamplerState(last_token=S((5,), i32), counts=S((5, v), i32), prompt_mask=S((5, v), jnp.bool_))
+    sp = SamplingBatch(*(S((b,), f) for f in (f32, i32, f32, f32, f32, f32, f32, jnp.uint32, i32, jnp.bool_)))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
+
+    def lowered(kernels):
+        step = functools.partial(decode_step, cfg, layout, kernels, 1)
+        fn = jax.shard_map(step, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+                           out_specs=jax.sharding.PartitionSpec(), check_vma=False)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.jit(fn).trace(weights, state, sstate, S((b,), i32), S((b,), i32), S((b, 8), i32), sp).lower(
+                lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(kernels)
+    assert text.count("__gpu$xla.gpu.triton") >= len(cfg.layer_types)     # GDN, conv and attention kernels
+    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        assert op not in text, f"{op} in the decode step: a host round trip per step on GPU"
+    # The check sees a loop where there is one: the jnp attention walks its pages in a data-dependent while.
+    import dataclasses
+    assert "stablehlo.while" in lowered(dataclasses.replace(kernels, attention_decode=decode_attention))
 
 
 def test_backend_kernel_variants():
