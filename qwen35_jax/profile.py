@@ -464,6 +464,11 @@ def _layer_table(r: ProfileReport, phase: str) -> list[str]:
         widths = [1 + max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(heads)]
         lines.append(f"{block + ' layer':<16}" + "".join(f"{h:>{w}}" for h, w in zip(heads, widths)))
         lines += [f"{i:<16}" + "".join(f"{c:>{w}}" for c, w in zip(row, widths)) for i, row in zip(idx, cells)]
+    open_layer = sum(e.self_ns for e in r.phase_events(phase) if e.scope[:1] == (pt.AMBIGUOUS_LAYER,)) / 1e6
+    if open_layer:
+        per = r._per_step(phase, {"ms": open_layer})["ms"]
+        lines.append(f"(layer not determined: {per:.4f} ms of shared kernels whose launches could not be told "
+                     "apart; counted in the block tables above)")
     return lines
 
 

@@ -20,6 +20,15 @@ instruction names (`HloIndex.pick`). Without the HLO text, a scope path in the e
 `long_name` stat is used; events that can be mapped neither way are reported as "(unattributed)" under their own
 name, never dropped.
 
+On the H200 (jax 0.11.2) kernels launched from command buffers (CUDA graphs) did not carry their own `hlo_op`,
+so they are mapped by kernel name, and XLA:GPU gives one kernel to every fusion with the same fused computation
+(kernel reuse), named after the first of them: a name alone would put every layer's twin fusions in the first
+layer. `Executable.kernel_groups` lists, per shared kernel name, the instructions that may have launched it, in
+schedule order (twin fusions; Pallas kernels by their `name`; cuBLAS GEMM custom calls for cuBLAS kernel
+names), and `resolve` gives the k-th launch of a name in one execution to the k-th of them. Where the number of
+launches does not fit the group (e.g. a GEMM inside a loop), the events keep the scope the group's members share,
+with the layer left open (`AMBIGUOUS_LAYER`), never a guess.
+
 Time per event is its exclusive time on its line (an op's duration minus ops nested inside it on the same line);
 control-flow ops (`while`, `conditional`, `call`) are not counted since their bodies' ops are.
 """
@@ -38,6 +47,8 @@ BLOCKS = ("attention", "gdn", "mlp")
 LAYER_OTHER = "norm+residual"      # ops inside layerN but outside its mixer / mlp (the two RMSNorms, residual adds)
 UNSCOPED = "(unscoped)"           # ops of our executables outside every named scope
 UNATTRIBUTED = "(unattributed)"   # device events we cannot map to an HLO instruction or scope path
+AMBIGUOUS_LAYER = "layer?"        # a shared kernel whose launches could not be told apart between layers
+CUBLAS_KERNEL = re.compile(r"^(nvjet|sm\d+_xmma|cutlass|ampere_|hopper_|gemv|gemmk|gemmSN|.*cublas)", re.I)
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "Framework Name Scope", "Framework Ops", "Steps", "Source code",
                  "XLA TraceMe", "Launch Stats", "SparseCore")
 
@@ -79,12 +90,22 @@ class Instr:
     opcode: str
     operands: tuple = ()        # instruction names
     calls: tuple = ()           # called computations (fusions, custom calls)
+    kernel: str = ""            # a custom call's kernel name (Pallas: backend_config "name"), "cublas" for GEMMs
+    shape_text: str = ""        # the rhs without names and metadata (fusion-body fingerprints)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=(\{[^}]*\}|%?[\w.\-]+)")
+_KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)')
+_ATTRIBUTES = re.compile(r",\s*(metadata|backend_config|frontend_attributes|statistics_viz|origin)=")
+
+
+def _normalise(rhs: str) -> str:
+    """An instruction's rhs without instruction names and trailing attributes (metadata, backend config): equal
+    for the twin ops of two layers."""
+    return re.sub(r"%[\w.\-]+", "%", _ATTRIBUTES.split(rhs, 1)[0])
 
 
 def _split_rhs(rhs: str) -> tuple[str, str]:
@@ -129,8 +150,13 @@ def parse_hlo(text: str) -> tuple[str, dict[str, Instr], dict[str, tuple[str, li
         name, rhs = im.groups()
         opcode, args = _split_rhs(rhs)
         om, calls = _OP_NAME.search(rhs), _CALLS.search(rhs)
+        kernel = ""
+        if opcode == "custom-call":
+            km = _KERNEL_NAME.search(rhs)
+            kernel = km.group(1) if km else ("cublas" if "cublas" in rhs else "")
         instrs[name] = Instr(om.group(1) if om else "", opcode, tuple(re.findall(r"%([\w.\-]+)", args)),
-                             tuple(re.findall(r"[\w.\-]+", calls.group(1).replace("%", " "))) if calls else ())
+                             tuple(re.findall(r"[\w.\-]+", calls.group(1).replace("%", " "))) if calls else (),
+                             kernel, _normalise(rhs))
         if current is not None:
             current[1].append(name)
             if line.lstrip().startswith("ROOT "):
@@ -158,6 +184,26 @@ class Executable:
         self.module, self.instrs, self.comps = parse_hlo(text)
         self.sanitised = {re.sub(r"[.\-]", "_", k): k for k in self.instrs}
         self._resolved: dict[str, str] = {}
+        self.kernel_groups = self._kernel_groups()
+
+    def _kernel_groups(self) -> dict[str, list[str]]:
+        """Kernel name -> the instructions (schedule order) that may launch a kernel of that name, where there is
+        more than one: fusions with identical bodies (XLA reuses the first one's kernel and name), custom calls
+        of one Pallas kernel, and the cuBLAS GEMMs (key "cublas")."""
+        order = [n for _, members in self.comps.values() for n in members]
+        twins: dict[str, list[str]] = collections.defaultdict(list)
+        named: dict[str, list[str]] = collections.defaultdict(list)
+        for n in order:
+            ins = self.instrs[n]
+            if ins.opcode == "fusion" and ins.calls:
+                body = self.comps.get(ins.calls[0], ("", []))[1]
+                key = ins.shape_text + "|" + "|".join(self.instrs[m].shape_text for m in body)
+                twins[key].append(n)
+            elif ins.kernel:
+                named[ins.kernel].append(n)
+        groups = {re.sub(r"[.\-]", "_", g[0]): g for g in twins.values() if len(g) > 1}
+        groups.update({k: g for k, g in named.items() if len(g) > 1 or k == "cublas"})
+        return groups
 
     def find(self, op: str | None, event_name: str) -> str | None:
         """The instruction name an event ran: its hlo_op stat, else its name (GPU kernels: '.' and '-' -> '_')."""
@@ -221,7 +267,7 @@ class HloIndex:
         for exe in self.executables:
             if module and exe.module != module:
                 continue
-            hits = sum(exe.find(op, n) is not None for op, n in names)
+            hits = sum(exe.find(op, n) is not None or n in exe.kernel_groups for op, n in names)
             if hits > best_hits:
                 best, best_hits = exe, hits
         return best
@@ -395,8 +441,16 @@ def resolve(events: list, hlo: HloIndex | None = None) -> list:
     out = []
     for (module, _), group in groups.items():
         exe = hlo.pick(module, [(e.hlo_op, e.name) for e in group]) if hlo is not None else None
+        shared = _shared_kernels(exe, group) if exe is not None else {}
         for e in group:
-            name = exe.find(e.hlo_op, e.name) if exe is not None else None
+            if exe is not None and e.hlo_op in exe.instrs:
+                name = e.hlo_op
+            elif id(e) in shared:
+                e.scope, e.opcode = shared[id(e)]
+                out.append(e)
+                continue
+            else:
+                name = exe.find(e.hlo_op, e.name) if exe is not None else None
             if name is not None:
                 e.scope, e.opcode = scope_of(exe.op_name(name)), exe.instrs[name].opcode
             else:
@@ -406,6 +460,54 @@ def resolve(events: list, hlo: HloIndex | None = None) -> list:
                 out.append(e)
     out.sort(key=lambda e: e.start_ns)
     return out
+
+
+def _group_key(exe: Executable, e: OpEvent) -> str | None:
+    """Which of exe.kernel_groups an event without a usable hlo_op belongs to (by kernel name)."""
+    if e.name in exe.kernel_groups:
+        return e.name
+    if e.name not in exe.instrs and e.name not in exe.sanitised and CUBLAS_KERNEL.match(e.name):
+        return "cublas"
+    return None
+
+
+def _shared_kernels(exe: Executable, events: list) -> dict[int, tuple]:
+    """{id(event): (scope, opcode)} for the launches of shared kernels in one executable's events: the k-th launch
+    of a name (time order) is the k-th instruction of its group (repeating per execution). Group members whose own
+    kernel name appears among the events launched their own kernel and are left out. If the launches of a name
+    are not a whole number of passes over its group, every launch gets the scope the members share, with the
+    layer left open."""
+    names = {e.name for e in events}
+    launches: dict[str, list] = collections.defaultdict(list)
+    for e in sorted(events, key=lambda e: e.start_ns):
+        if e.hlo_op in exe.instrs:
+            continue
+        key = _group_key(exe, e)
+        if key is not None:
+            launches[key].append(e)
+    out = {}
+    for key, evs in launches.items():
+        group = exe.kernel_groups[key]
+        members = [m for i, m in enumerate(group) if i == 0 or key == "cublas" or
+                   re.sub(r"[.\-]", "_", m) not in names]
+        scopes = [scope_of(exe.op_name(m)) for m in members]
+        if len(evs) % len(members) == 0:
+            for k, e in enumerate(evs):
+                out[id(e)] = (scopes[k % len(members)], exe.instrs[members[k % len(members)]].opcode)
+        else:
+            common = _common_scope(scopes)
+            for e in evs:
+                out[id(e)] = (common if common else (UNATTRIBUTED, e.name, ""), exe.instrs[members[0]].opcode)
+    return out
+
+
+def _common_scope(scopes: list) -> tuple | None:
+    """The scope several layers' ops share, with the layer left open; None if they differ beyond the layer."""
+    if len({s[1:] for s in scopes}) == 1 and all(s[0].startswith("layer") for s in scopes):
+        return (AMBIGUOUS_LAYER if len({s[0] for s in scopes}) > 1 else scopes[0][0],) + scopes[0][1:]
+    if len(set(scopes)) == 1:
+        return scopes[0]
+    return None
 
 
 def assign(events: list, windows: list) -> list:
@@ -437,7 +539,7 @@ def block_of(scope: tuple) -> str:
 
 def layer_index(scope: tuple) -> int | None:
     top = scope[0]
-    return int(top[5:]) if top.startswith("layer") else None
+    return int(top[5:]) if top.startswith("layer") and top != AMBIGUOUS_LAYER else None
 
 
 def by_block(events) -> dict[str, float]:

@@ -93,6 +93,60 @@ def test_exclusive_time_and_control_flow():
     assert unknown[0].scope == (pt.UNATTRIBUTED, "mystery_kernel", "")
 
 
+TWINS = """HloModule jit_step, is_scheduled=true
+
+%fused_computation.1 (p.1: f32[4,8]) -> f32[4,8] {
+  %p.1 = f32[4,8]{1,0} parameter(0)
+  ROOT %n.1 = f32[4,8]{1,0} negate(%p.1), metadata={op_name="jit(step)/layer0/gdn/gated_norm/neg"}
+}
+
+%fused_computation.2 (p.2: f32[4,8]) -> f32[4,8] {
+  %p.2 = f32[4,8]{1,0} parameter(0)
+  ROOT %n.2 = f32[4,8]{1,0} negate(%p.2), metadata={op_name="jit(step)/layer1/gdn/gated_norm/neg"}
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %gemm.1 = (f32[4,8]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/layer0/gdn/in_proj/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1}}
+  %gte.1 = f32[4,8]{1,0} get-tuple-element(%gemm.1), index=0
+  %custom-call.3 = f32[4,8]{1,0} custom-call(%gte.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/layer0/gdn/gated_delta_rule/pallas_call"}, backend_config={"name":"gdn_decode","num_warps":1}
+  %loop_negate_fusion = f32[4,8]{1,0} fusion(%custom-call.3), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(step)/layer0/gdn/gated_norm/neg"}
+  %gemm.2 = (f32[4,8]{1,0}, s8[0]{0}) custom-call(%loop_negate_fusion, %a), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/layer1/gdn/in_proj/dot_general"}, backend_config={"gemm_backend_config":{"alpha_real":1}}
+  %gte.2 = f32[4,8]{1,0} get-tuple-element(%gemm.2), index=0
+  %custom-call.4 = f32[4,8]{1,0} custom-call(%gte.2), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/layer1/gdn/gated_delta_rule/pallas_call"}, backend_config={"name":"gdn_decode","num_warps":1}
+  ROOT %loop_negate_fusion.1 = f32[4,8]{1,0} fusion(%custom-call.4), kind=kLoop, calls=%fused_computation.2, metadata={op_name="jit(step)/layer1/gdn/gated_norm/neg"}
+}
+"""
+
+
+def test_shared_kernels_attributed_by_launch_order():
+    """Kernels launched without their own hlo_op (from a CUDA graph) and shared by several layers (XLA's kernel
+    reuse names twin fusions after the first; one Pallas kernel name per layer; cuBLAS names): the k-th launch in
+    an execution is the k-th instruction of the group, in schedule order, not the first layer every time."""
+    exe = pt.Executable(TWINS)
+    assert exe.kernel_groups["loop_negate_fusion"] == ["loop_negate_fusion", "loop_negate_fusion.1"]
+    assert exe.kernel_groups["gdn_decode"] == ["custom-call.3", "custom-call.4"]
+    assert exe.kernel_groups["cublas"] == ["gemm.1", "gemm.2"]
+    names = ["nvjet_sm90_tst_128x64_NNT", "gdn_decode", "loop_negate_fusion"] * 2
+    ev = lambda n, t, op=None: pt.OpEvent(n, "jit_step", op, "1", t, 1, "line", None)
+    for runs in (1, 2):                                         # one execution, or two in one group
+        events = [ev(n, t) for t, n in enumerate(names * runs)]
+        got = [(e.name, e.scope) for e in pt.resolve(events, pt.HloIndex([TWINS]))]
+        want = [(names[0], ("layer0", "gdn", "in_proj")), (names[1], ("layer0", "gdn", "gated_delta_rule")),
+                (names[2], ("layer0", "gdn", "gated_norm")), (names[0], ("layer1", "gdn", "in_proj")),
+                (names[1], ("layer1", "gdn", "gated_delta_rule")), (names[2], ("layer1", "gdn", "gated_norm"))]
+        assert got == want * runs
+    # A twin that launched its own kernel (its own name seen) is not in the group: both map to themselves.
+    own = pt.resolve([ev("loop_negate_fusion", 0), ev("loop_negate_fusion_1", 1)], pt.HloIndex([TWINS]))
+    assert [e.scope[0] for e in own] == ["layer0", "layer1"]
+    # An hlo_op that names an instruction wins over the kernel name.
+    assert pt.resolve([ev("gdn_decode", 0, "custom-call.4")], pt.HloIndex([TWINS]))[0].scope[0] == "layer1"
+    # Launches that do not fit the group (three for two instructions): the shared scope, layer left open.
+    odd = pt.resolve([ev("gdn_decode", t) for t in range(3)], pt.HloIndex([TWINS]))
+    assert {e.scope for e in odd} == {(pt.AMBIGUOUS_LAYER, "gdn", "gated_delta_rule")}
+    assert pt.by_layer(odd) == {} and set(pt.by_block(odd)) == {"gdn"}
+
+
 def gpu_plane(pid: int, device: int, kernels) -> str:
     """An XPlane text proto shaped like a GPU device plane: a stream line of kernels (name, start us, dur us,
     hlo_op or None), the hlo_module / program_id stats XLA's launch annotations give them, and a derived line."""
