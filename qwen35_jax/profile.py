@@ -27,8 +27,9 @@ Beside the trace, the session dir gets `<step>.hlo.txt` (the optimised HLO of ea
 `load_report(session)` rebuilds the same report anywhere (e.g. on a trace copied back from the GPU machine).
 
 While a profiler session is active, XLA:GPU runs its command buffers (CUDA graphs) op by op (CommandBufferThunk
-does so unless --xla_enable_command_buffers_during_profiling), so every kernel is traced with its own annotation,
-but a traced step also pays one launch per kernel. The decode step is therefore timed twice: in the trace (device
+does so unless --xla_enable_command_buffers_during_profiling), so every kernel is traced as its own event (without
+its own `hlo_op` annotation on the H200: profile_trace attributes those by kernel name and launch order), but a
+traced step also pays one launch per kernel. The decode step is therefore timed twice: in the trace (device
 span) and untraced right after it (wall time of back-to-back dispatches, as serving runs them, command buffers
 on); the roofline ratio uses the untraced time and, for reference, the traced one.
 

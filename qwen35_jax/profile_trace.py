@@ -8,7 +8,8 @@ What the trace holds (jax 0.11.2, checked on CPU; GPU per XLA's kernel annotatio
   op is an event that encloses its body's op events.
 - XLA:GPU kernels are events on `/device:GPU:N` planes (stream lines) with stats `hlo_op` and `hlo_module`
   taken from the launch annotation (`Thunk:#name=<op_name minus the module prefix>,hlo_op=<instr>#`). While a
-  profiler session is active XLA runs command buffers (CUDA graphs) op by op, so every kernel has its own.
+  profiler session is active XLA runs command buffers (CUDA graphs) op by op, so every kernel is its own event,
+  but those kernels did not carry their own `hlo_op` on the H200 (see below).
 
 So an event is mapped to a scope through its HLO instruction: `hlo_module` + `hlo_op` (or the event name, which
 is the instruction name on CPU and the sanitised fusion name on GPU) are looked up in the optimised HLO text of
