@@ -7,7 +7,7 @@
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 set -u
 total=${1:-560}; shift || true
-sections=${*:-kernels throughput serving profile tp9b}
+sections=${*:-attention throughput servinglite profile kernels}
 start=$(date +%s)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 work=/tmp/session; mkdir -p $work
