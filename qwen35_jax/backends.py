@@ -50,7 +50,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
     if decode not in dv:
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s)", prefill, pv[prefill].name, decode, dv[decode].name)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s", prefill, pv[prefill].name, decode,
+             dv[decode].name, paged_attention.DEFAULT.name)
     p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
