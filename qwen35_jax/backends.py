@@ -9,7 +9,8 @@ one warp per program). These are the variants expected to be fastest from the ke
 sm_90 compile statistics; they are NOT yet validated by a GPU run (bench/kernels.py times them against the
 previous kernels). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2`
 (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged. Decode attention:
-pallas_kernels/paged_attention.py (DEFAULT config, also not yet timed on a GPU; bench/attention.py times it).
+pallas_kernels/paged_attention.py (DEFAULT config, not yet run on a GPU; bench/attention.py checks and times it);
+`QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead.
 """
 from __future__ import annotations
 
@@ -41,21 +42,32 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
-def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None) -> Kernels:
-    """prefill / decode: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE, else "wy" / "default")."""
+def attention_variants() -> dict:
+    """Decode attention under the Pallas backends: the kernel (default) or, to rule it out, the jnp reference
+    (whose page loop costs a host round trip per block on GPU)."""
+    return {"kernel": paged_attention.DEFAULT, "jnp": None}
+
+
+def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
+                   attention: str | None = None) -> Kernels:
+    """prefill / decode / attention: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
+    $QWEN35_DECODE_ATTENTION, else "wy" / "default" / "kernel")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
-    pv, dv = prefill_variants(), decode_variants()
+    attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
+    pv, dv, av = prefill_variants(), decode_variants(), attention_variants()
     if prefill not in pv:
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
     if decode not in dv:
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s", prefill, pv[prefill].name, decode,
-             dv[decode].name, paged_attention.DEFAULT.name)
+    if attention not in av:
+        raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s (%s)", prefill, pv[prefill].name,
+             decode, dv[decode].name, attention, av[attention].name if av[attention] else "jnp reference")
     p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
+    attend = p(paged_attention.paged_decode_attention, config=av[attention]) if av[attention] else decode_attention
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
-                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
-                   attention_decode=p(paged_attention.paged_decode_attention))
+                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode), attention_decode=attend)
 
 
 def default_backend() -> str:

@@ -326,6 +326,10 @@ def test_backend_kernel_variants():
     assert k.gdn_decode.keywords["config"] == gdn.DecodeConfig(bv=32, num_warps=2)
     with pytest.raises(ValueError, match="prefill variant"):
         backends.pallas_kernels(interpret=True, prefill="nope")
+    assert backends.pallas_kernels(interpret=True).attention_decode.keywords["config"] == paged_attention.DEFAULT
+    assert backends.pallas_kernels(interpret=True, attention="jnp").attention_decode is decode_attention
+    with pytest.raises(ValueError, match="decode attention variant"):
+        backends.pallas_kernels(interpret=True, attention="nope")
 
 
 def test_sweep_names_unique():
