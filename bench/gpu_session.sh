@@ -5,6 +5,8 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels throughput serving servinglite profile tp9b tp27b. Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
+# The default sections need ~700 s: over two device calls (600 s each at most), e.g.
+#   bash bench/gpu_session.sh 560 attention throughput servinglite;  bash bench/gpu_session.sh 560 profile kernels
 set -u
 total=${1:-560}; shift || true
 sections=${*:-attention throughput servinglite profile kernels}
