@@ -44,7 +44,7 @@ class EngineArgs:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_rows: int = 4
-    min_prefill_tokens: int = 32
+    min_prefill_tokens: int | None = None    # smallest prefill bucket; None: prefill_floor()
     page_size: int = 16
     num_kv_pages: int | None = None          # None: enough for every slot at max_model_len, within memory
     gpu_memory_utilization: float = 0.9
@@ -57,13 +57,22 @@ class EngineArgs:
 
     def validate(self):
         checks = [(self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-                  (self.max_num_batched_tokens >= self.min_prefill_tokens,
-                   f"max_num_batched_tokens must be >= {self.min_prefill_tokens}"),
+                  (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
+                   f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
                   (self.page_size >= 1, "page_size must be >= 1"), (self.decode_steps >= 1, "decode_steps must be >= 1"),
                   (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    def prefill_floor(self, platform: str | None = None) -> int:
+        """The smallest prefill bucket (tokens per row). Default: 128 on GPU, where a forward of that few tokens
+        is bound by reading the weights (bf16 matmul 786 TFLOP/s over copy 4.27 TB/s, both measured on the H200 in
+        bench/RESULTS.md: weights take as long as ~180 tokens of compute), so smaller buckets would only add
+        executables to compile; 32 elsewhere, where compute follows the tokens."""
+        if self.min_prefill_tokens is not None:
+            return self.min_prefill_tokens
+        return min(128 if (platform or jax.default_backend()) == "gpu" else 32, self.max_num_batched_tokens)
 
 
 def setup_compilation_cache(path: str | None):
@@ -146,7 +155,7 @@ class Engine:
         sstate = init_sampler_state(num_slots, self.layout.vocab_padded,
                                     jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")), self.dp)
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
-        prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.min_prefill_tokens, args.max_num_batched_tokens)
+        prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
         self.executor = ex.Executor(self.cfg, self.mesh, self.weights, state, sstate, kernels,
                                     weight_specs(abstract_weights(self.cfg, self.layout, self.dtype)),

@@ -140,3 +140,14 @@ def test_data_parallel_replicas_match_single_replica():
     got = [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)]
     assert got == want
     assert seen == {0, 1}
+
+
+def test_prefill_bucket_floor():
+    """128 tokens on GPU (weight-bound there), 32 elsewhere; never above the step budget; an explicit value wins
+    and is checked against the budget."""
+    from qwen35_jax.engine import EngineArgs
+    assert EngineArgs().prefill_floor("cpu") == 32 and EngineArgs().prefill_floor("gpu") == 128
+    assert EngineArgs(max_num_batched_tokens=64).prefill_floor("gpu") == 64
+    assert EngineArgs(min_prefill_tokens=16).prefill_floor("gpu") == 16
+    with pytest.raises(ValueError, match="min_prefill_tokens"):
+        EngineArgs(min_prefill_tokens=4096, max_num_batched_tokens=2048).validate()
