@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -240,23 +241,28 @@ if sys.platform.startswith("linux"):
 
 
 def _die_with_parent():
-    """preexec_fn: the server is killed if this script dies (Linux), so it never holds the GPU as an orphan."""
+    """preexec_fn: the server is killed if the process that started it dies (Linux), so it never lingers as an
+    orphan holding the GPU or a port."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 
 
 class Server:
-    """`python -m qwen35_jax.serve` on a free loopback port, stopped (process group) on exit."""
+    """`python -m qwen35_jax.serve` on a free loopback port (this script's server, and the server tests'). Start-up
+    is bounded: the process must print its address and answer /health within `timeout` seconds, or the log's tail
+    is raised. Stopped as a process group (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, serve_args: list[str], api_key: str | None, timeout: float):
+    def __init__(self, serve_args: list[str], timeout: float = 240.0, env: dict | None = None, keep_log: bool = True):
         import httpx
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="qwen35-bench-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "qwen35_jax.serve", "--host", "127.0.0.1", "--port", "0",
-               "--disable-uvicorn-access-log", *serve_args] + (["--api-key", api_key] if api_key else [])
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.keep_log = keep_log
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="qwen35-serve-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "qwen35_jax.serve", "--host", "127.0.0.1", "--port", "0", *serve_args]
+        env = env or dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         print("starting:", " ".join(cmd), f"(log: {self.log.name})", flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        with warnings.catch_warnings():     # JAX warns on any fork; this child only calls prctl, then exec
+            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+            self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         deadline, self.url = time.monotonic() + timeout, None
         try:
             while True:
@@ -273,12 +279,12 @@ class Server:
                             break
                     except httpx.HTTPError:
                         pass
-                time.sleep(1)
+                time.sleep(0.5)
         except BaseException:
             self.stop()
             raise
 
-    def tail(self, n: int = 3000) -> str:
+    def tail(self, n: int = 4000) -> str:
         return open(self.log.name).read()[-n:]
 
     def stop(self):
@@ -289,6 +295,9 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.log.close()
+        if not self.keep_log:
+            os.unlink(self.log.name)
 
 
 # -- in-process --------------------------------------------------------------------------------------------------
@@ -409,7 +418,8 @@ def main(argv=None):
         if args.base_url:
             runs["http"] = asyncio.run(run_http(args.base_url.rstrip("/"), prompts, warm, args))
         else:
-            server = Server(serve_args, args.api_key, args.launch_timeout)
+            server = Server(["--disable-uvicorn-access-log", *serve_args] +
+                            (["--api-key", args.api_key] if args.api_key else []), args.launch_timeout)
             try:
                 runs["http"] = asyncio.run(run_http(server.url, prompts, warm, args))
             finally:

@@ -42,12 +42,6 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
-def attention_variants() -> dict:
-    """Decode attention under the Pallas backends: the kernel (default) or, to rule it out, the jnp reference
-    (whose page loop costs a host round trip per block on GPU)."""
-    return {"kernel": paged_attention.DEFAULT, "jnp": None}
-
-
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
                    attention: str | None = None) -> Kernels:
     """prefill / decode / attention: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
@@ -55,7 +49,10 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
-    pv, dv, av = prefill_variants(), decode_variants(), attention_variants()
+    pv, dv = prefill_variants(), decode_variants()
+    p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
+    # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
+    av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention}
     if prefill not in pv:
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
     if decode not in dv:
@@ -63,11 +60,10 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s (%s)", prefill, pv[prefill].name,
-             decode, dv[decode].name, attention, av[attention].name if av[attention] else "jnp reference")
-    p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
-    attend = p(paged_attention.paged_decode_attention, config=av[attention]) if av[attention] else decode_attention
+             decode, dv[decode].name, attention, paged_attention.DEFAULT.name if attention == "kernel" else "reference")
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
-                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode), attention_decode=attend)
+                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
+                   attention_decode=av[attention])
 
 
 def default_backend() -> str:

@@ -444,15 +444,10 @@ def resolve(events: list, hlo: HloIndex | None = None) -> list:
         exe = hlo.pick(module, [(e.hlo_op, e.name) for e in group]) if hlo is not None else None
         shared = _shared_kernels(exe, group) if exe is not None else {}
         for e in group:
-            if exe is not None and e.hlo_op in exe.instrs:
-                name = e.hlo_op
-            elif id(e) in shared:
+            name = exe.find(e.hlo_op, e.name) if exe is not None else None
+            if id(e) in shared:                   # no instruction of its own: a shared kernel's launch
                 e.scope, e.opcode = shared[id(e)]
-                out.append(e)
-                continue
-            else:
-                name = exe.find(e.hlo_op, e.name) if exe is not None else None
-            if name is not None:
+            elif name is not None:
                 e.scope, e.opcode = scope_of(exe.op_name(name)), exe.instrs[name].opcode
             else:
                 e.scope = scope_of(e.path + "/op") if e.path else (UNATTRIBUTED, e.name, "")

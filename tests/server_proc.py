@@ -1,21 +1,17 @@
 """Run `python -m qwen35_jax.serve` as a real process on a loopback port for the server tests.
 
 Start-up is bounded (the process must print its address and answer /health within `timeout` seconds, or the test
-fails with the log's tail) and the process is always stopped at teardown (SIGTERM, then SIGKILL).
+fails with the log's tail) and the process is always stopped at teardown (SIGTERM, then SIGKILL): the launcher is
+bench/serving.py's `Server`.
 """
 from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-import warnings
 
 import httpx
 
+from bench.serving import Server
 from conftest import XLA_CACHE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,64 +27,12 @@ def server_env() -> dict:
     return env
 
 
-_LIBC = None
-if sys.platform.startswith("linux"):
-    import ctypes
-    _LIBC = ctypes.CDLL(None, use_errno=True)      # loaded here: the child between fork and exec only calls it
+class ServerProcess(Server):
+    """The benchmark's server launcher, with the test environment (CPU, 8 simulated devices); the log is deleted
+    at stop."""
 
-
-def die_with_parent():
-    """preexec_fn: the child gets SIGKILL if the process that started it dies (Linux), so a killed test run
-    leaves no server behind."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
-
-
-class ServerProcess:
     def __init__(self, args: list[str], timeout: float = 240.0, env: dict | None = None):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="qwen35-serve-", suffix=".log", delete=False)
-        with warnings.catch_warnings():     # JAX warns on any fork; this child only calls prctl, then exec
-            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            self.proc = subprocess.Popen([sys.executable, "-m", "qwen35_jax.serve", "--port", "0", *args],
-                                         stdout=self.log, stderr=subprocess.STDOUT, env=env or server_env(), cwd=ROOT,
-                                         start_new_session=True, preexec_fn=die_with_parent)
-        self.url = None
-        try:
-            self._wait(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait(self, timeout: float):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
-            if self.url is None:
-                m = re.search(r"serving .* on (http://\S+)", open(self.log.name).read())
-                self.url = m.group(1) if m else None
-            if self.url is not None:
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {timeout:.0f}s:\n{self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        return open(self.log.name).read()[-n:]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        self.log.close()
-        os.unlink(self.log.name)
+        super().__init__(args, timeout, env or server_env(), keep_log=False)
 
 
 _http = httpx.Client(timeout=30)      # one client: httpx builds an SSL context per client, slow on a busy CPU

@@ -1,6 +1,7 @@
 """The Pallas GDN / conv / paged decode attention kernels (interpret mode on CPU) against the pure-jnp references;
 CUDA cross-lowering so a Triton-illegal shape fails here and not on the GPU; model logits with the interpret kernels
 = reference's; and a decode step lowered for CUDA has no host synchronisation (no while / conditional)."""
+import dataclasses
 import functools
 
 import jax
@@ -313,7 +314,6 @@ def test_decode_step_has_no_host_synchronisation():
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in text, f"{op} in the decode step: a host round trip per step on GPU"
     # The check sees a loop where there is one: the jnp attention walks its pages in a data-dependent while.
-    import dataclasses
     assert "stablehlo.while" in lowered(dataclasses.replace(kernels, attention_decode=decode_attention))
 
 
