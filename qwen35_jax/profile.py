@@ -474,7 +474,8 @@ def _layer_table(r: ProfileReport, phase: str) -> list[str]:
 
 
 def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
-    """The profile as plain-text tables (ms of device op time; decode columns are per step)."""
+    """The profile as plain-text tables (ms of device op time; decode columns are per step). Unattributed event
+    names: the top_unattributed of prefill and of decode each."""
     gb = 1e9
     lines = [f"# {r.title}", f"device: {r.meta['device']} (the first device of the mesh; times are its own)",
              f"trace: {r.session}"]
@@ -502,12 +503,13 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
     lines += ["", f"{'scope (all layers)':<34}{'prefill ms':>12}{'decode/step ms':>16}"]
     scoped = sorted((k for k in set(pre_s) | set(dec_s) if not k.startswith(pt.UNATTRIBUTED)),
                     key=lambda k: (k.split("/")[0] not in ("gdn", "attention", "mlp"), _scope_key(k)))
-    unattr = sorted((k for k in set(pre_s) | set(dec_s) if k.startswith(pt.UNATTRIBUTED)),
-                    key=lambda k: -(pre_s.get(k, 0) + dec_s.get(k, 0)))
-    for k in scoped + unattr[:top_unattributed]:
+    unattr = [k for k in set(pre_s) | set(dec_s) if k.startswith(pt.UNATTRIBUTED)]
+    top = lambda table: sorted(unattr, key=lambda k: -table.get(k, 0.0))[:top_unattributed]
+    shown = sorted(set(top(pre_s)) | set(top(dec_s)), key=lambda k: (-dec_s.get(k, 0.0), -pre_s.get(k, 0.0)))
+    for k in scoped + shown:
         lines.append(f"{k:<34}{pre_s.get(k, 0.0):>12.3f}{dec_s.get(k, 0.0):>16.3f}")
-    if len(unattr) > top_unattributed:
-        lines.append(f"... {len(unattr) - top_unattributed} more unattributed event names")
+    if len(unattr) > len(shown):
+        lines.append(f"... {len(unattr) - len(shown)} more unattributed event names")
 
     for phase in ("decode", "prefill"):
         lines += ["", f"per layer, {phase}" + (" (per step)" if phase == "decode" else "") + ", ms"]
@@ -527,14 +529,15 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
     return "\n".join(lines)
 
 
-def record_results(report: ProfileReport, command: str):
+def record_results(report: ProfileReport, command: str, top_unattributed: int = 8):
     """Write the table into bench/RESULTS.md through bench/results.py (the benchmarks' shared writer: a section
     with the command, commit and machine, replacing an earlier run of the same title)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if repo not in sys.path:
         sys.path.insert(0, repo)
     from bench import results
-    results.record(f"Profile: {report.title}", "```text\n" + format_report(report) + "\n```", command)
+    table = format_report(report, top_unattributed)
+    results.record(f"Profile: {report.title}", "```text\n" + table + "\n```", command)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -563,16 +566,19 @@ def main(argv=None):
                     help="write the table with command, commit and machine into bench/RESULTS.md (bench/results.py; "
                          "commit from git, else $QWEN35_COMMIT)")
     ap.add_argument("--compilation-cache-dir", default=None)
+    ap.add_argument("--top-unattributed", type=int, default=8,
+                    help="list this many unattributed kernel names of prefill and of decode each (default 8)")
     args = ap.parse_args(argv)
     report = run_profile(args.model, args.config, random_weights=args.random_weights, batch=args.batch,
                          prompt_len=args.prompt_len, decode_steps=args.decode_steps, tp=args.tp, dtype=args.dtype,
                          kernel_backend=args.kernel_backend, page_size=args.page_size, greedy=args.greedy,
                          copy_mib=args.copy_mib, out_dir=args.out, compilation_cache_dir=args.compilation_cache_dir,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(format_report(report))
+    print(format_report(report, args.top_unattributed))
     if args.append_results:
         argv = argv if argv is not None else sys.argv[1:]
-        record_results(report, "python -m qwen35_jax.profile " + " ".join(shlex.quote(a) for a in argv))
+        record_results(report, "python -m qwen35_jax.profile " + " ".join(shlex.quote(a) for a in argv),
+                       args.top_unattributed)
     return report
 
 
