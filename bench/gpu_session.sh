@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels throughput serving servinglite profile tp9b tp27b. Single-GPU sections run on GPU 0.
+# Sections: attention kernels throughput serving servinglite profile profiletp tp9b tp27b. Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~780 s: over two device calls (600 s each at most), e.g.
 #   bash bench/gpu_session.sh 560 attention throughput servinglite;  bash bench/gpu_session.sh 560 profile kernels
@@ -52,6 +52,10 @@ for s in $sections; do
                --compilation-cache-dir $xla/profile --top-unattributed 25
              # trace, HLO and metadata come back too: qwen35_jax.profile.load_report(session dir) re-reads them
              tar czf "$out/prof.tgz" -C /tmp prof ;;
+    profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
+               --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
+               --compilation-cache-dir $xla/profiletp --top-unattributed 25
+               tar czf "$out/proftp.tgz" -C /tmp proftp ;;
     tp9b) XLA_FLAGS="${TP_XLA_FLAGS:-${XLA_FLAGS:-}}" run tp9b 210 python3 bench/tp.py \
             --configs bench/configs/qwen3.5-9b.json --tp 2 --record ;;
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;

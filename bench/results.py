@@ -17,11 +17,15 @@ HEADER = ("# Benchmark results\n\nEvery figure quoted anywhere in this project i
 
 
 def commit() -> str:
+    """$QWEN35_COMMIT when set (the GPU machine's copy of the repo may carry an older .git), else git's HEAD, marked
+    +uncommitted when tracked files other than RESULTS.md differ from it."""
+    if os.environ.get("QWEN35_COMMIT", "unknown") != "unknown":
+        return os.environ["QWEN35_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=os.path.dirname(RESULTS), check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=os.path.dirname(RESULTS)).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/RESULTS.md"],
+                               capture_output=True, text=True, cwd=os.path.dirname(RESULTS)).stdout.strip()
         return sha + ("+uncommitted" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("QWEN35_COMMIT", "unknown")

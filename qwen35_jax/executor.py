@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.model import BATCH_SPEC, Batch, Kernels, forward
-from qwen35_jax.sampler import MAX_LOGPROBS, SamplerState, SamplingBatch, sample
+from qwen35_jax.sampler import MAX_LOGPROBS, SamplerState, SamplingBatch, needs_full_vocab, sample
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
@@ -39,9 +39,9 @@ class StepOutput:
     top_ids: jax.Array
 
 
-def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write):
+def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, full_vocab: bool = True):
     """Sample rows, then record the tokens on the device (next input, penalty counts) where `write` is set."""
-    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots])
+    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab)
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
     raw = jax.nn.log_softmax(logits, axis=-1)
     rank = 1 + jnp.sum(raw > lp["logprob"][:, None], axis=-1).astype(jnp.int32)
@@ -78,10 +78,10 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
     return state, sstate, _gather_rows(out, 0)
 
 
-def decode_step(cfg, layout, kernels, steps, weights, state, sstate: SamplerState, slots, positions, pages,
-                sp: SamplingBatch):
+def decode_step(cfg, layout, kernels, steps, full_vocab, weights, state, sstate: SamplerState, slots, positions,
+                pages, sp: SamplingBatch):
     """Per shard: `steps` decode steps for this replica's rows (padded rows use slot 0), each feeding its sample
-    into the next."""
+    into the next. full_vocab: the sampler sorts the vocabulary (see sampler._filter; prefill always does)."""
     active = slots > 0
 
     def one(carry, k):
@@ -92,7 +92,7 @@ def decode_step(cfg, layout, kernels, steps, weights, state, sstate: SamplerStat
         logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
         with jax.named_scope("sampling"):
             sstate, out = _sample_into(sstate, _full_logits(logits), slots, dataclasses.replace(sp, step=sp.step + k),
-                                       active)
+                                       active, full_vocab)
         return (state, sstate), out
 
     if steps == 1:      # no loop: a while loop would split XLA's command buffer (CUDA graph) of the step
@@ -132,15 +132,16 @@ class Executor:
             lambda *a: prefill_step(cfg, layout, kernels, *a), mesh=mesh, check_vma=False,
             in_specs=(weight_specs, state_specs, sampler_specs, BATCH_SPEC, P(DP), sp_specs),
             out_specs=(state_specs, sampler_specs, out_specs))
-        decode = jax.shard_map(
-            lambda *a: decode_step(cfg, layout, kernels, decode_steps, *a), mesh=mesh, check_vma=False,
+        decode = lambda full_vocab: jax.shard_map(
+            lambda *a: decode_step(cfg, layout, kernels, decode_steps, full_vocab, *a), mesh=mesh, check_vma=False,
             in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP), P(DP), sp_specs),
             out_specs=(state_specs, sampler_specs, out_specs))
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         outs = (shardings(state), shardings(sstate), self.replicated)
         self._prefill = jax.jit(prefill, donate_argnums=(1, 2), out_shardings=outs)
-        self._decode = jax.jit(decode, donate_argnums=(1, 2), out_shardings=outs)
+        self._decode = {full: jax.jit(decode(full), donate_argnums=(1, 2), out_shardings=outs)
+                        for full in (False, True)}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.lazy = False          # True: compile a bucket on first use (precompile=False, for tests and notebooks)
         self.multiprocess = jax.process_count() > 1
@@ -165,19 +166,23 @@ class Executor:
         i32 = lambda *sh: self._spec(sh, jnp.int32)
         if kind == "decode":
             b = self.dp * shape[0]
-            return self._decode.lower(w, s, ss, i32(b), i32(b), i32(b, self.pages_per_seq), self._sampling_spec(b))
+            return self._decode[shape[1]].lower(w, s, ss, i32(b), i32(b), i32(b, self.pages_per_seq),
+                                                self._sampling_spec(b))
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=i32(n, t), start=i32(n), lens=i32(n), slots=i32(n), pages=i32(n, self.pages_per_seq))
         return self._prefill.lower(w, s, ss, batch, self._spec((n,), jnp.bool_), self._sampling_spec(n))
 
     def keys(self):
-        return [("decode", b) for b in self.decode_buckets] + [("prefill", n, t) for n, t in self.prefill_buckets]
+        """Decode buckets come twice: sampling from the top sampler.CANDIDATES tokens, and over the sorted
+        vocabulary for batches that need it (sampler.needs_full_vocab)."""
+        return ([("decode", b, full) for full in (False, True) for b in self.decode_buckets]
+                + [("prefill", n, t) for n, t in self.prefill_buckets])
 
     def precompile(self, threads: int | None = None, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds."""
         keys = [k for k in self.keys() if k not in self.compiled]
         t0 = time.perf_counter()
-        threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 8))
+        threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -229,7 +234,7 @@ class Executor:
         inputs = (slots, positions, pages, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
-        exe = self._exe(("decode", bucket))
+        exe = self._exe(("decode", bucket, needs_full_vocab(sp)))
         self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, *self._put(inputs))
         return out
 

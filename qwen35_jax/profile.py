@@ -290,6 +290,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     from qwen35_jax.engine import Engine, EngineArgs
     from qwen35_jax.llm import load_model_weights, resolve_dtype
+    from qwen35_jax.sampler import needs_full_vocab
     from qwen35_jax.sharding import make_mesh
     from qwen35_jax.tools.make_tiny_model import default_model_dir
     from qwen35_jax.weights import random_weights as make_random
@@ -365,7 +366,8 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     run(traced=False)                 # compiles, and keeps first-execution costs out of the trace
     log(f"compiled and warmed up in {time.perf_counter() - t0:.1f}s")
     texts = {"prefill": ex.compiled[("prefill", batch, prompt_len)].as_text(),
-             "decode": ex.compiled[("decode", batch)].as_text(), "copy_bandwidth": copy.as_text()}
+             "decode": ex.compiled[("decode", batch, needs_full_vocab(_sampling_batch(batch, greedy, 1)))].as_text(),
+             "copy_bandwidth": copy.as_text()}
     start_profile(out_dir, perfetto=True)
     try:
         run(traced=True)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_LOGPROBS = 20
+CANDIDATES = 128     # top_k up to this (and top_p under such a top_k) is decided without sorting the vocabulary
 
 
 @jax.tree_util.register_dataclass
@@ -83,24 +84,54 @@ def apply_penalties(logits, p: SamplingBatch, counts, prompt_mask):
     return jnp.where(seen & (rep != 1.0), penalized, logits)
 
 
-def _filter(x, p: SamplingBatch):
-    """min_p, top_k, top_p on temperature-scaled logits x [B, V]; removed entries become -inf."""
-    probs = jax.nn.softmax(x, axis=-1)
-    x = jnp.where(probs < p.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, x)
-    sorted_x = -jnp.sort(-x, axis=-1)                                      # descending
+def top_k_desc(x, k: int, block: int = 1024):
+    """Exact top k of each row of x [B, V]: (values descending, indices). Two stages when the row is long: the top
+    k of every block of `block` entries, then the top k of those. XLA:GPU takes a top k with k > 16 by sorting the
+    whole row, ~1 ms at [16, 248320] on the H200 (bench/RESULTS.md, profile); a block of 1024 sorts on chip."""
+    b, v = x.shape
+    if v <= 4 * block or k > block:
+        return jax.lax.top_k(x, k)
+    nb = -(-v // block)
+    blocks = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
+    vals, idx = jax.lax.top_k(blocks, k)                                  # [B, nb, k]
+    idx = idx + (jnp.arange(nb, dtype=idx.dtype) * block)[None, :, None]
+    vals, pos = jax.lax.top_k(vals.reshape(b, nb * k), k)
+    return vals, jnp.take_along_axis(idx.reshape(b, nb * k), pos, axis=-1)
+
+
+def needs_full_vocab(p: SamplingBatch) -> bool:
+    """Host check: does some sampled row filter beyond what the top-CANDIDATES tokens decide (top_k above
+    CANDIDATES, or top_p without a top_k that bounds the nucleus)? Then the step must sort the whole vocabulary."""
+    sampled = np.asarray(p.temperature) > 0
+    top_k, top_p = np.asarray(p.top_k), np.asarray(p.top_p)
+    bounded = (top_k >= 1) & (top_k <= CANDIDATES)
+    return bool(np.any(sampled & ((top_k > CANDIDATES) | ((top_p < 1) & ~bounded))))
+
+
+def _filter(x, p: SamplingBatch, full_vocab: bool = True):
+    """min_p, top_k, top_p on temperature-scaled logits x [B, V]; removed entries become -inf.
+
+    Every filter keeps the entries at or above a per-row threshold, found on the descending values: the whole row
+    sorted (full_vocab), or only its top CANDIDATES, which decide the threshold whenever top_k is in
+    [1, CANDIDATES] (or top_p is off): `needs_full_vocab` tells the host which executable a batch needs. The
+    top_p mass is normalised over every surviving entry of the row, so both give the same thresholds."""
     v = x.shape[-1]
-    kth = jnp.take_along_axis(sorted_x, jnp.clip(p.top_k - 1, 0, v - 1)[:, None], axis=-1)
-    x = jnp.where((p.top_k[:, None] > 0) & (x < kth), -jnp.inf, x)
-    sorted_x = jnp.where((p.top_k[:, None] > 0) & (sorted_x < kth), -jnp.inf, sorted_x)
-    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p                      # mass strictly above each entry
-    keep = (before < p.top_p[:, None]) | (p.top_p[:, None] >= 1.0)
-    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(x < cutoff, -jnp.inf, x)
+    m = x.max(-1, keepdims=True)
+    min_p_cut = m + jnp.log(p.min_p)[:, None]                             # probs >= min_p * max prob
+    desc = -jnp.sort(-x, axis=-1) if full_vocab else top_k_desc(x, min(CANDIDATES, v))[0]
+    kth = jnp.take_along_axis(desc, jnp.clip(p.top_k - 1, 0, desc.shape[-1] - 1)[:, None], axis=-1)
+    cut = jnp.maximum(min_p_cut, jnp.where(p.top_k[:, None] > 0, kth, -jnp.inf))
+    z = jnp.sum(jnp.where(x >= cut, jnp.exp(x - m), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(desc >= cut, jnp.exp(desc - m), 0.0) / z
+    before = jnp.cumsum(probs, axis=-1) - probs                          # mass strictly above each entry
+    nucleus = jnp.min(jnp.where((desc >= cut) & (before < p.top_p[:, None]), desc, jnp.inf), axis=-1, keepdims=True)
+    cut = jnp.where(p.top_p[:, None] < 1.0, jnp.maximum(cut, nucleus), cut)
+    return jnp.where(x < cut, -jnp.inf, x)
 
 
-def sample(logits, p: SamplingBatch, counts, prompt_mask):
-    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict).
+def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True):
+    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict). full_vocab=False
+    is exact only for batches where `needs_full_vocab` is False (see `_filter`).
 
     Branch-free on purpose: XLA:GPU runs a `lax.cond` by copying its predicate to the host and blocking on the
     stream, which would make every decode dispatch wait for the device. So the filters, the Gumbel noise and the
@@ -108,10 +139,10 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask):
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = apply_penalties(logits, p, counts, prompt_mask)
     greedy = p.temperature <= 0
-    x_t = _filter(x / jnp.where(greedy, 1.0, p.temperature)[:, None], p)
+    x_t = _filter(x / jnp.where(greedy, 1.0, p.temperature)[:, None], p, full_vocab)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, x_t.shape[-1:], jnp.float32))(keys)
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x_t + noise, axis=-1)).astype(jnp.int32)
     token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_v, top_i = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    top_v, top_i = top_k_desc(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i.astype(jnp.int32)}

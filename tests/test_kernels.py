@@ -301,8 +301,8 @@ def test_decode_step_has_no_host_synchronisation():
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
 
-    def lowered(kernels):
-        step = functools.partial(decode_step, cfg, layout, kernels, 1)
+    def lowered(kernels, full_vocab=False):
+        step = functools.partial(decode_step, cfg, layout, kernels, 1, full_vocab)
         fn = jax.shard_map(step, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
                            out_specs=jax.sharding.PartitionSpec(), check_vma=False)
         with jax.sharding.use_abstract_mesh(mesh):
@@ -310,6 +310,7 @@ def test_decode_step_has_no_host_synchronisation():
                 lowering_platforms=("cuda",)).as_text()
 
     text = lowered(kernels)
+    assert "stablehlo.while" not in lowered(kernels, full_vocab=True)
     assert text.count("__gpu$xla.gpu.triton") >= len(cfg.layer_types)     # GDN, conv and attention kernels
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in text, f"{op} in the decode step: a host round trip per step on GPU"

@@ -80,3 +80,41 @@ def test_sampling_distribution_follows_temperature():
     draws = np.array([int(f(jnp.array([i], jnp.int32))) for i in range(2000)])
     freq = np.bincount(draws, minlength=3) / len(draws)
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.04)
+
+
+def test_top_k_desc_two_stage_is_exact():
+    from qwen35_jax.sampler import top_k_desc
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 5000)).astype(np.float32)
+    x[1, 4990:] = -np.inf                                   # padding columns, as in the model's logits
+    x[2, [7, 4000, 4999]] = 9.0                             # ties at the top, in different blocks
+    for k in (1, 20, 128):
+        vals, idx = top_k_desc(jnp.asarray(x), k)
+        want = -np.sort(-x, axis=-1)[:, :k]
+        np.testing.assert_array_equal(np.asarray(vals), want)
+        np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(idx), axis=-1), want)
+        assert all(len(set(r)) == k for r in np.asarray(idx).tolist())
+
+
+def test_candidate_filter_equals_full_sort():
+    """Where the host routes a batch to the candidates executable, its thresholds are those of the full sort."""
+    from qwen35_jax.sampler import CANDIDATES, needs_full_vocab
+    rng = np.random.default_rng(4)
+    v = 6000
+    x = (rng.standard_normal((8, v)) * rng.uniform(0.5, 4, (8, 1))).astype(np.float32)
+    x[3, :50] = x[3, 50]                                    # a tie spanning the top-k boundary
+    p = batch(8, top_k=[0, 1, 20, 40, CANDIDATES, 20, 0, 5], top_p=[1.0, 0.5, 0.8, 0.95, 0.9, 1.0, 1.0, 0.3],
+              min_p=[0.05, 0, 0, 0.1, 0, 0.2, 0.0, 0.01])
+    assert not needs_full_vocab(p)
+    full = np.asarray(_filter(jnp.asarray(x), p, full_vocab=True))
+    cand = np.asarray(_filter(jnp.asarray(x), p, full_vocab=False))
+    np.testing.assert_array_equal(np.isfinite(cand), np.isfinite(full))
+    assert np.isfinite(full[0]).sum() > CANDIDATES          # min_p alone keeps more than the candidates
+
+
+def test_needs_full_vocab_routing():
+    from qwen35_jax.sampler import CANDIDATES, needs_full_vocab
+    assert not needs_full_vocab(batch(2, temperature=[0.0, 0.0], top_p=[0.5, 0.5]))          # greedy ignores filters
+    assert not needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 1.0], min_p=[0, 0.1]))
+    assert needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 0.9]))                        # nucleus unbounded
+    assert needs_full_vocab(batch(1, top_k=[CANDIDATES + 1]))
