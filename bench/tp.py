@@ -24,11 +24,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
-from bench.throughput import time_decode  # noqa: E402
+from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.runner import ModelRunner, make_batch  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.state import bytes_per_slot  # noqa: E402
 from qwen35_jax.weights import random_weights, relayout  # noqa: E402
 
 GiB = 2 ** 30
@@ -66,13 +67,23 @@ def allreduce_ms_per_step(engine: Engine, batch: int, ctx: int, steps: int = 5) 
     gpu0 = [pid for pid, name in pids.items() if "/device:GPU:0" in name]
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu0]
     total = sum(e["dur"] for e in ev)
-    coll = sum(e["dur"] for e in ev if any(k in e["name"].lower() for k in ("all-reduce", "allreduce", "nccl",
-                                                                              "all-gather", "allgather")))
+    names = ("all-reduce", "allreduce", "all_reduce", "psum", "nccl", "all-gather", "allgather", "all_gather")
+    coll = sum(e["dur"] for e in ev if any(k in e["name"].lower() for k in names))   # XLA's one-shot psum kernels too
     n = steps + 3          # time_decode runs 3 warm-up dispatches before the timed ones
     return coll / 1e3 / n, total / 1e3 / n
 
 
-def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
+def floor_ms(cfg, weights, device, tp, batch, ctx, bw) -> float:
+    """Bytes one device must move per decode step over the copy bandwidth: its weight shards (an untied embedding
+    table only gathered), its share of the GDN state read and written and of the KV read at context ctx."""
+    w = per_device_bytes(weights, device)
+    if weights.lm_head is not None:
+        w -= per_device_bytes(weights.embed, device)
+    kv_per_token = 2 * len(cfg.attn_layers) * cfg.num_kv_heads * cfg.head_dim * 2
+    return 1e3 * (w + (2 * batch * bytes_per_slot(cfg) + batch * ctx * kv_per_token) / tp) / bw
+
+
+def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=True):
     raw = json.load(open(path))
     cfg = ModelConfig.from_hf(raw)
     name = os.path.basename(path).replace(".json", "")
@@ -82,10 +93,12 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
     mesh1, mesh_n = make_mesh(1, devs[:1]), make_mesh(tp, devs[:tp])
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len)
     eargs = lambda t: EngineArgs(tensor_parallel_size=t, max_model_len=2048, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=64, max_prefill_rows=1)
+                                 max_num_batched_tokens=64, max_prefill_rows=1, precompile=precompile)
     ctx = 1024
     row = {}
 
+    bw = copy_bandwidth()
+    print(f"[{name}] copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     w1 = random_weights(cfg, mesh1, jnp.bfloat16)
     jax.block_until_ready(w1)
@@ -94,6 +107,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
     eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
     mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
     t1 = {b: time_decode(eng1, b, ctx, 10)[0] for b in batches}
+    f1 = {b: floor_ms(cfg, w1, devs[0], 1, b, ctx, bw) for b in batches}
     print(f"[{name}] tp=1 decode ms {[round(v * 1e3, 2) for v in t1.values()]}", flush=True)
     eng1.shutdown()
     del eng1
@@ -116,29 +130,35 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record):
     engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
     memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
     tn = {b: time_decode(engn, b, ctx, 10)[0] for b in batches}
+    fn = {b: floor_ms(cfg, wn, devs[0], tp, b, ctx, bw) for b in batches}
     coll, total = allreduce_ms_per_step(engn, 16 if 16 in batches else batches[-1], ctx)
     sweep = engn.precompile_seconds
     n_exe = len(engn.executor.compiled)
     engn.shutdown()
     del engn, wn
 
-    table = [{"batch": b, "tp=1 ms": f"{t1[b] * 1e3:.2f}", f"tp={tp} ms": f"{tn[b] * 1e3:.2f}",
+    table = [{"batch": b, "tp=1 ms": f"{t1[b] * 1e3:.2f}", "tp=1 / floor": f"{t1[b] * 1e3 / f1[b]:.2f}",
+              f"tp={tp} ms": f"{tn[b] * 1e3:.2f}", f"tp={tp} / floor": f"{tn[b] * 1e3 / fn[b]:.2f}",
               "speed-up": f"{t1[b] / tn[b]:.2f}×", f"tp={tp} tok/s": f"{b / tn[b]:.0f}"} for b in batches]
     flags = os.environ.get("XLA_FLAGS")
     body = (f"Model: `{path}` shapes, random bf16 weights (tp={tp} weights are the tp=1 weights re-laid-out, "
-            f"`weights.relayout`). Decode at context {ctx}." + (f" XLA_FLAGS=`{flags}`." if flags else "") + "\n\n"
+            f"`weights.relayout`). Decode at context {ctx}; floor = the bytes one device must move per step (its "
+            f"weight shards, its share of GDN state and KV) over the copy bandwidth of this run, {bw / 1e12:.2f} TB/s."
+            + (f" XLA_FLAGS=`{flags}`." if flags else "") + "\n\n"
             f"- logits of one {prompt_len}-token prompt, tp={tp} vs tp=1: top-1 agreement {agree:.4f} "
             f"({agree_clear:.4f} on the {int(clear.sum())} of {len(clear)} positions where the tp=1 top-1 leads by "
             f"more than {MARGIN} nats), mean |Δ log-prob| of the tp=1 top token {dlp:.4f}\n"
             f"- per device: weights {mem1[0] / GiB:.2f} GiB (tp=1) → {memn[0] / GiB:.2f} GiB (tp={tp}, "
             f"{memn[0] / mem1[0]:.3f}×); GDN recurrent state pool {mem1[1] / GiB:.2f} → {memn[1] / GiB:.2f} GiB "
             f"({memn[1] / mem1[1]:.3f}×)\n"
-            f"- compiled bucket sweep at tp={tp}: {n_exe} executables in {sweep:.1f} s\n"
+            + (f"- compiled bucket sweep at tp={tp}: {n_exe} executables in {sweep:.1f} s\n" if precompile else
+               f"- buckets compiled on first use (--no-precompile): {n_exe} executables\n") +
             f"- collectives per decode step (batch 16, GPU 0 kernels in a profiler trace): {coll:.3f} ms of "
             f"{total:.3f} ms device time ({100 * coll / max(total, 1e-9):.1f}%)\n\n" + results.table(table, list(table[0])))
     print(body, flush=True)
     if record:
-        results.record(f"Tensor parallelism tp={tp}: {name} (bench/tp.py)", body)
+        results.record(f"Tensor parallelism tp={tp}: {name} (bench/tp.py)" + (f" XLA_FLAGS={flags}" if flags else ""),
+                       body)
     row.update(agree=agree, agree_clear=agree_clear, dlp=dlp)
     return row
 
@@ -151,12 +171,14 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--no-precompile", action="store_true",
+                    help="compile only the buckets timed, on first use (skips the bucket-sweep timing)")
     args = ap.parse_args()
     if len(jax.devices()) < args.tp:
         raise SystemExit(f"--tp {args.tp} needs {args.tp} devices; {len(jax.devices())} visible")
     for path in args.configs.split(","):
         run_config(path, args.tp, [int(b) for b in args.batches.split(",")], args.prompt_len, args.max_num_seqs,
-                   args.record)
+                   args.record, precompile=not args.no_precompile)
 
 
 if __name__ == "__main__":
