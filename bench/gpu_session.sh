@@ -5,8 +5,9 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels throughput serving servinglite profile profiletp tp9b tp27b. Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
-# The default sections need ~780 s: over two device calls (600 s each at most), e.g.
-#   bash bench/gpu_session.sh 560 attention throughput servinglite;  bash bench/gpu_session.sh 560 profile kernels
+# The default sections need ~930 s: over two device calls (600 s each at most), e.g.
+#   bash bench/gpu_session.sh 560 attention throughput;  bash bench/gpu_session.sh 560 servinglite profile kernels
+# (throughput's cold precompile sweep alone took 215 s at 8e46b99: 23 executables).
 set -u
 total=${1:-560}; shift || true
 sections=${*:-attention throughput servinglite profile kernels}
@@ -37,7 +38,7 @@ for s in $sections; do
   case $s in
     attention) CUDA_VISIBLE_DEVICES=0 run attention 90 python3 bench/attention.py --record ;;
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
-    throughput) CUDA_VISIBLE_DEVICES=0 run throughput 230 python3 bench/throughput.py --record \
+    throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \
                --config bench/configs/qwen3.5-9b.json --num-prompts 32 --input-len 1024 --output-len 256 \
@@ -57,7 +58,7 @@ for s in $sections; do
                --compilation-cache-dir $xla/profiletp --top-unattributed 25
                tar czf "$out/proftp.tgz" -C /tmp proftp ;;
     tp9b) XLA_FLAGS="${TP_XLA_FLAGS:-${XLA_FLAGS:-}}" run tp9b 210 python3 bench/tp.py \
-            --configs bench/configs/qwen3.5-9b.json --tp 2 --record ;;
+            --configs bench/configs/qwen3.5-9b.json --tp 2 --no-precompile --record ;;
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
 done

@@ -93,13 +93,15 @@ class Instr:
     calls: tuple = ()           # called computations (fusions, custom calls)
     kernel: str = ""            # a custom call's kernel name (Pallas: backend_config "name"), "cublas" for GEMMs
     shape_text: str = ""        # the rhs without names and metadata (fusion-body fingerprints)
+    runs: tuple = ()            # computations a while / conditional runs (condition, body, branches)
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=(\{[^}]*\}|%?[\w.\-]+)")
-_KERNEL_NAME = re.compile(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)')
+_CONTROL = re.compile(r"\b(?:condition|body|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)")   # while / conditional
+_KERNEL_NAME = re.compile(r'(?:\\?"name\\?"\s*:|\bname\s*=)\s*\\?"([\w.\-]+)')   # JSON, or MLIR attrs (H200)
 _ATTRIBUTES = re.compile(r",\s*(metadata|backend_config|frontend_attributes|statistics_viz|origin)=")
 
 
@@ -140,29 +142,34 @@ def parse_hlo(text: str) -> tuple[str, dict[str, Instr], dict[str, tuple[str, li
     m = re.match(r"HloModule ([\w.\-]+)", first)
     if not m:
         raise ValueError("not an HLO module text (no 'HloModule <name>' header)")
-    instrs, comps, current = {}, {}, None
+    instrs, comps, current, entry = {}, {}, None, ""
     for line in text.splitlines():
         im = _INSTR.match(line)
         if im is None:
             cm = _COMPUTATION.match(line)
             if cm:
                 current = comps.setdefault(cm.group(1), ["", []])
+                entry = cm.group(1) if line.startswith("ENTRY") else entry
             continue
         name, rhs = im.groups()
         opcode, args = _split_rhs(rhs)
         om, calls = _OP_NAME.search(rhs), _CALLS.search(rhs)
+        runs = [x for c in _CONTROL.findall(_ATTRIBUTES.split(rhs, 1)[0]) for x in re.findall(r"[\w.\-]+", c)]
         kernel = ""
         if opcode == "custom-call":
             km = _KERNEL_NAME.search(rhs)
             kernel = km.group(1) if km else ("cublas" if "cublas" in rhs else "")
         instrs[name] = Instr(om.group(1) if om else "", opcode, tuple(re.findall(r"%([\w.\-]+)", args)),
                              tuple(re.findall(r"[\w.\-]+", calls.group(1).replace("%", " "))) if calls else (),
-                             kernel, _normalise(rhs))
+                             kernel, _normalise(rhs), tuple(runs))
         if current is not None:
             current[1].append(name)
             if line.lstrip().startswith("ROOT "):
                 current[0] = name
-    return m.group(1), instrs, {k: (v[0], v[1]) for k, v in comps.items()}
+    comps = {k: (v[0], v[1]) for k, v in comps.items()}
+    if entry:                     # the entry computation first: launch_order() starts there
+        comps = {entry: comps[entry], **{k: v for k, v in comps.items() if k != entry}}
+    return m.group(1), instrs, comps
 
 
 def _common_prefix(paths: list[str]) -> str:
@@ -184,14 +191,39 @@ class Executable:
     def __init__(self, text: str):
         self.module, self.instrs, self.comps = parse_hlo(text)
         self.sanitised = {re.sub(r"[.\-]", "_", k): k for k in self.instrs}
+        # Kernels named after the computation an instruction calls (XLA's collective kernels: "psum_458_0_fusion_1"
+        # for the fusion-start calling %fused_psum.458.0.clone).
+        self.callers = {re.sub(r"[.\-]", "_", re.sub(r"^fused_|\.clone(\.\d+)?$", "", c)): k
+                        for k, ins in self.instrs.items() for c in ins.calls}
+        # The while loop / conditional that runs each computation: XLA clones a loop body per call site but keeps
+        # the first site's metadata, so the layer of a body's op is that of the loop that runs it.
+        self.runner = {c: k for k, ins in self.instrs.items() for c in ins.runs}
+        self.home = {n: c for c, (_, members) in self.comps.items() for n in members}
         self._resolved: dict[str, str] = {}
         self.kernel_groups = self._kernel_groups()
 
+    def launch_order(self) -> list[str]:
+        """Instructions in the order they launch, one pass: the entry computation in schedule order with the
+        computations of its while loops and conditionals spliced in where they run (once each)."""
+        out, seen = [], set()
+
+        def walk(comp):
+            if comp in seen or comp not in self.comps:
+                return
+            seen.add(comp)
+            for n in self.comps[comp][1]:
+                for c in self.instrs[n].runs:
+                    walk(c)
+                out.append(n)
+        for comp in self.comps:           # the entry first (parse_hlo), then anything not reached from it
+            walk(comp)
+        return out
+
     def _kernel_groups(self) -> dict[str, list[str]]:
-        """Kernel name -> the instructions (schedule order) that may launch a kernel of that name, where there is
+        """Kernel name -> the instructions (launch order) that may launch a kernel of that name, where there is
         more than one: fusions with identical bodies (XLA reuses the first one's kernel and name), custom calls
         of one Pallas kernel, and the cuBLAS GEMMs (key "cublas")."""
-        order = [n for _, members in self.comps.values() for n in members]
+        order = self.launch_order()
         twins: dict[str, list[str]] = collections.defaultdict(list)
         named: dict[str, list[str]] = collections.defaultdict(list)
         for n in order:
@@ -207,15 +239,22 @@ class Executable:
         return groups
 
     def find(self, op: str | None, event_name: str) -> str | None:
-        """The instruction name an event ran: its hlo_op stat, else its name (GPU kernels: '.' and '-' -> '_')."""
-        for key in (op, event_name, self.sanitised.get(re.sub(r"[.\-]", "_", event_name))):
+        """The instruction name an event ran: its hlo_op stat, else its name (GPU kernels: '.' and '-' -> '_'; an
+        op of several kernels adds "__N", e.g. the passes of a sort), else the computation it is named after."""
+        base = re.sub(r"__\d+$", "", re.sub(r"[.\-]", "_", event_name))
+        for key in (op, event_name, self.sanitised.get(base), self.callers.get(re.sub(r"_fusion(_\d+)?$", "", base))):
             if key and key in self.instrs:
                 return key
         return None
 
     def op_name(self, name: str) -> str:
         if name not in self._resolved:
-            self._resolved[name] = self._resolve(name)
+            path, loop = self._resolve(name), self.runner.get(self.home.get(name))
+            if loop is not None:
+                layer = re.search(r"(?:^|/)(layer\d+)/", self.op_name(loop))
+                if layer:
+                    path = re.sub(r"(^|/)layer\d+/", rf"\g<1>{layer.group(1)}/", path, count=1)
+            self._resolved[name] = path
         return self._resolved[name]
 
     def _inside(self, instr: Instr, depth: int = 0) -> str:
@@ -470,10 +509,12 @@ def _group_key(exe: Executable, e: OpEvent) -> str | None:
 def _shared_kernels(exe: Executable, events: list) -> dict[int, tuple]:
     """{id(event): (scope, opcode)} for the launches of shared kernels in one executable's events: the k-th launch
     of a name (time order) is the k-th instruction of its group (repeating per execution). Group members whose own
-    kernel name appears among the events launched their own kernel and are left out. If the launches of a name
+    kernel name appears among the events launched their own kernel, and members that an event names in its hlo_op
+    stat, are left out. If the launches of a name
     are not a whole number of passes over its group, every launch gets the scope the members share, with the
     layer left open."""
     names = {e.name for e in events}
+    known = {e.hlo_op for e in events if e.hlo_op in exe.instrs}      # launches that named their instruction
     launches: dict[str, list] = collections.defaultdict(list)
     for e in sorted(events, key=lambda e: e.start_ns):
         if e.hlo_op in exe.instrs:
@@ -484,8 +525,10 @@ def _shared_kernels(exe: Executable, events: list) -> dict[int, tuple]:
     out = {}
     for key, evs in launches.items():
         group = exe.kernel_groups[key]
-        members = [m for i, m in enumerate(group) if i == 0 or key == "cublas" or
-                   re.sub(r"[.\-]", "_", m) not in names]
+        members = [m for i, m in enumerate(group) if m not in known and (i == 0 or key == "cublas" or
+                                                                         re.sub(r"[.\-]", "_", m) not in names)]
+        if not members:
+            continue
         scopes = [scope_of(exe.op_name(m)) for m in members]
         if len(evs) % len(members) == 0:
             for k, e in enumerate(evs):

@@ -355,3 +355,65 @@ def test_summarize_engine_trace(tmp_path):
         assert set(qp.summarize(session)) == {pt.UNATTRIBUTED}          # without the HLO, CPU events say nothing
     finally:
         llm.shutdown()
+
+
+GPU_NAMES_HLO = """HloModule jit_decode, is_scheduled=true
+
+%fused_psum.458.0.clone (param_0.6043: f32[16,4096]) -> f32[16,4096] {
+  %param_0.6043 = f32[16,4096]{1,0} parameter(0)
+  ROOT %psum.458.2 = f32[16,4096]{1,0} all-reduce(%param_0.6043), channel_id=1, to_apply=%region_8.9, metadata={op_name="jit(f)/shard_map/layer1/gdn/out_proj/psum"}
+}
+
+ENTRY %main.1 (a.1: f32[16,4096], p.1: s32[16]) -> f32[16,4096] {
+  %a.1 = f32[16,4096]{1,0} parameter(0)
+  %p.1 = s32[16]{0} parameter(1)
+  %pallas_call.179 = (f32[16,4096]{1,0}) custom-call(%p.1, %a.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/layer0/gdn/gated_delta_rule/gdn_decode/pallas_call"}, backend_config={debug = false, grid_x = 16 : i32, name = "gdn_decode", num_stages = 1 : i32}
+  %gte.1 = f32[16,4096]{1,0} get-tuple-element(%pallas_call.179), index=0
+  %fusion-start.3 = ((f32[16,4096]{1,0}), f32[16,4096]{1,0}) fusion-start(%gte.1), kind=kCustom, calls=%fused_psum.458.0.clone, metadata={op_name="jit(f)/shard_map/layer1/gdn/out_proj/psum"}
+  %fusion-done.3 = f32[16,4096]{1,0} fusion-done(%fusion-start.3)
+  ROOT %sort.8.1 = f32[16,4096]{1,0} sort(%fusion-done.3), dimensions={1}, to_apply=%cmp.1, metadata={op_name="jit(f)/sampling/sort"}
+}
+"""
+
+
+def test_gpu_kernel_names_resolve():
+    """Kernel names seen in H200 traces: Pallas kernels named in an MLIR-style backend_config, the passes of one
+    sort ("sort_8_1__20"), and XLA's collective kernels named after the computation their fusion-start calls."""
+    exe = pt.Executable(GPU_NAMES_HLO)
+    assert exe.instrs["pallas_call.179"].kernel == "gdn_decode"
+    assert exe.find(None, "sort_8_1__20") == "sort.8.1" and exe.find(None, "sort_8_1") == "sort.8.1"
+    assert exe.find(None, "psum_458_0_fusion_1") == "fusion-start.3"
+    assert pt.scope_of(exe.op_name("fusion-start.3")) == ("layer1", "gdn", "out_proj")
+    assert exe.find(None, "no_such_kernel__3") is None
+
+
+LOOPS_HLO = """HloModule jit_prefill, is_scheduled=true
+
+%body.1 (p.1: f32[4]) -> f32[4] {
+  %p.1 = f32[4]{0} parameter(0)
+  ROOT %exp.1 = f32[4]{0} exponential(%p.1), metadata={op_name="jit(f)/layer3/attention/attention/while/body/exp"}
+}
+
+%body.1.clone (p.2: f32[4]) -> f32[4] {
+  %p.2 = f32[4]{0} parameter(0)
+  ROOT %exp.2 = f32[4]{0} exponential(%p.2), metadata={op_name="jit(f)/layer3/attention/attention/while/body/exp"}
+}
+
+ENTRY %main.1 (a.1: f32[4]) -> f32[4] {
+  %a.1 = f32[4]{0} parameter(0)
+  %dot.1 = f32[4]{0} multiply(%a.1, %a.1), metadata={op_name="jit(f)/layer3/attention/qkv_proj/mul"}
+  %while.1 = f32[4]{0} while(%dot.1), condition=%cond.1, body=%body.1, metadata={op_name="jit(f)/layer3/attention/attention/while"}
+  %dot.2 = f32[4]{0} multiply(%while.1, %while.1), metadata={op_name="jit(f)/layer7/attention/qkv_proj/mul"}
+  ROOT %while.2 = f32[4]{0} while(%dot.2), condition=%cond.2, body=%body.1.clone, metadata={op_name="jit(f)/layer7/attention/attention/while"}
+}
+"""
+
+
+def test_loop_bodies_launch_at_their_loop_and_take_its_layer():
+    """XLA clones a loop body per call site keeping the first site's metadata: the second loop's ops belong to
+    layer 7, and launch between layer 7's ops, not before the entry computation."""
+    exe = pt.Executable(LOOPS_HLO)
+    order = [n for n in exe.launch_order() if not n.startswith(("p.", "a."))]
+    assert order == ["dot.1", "exp.1", "while.1", "dot.2", "exp.2", "while.2"]
+    assert pt.scope_of(exe.op_name("exp.1"))[:3] == ("layer3", "attention", "attention")
+    assert pt.scope_of(exe.op_name("exp.2"))[:3] == ("layer7", "attention", "attention")
