@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels throughput serving servinglite profile profiletp tp9b tp27b. Single-GPU sections run on GPU 0.
+# Sections: attention kernels throughput serving servinglite profile profiletp tp9b tpflags tp27b. Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
 #   bash bench/gpu_session.sh 560 attention throughput;  bash bench/gpu_session.sh 560 servinglite profile kernels
@@ -59,6 +59,10 @@ for s in $sections; do
                tar czf "$out/proftp.tgz" -C /tmp proftp ;;
     tp9b) XLA_FLAGS="${TP_XLA_FLAGS:-${XLA_FLAGS:-}}" run tp9b 210 python3 bench/tp.py \
             --configs bench/configs/qwen3.5-9b.json --tp 2 --no-precompile --record ;;
+    tpflags) tpf="python3 bench/tp.py --configs bench/configs/qwen3.5-9b.json --tp 2 --batches 1,16 --no-precompile --record"
+             nccl="--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"      # NCCL all-reduces, not XLA's kernels
+             XLA_FLAGS="$nccl --xla_gpu_enable_command_buffer=+COLLECTIVES" run tpflags_nccl_graph 150 $tpf
+             XLA_FLAGS="$nccl" run tpflags_nccl 150 $tpf ;;
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
 done
