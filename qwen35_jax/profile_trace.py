@@ -25,10 +25,15 @@ On the H200 (jax 0.11.2) kernels launched from command buffers (CUDA graphs) did
 so they are mapped by kernel name, and XLA:GPU gives one kernel to every fusion with the same fused computation
 (kernel reuse), named after the first of them: a name alone would put every layer's twin fusions in the first
 layer. `Executable.kernel_groups` lists, per shared kernel name, the instructions that may have launched it, in
-schedule order (twin fusions; Pallas kernels by their `name`; cuBLAS GEMM custom calls for cuBLAS kernel
-names), and `resolve` gives the k-th launch of a name in one execution to the k-th of them. Where the number of
-launches does not fit the group (e.g. a GEMM inside a loop), the events keep the scope the group's members share,
-with the layer left open (`AMBIGUOUS_LAYER`), never a guess.
+launch order (`launch_order`: the entry computation with each loop's body spliced in at its loop; twin fusions;
+Pallas kernels by the `name` in their backend config; cuBLAS GEMM custom calls for cuBLAS kernel names), and
+`resolve` gives the k-th launch of a name in one execution to the k-th of them. Where the number of launches does
+not fit the group (e.g. a loop that ran more than once), the events keep the scope the group's members share,
+with the layer left open (`AMBIGUOUS_LAYER`), never a guess. Other H200 kernel names: the passes of one op
+(`sort_8_1__20`) and XLA's collective kernels, named after the computation their fusion runs
+(`psum_458_0_fusion_1`). XLA clones a loop body per call site with the first site's metadata, so a body's ops
+take the layer of the loop that runs them. Checked against 9B traces from the H200 at tp 1 and 2
+(bench/RESULTS.md: 0.01 ms per decode step left unattributed).
 
 Time per event is its exclusive time on its line (an op's duration minus ops nested inside it on the same line);
 control-flow ops (`while`, `conditional`, `call`) are not counted since their bodies' ops are.
