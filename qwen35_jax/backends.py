@@ -50,7 +50,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     pv, dv = prefill_variants(), decode_variants()
-    p = lambda f, **kw: functools.partial(f, interpret=interpret, **kw)
+    # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
+    # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
+    p = lambda f, **kw: jax.jit(functools.partial(f, interpret=interpret, **kw))
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention}
     if prefill not in pv:

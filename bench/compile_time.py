@@ -1,0 +1,141 @@
+"""Where the precompile sweep's time goes: lowering (Python, under the GIL) and XLA compilation, per bucket.
+
+Lowers and compiles a few of the engine's buckets one at a time (no persistent cache) and prints both times.
+`--tiny-dims` keeps the config's layer structure with tiny widths (lowering cost follows the number of ops, not
+their sizes), so the Python half can be measured on a CPU machine. The kernels as served (each under the
+jax.jit that backends.pallas_kernels puts around it) are timed side by side with the bare kernels.
+
+    python bench/compile_time.py --config bench/configs/qwen3.5-9b.json [--tiny-dims] [--kernel-backend pallas]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.weights import random_weights  # noqa: E402
+
+TINY = dict(vocab_size=4096, hidden_size=64, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+            linear_num_value_heads=4)
+
+
+def bare(kernels):
+    """The kernels without backends.pallas_kernels' jit wrappers."""
+    return dataclasses.replace(kernels, **{f.name: getattr(getattr(kernels, f.name), "__wrapped__",
+                                                           getattr(kernels, f.name))
+                                           for f in dataclasses.fields(kernels)})
+
+
+def make_engine(model_dir, weights, backend, unjit: bool) -> Engine:
+    import qwen35_jax.engine as engine_module
+    jitted = engine_module.get_kernels
+    if unjit:             # the engine picks its kernels through engine.get_kernels: hand it the bare ones
+        engine_module.get_kernels = lambda name: (lambda b, k: (b, bare(k)))(*jitted(name))
+    try:
+        return Engine(model_dir, EngineArgs(max_model_len=1536, max_num_seqs=64, max_num_batched_tokens=2048,
+                                            max_prefill_rows=2, precompile=False, kernel_backend=backend),
+                      weights=weights)
+    finally:
+        engine_module.get_kernels = jitted
+
+
+def cuda_decode_lowering_seconds(cfg, kernels, batch: int = 16, slots: int = 64, pages: int = 512) -> float:
+    """Seconds to lower one decode step for CUDA (Pallas kernels through Triton), on any machine: abstract inputs
+    and an abstract H200 mesh, as tests/test_kernels.py's host-synchronisation check does."""
+    import functools
+    from qwen35_jax.executor import decode_step
+    from qwen35_jax.sampler import SamplerState, SamplingBatch
+    from qwen35_jax.sharding import DP, TP, Layout
+    from qwen35_jax.state import abstract_state
+    from qwen35_jax.weights import abstract_weights
+    layout = Layout.build(cfg, 1)
+    S, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
+    struct = lambda tree: jax.tree.map(lambda p: S(p.shape, p.dtype), tree, is_leaf=lambda x: hasattr(x, "axes"))
+    weights = struct(abstract_weights(cfg, layout, jnp.bfloat16))
+    state = struct(abstract_state(cfg, layout, slots, pages, 16, jnp.bfloat16))
+    v, n = weights.embed.shape[0], slots + 1
+    sstate = SamplerState(last_token=S((n,), i32), counts=S((n, v), i32), prompt_mask=S((n, v), jnp.bool_))
+    sp = SamplingBatch(*(S((batch,), t) for t in (f32, i32, f32, f32, f32, f32, f32, jnp.uint32, i32, jnp.bool_)))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
+    fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, False), mesh=mesh,
+                       in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(), check_vma=False)
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(fn).trace(weights, state, sstate, S((batch,), i32), S((batch,), i32), S((batch, 96), i32),
+                          sp).lower(lowering_platforms=("cuda",))
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
+    ap.add_argument("--tiny-dims", action="store_true")
+    ap.add_argument("--kernel-backend", default=None)
+    ap.add_argument("--no-compile", action="store_true", help="time lowering only")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--cuda-lowering", action="store_true",
+                    help="also lower a decode step for CUDA (Triton kernels) from this machine, both ways")
+    args = ap.parse_args()
+
+    raw = json.load(open(args.config))
+    if args.tiny_dims:
+        raw.update(TINY)
+    model_dir = tempfile.mkdtemp(prefix="qwen35-compile-")
+    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
+    cfg = ModelConfig.from_hf(raw)
+    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
+    engines = {"jit-wrapped": make_engine(model_dir, weights, args.kernel_backend, False),
+               "bare": make_engine(model_dir, weights, args.kernel_backend, True)}
+    keys = engines["bare"].executor.keys()
+    picked = [keys[0], next(k for k in keys if k[0] == "decode" and k[2]), next(k for k in keys if k[0] == "prefill"),
+              keys[-1]]
+    rows = []
+    for i, key in enumerate(picked):
+        row = {"bucket": str(key)}
+        for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):     # alternate who goes first
+            t0 = time.perf_counter()
+            lowered = engines[name].executor._lower(key)
+            t1 = time.perf_counter()
+            if not args.no_compile:
+                lowered.compile()
+            row[f"{name} lower s"] = f"{t1 - t0:.2f}"
+            if not args.no_compile:
+                row[f"{name} compile s"] = f"{time.perf_counter() - t1:.2f}"
+        rows.append(row)
+        print(row, flush=True)
+    if args.cuda_lowering:
+        from qwen35_jax import backends
+        served = backends.pallas_kernels(interpret=False)
+        row = {"bucket": "decode 16 rows, lowered for CUDA (Triton)"}
+        for name, kernels in (("bare", bare(served)), ("jit-wrapped", served), ("bare", bare(served))):
+            row[f"{name} lower s"] = f"{cuda_decode_lowering_seconds(cfg, kernels):.2f}"     # bare twice: warm-up
+        rows.append(row)
+        print(row, flush=True)
+    backend = engines["bare"].backend
+    for e in engines.values():
+        e.shutdown()
+    cols = ["bucket"] + sorted((c for c in rows[0] if c != "bucket"), key=lambda c: ("compile" in c, c))
+    body = (f"Config `{args.config}`{' with tiny widths (same layers)' if args.tiny_dims else ''}, kernel_backend="
+            f"`{backend}`, {jax.devices()[0].platform}, no persistent cache; each bucket lowered (and compiled) for "
+            f"the kernels as served (each under jax.jit) and bare, side by side.\n\n" + results.table(rows, cols))
+    print(body)
+    if args.record:
+        results.record("Compile time per bucket (bench/compile_time.py)", body)
+
+
+if __name__ == "__main__":
+    main()
