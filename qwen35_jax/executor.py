@@ -1,6 +1,7 @@
-"""Compiled engine steps: one XLA executable per prefill and decode bucket, built ahead of time.
+"""Compiled engine steps: one XLA executable per prefill bucket and two per decode bucket, built ahead of time.
 
-This is the JAX counterpart of CUDA Graph capture per decode batch bucket: at start-up every bucket is lowered and
+This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the two decode executables sample from
+the top candidates or over the sorted vocabulary: sampler.needs_full_vocab): at start-up every bucket is lowered and
 compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
 objects are kept and called directly, and serving never compiles. A decode executable runs `decode_steps` model
 steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
