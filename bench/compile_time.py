@@ -52,9 +52,10 @@ def make_engine(model_dir, weights, backend, unjit: bool) -> Engine:
         engine_module.get_kernels = jitted
 
 
-def cuda_decode_lowering_seconds(cfg, kernels, batch: int = 16, slots: int = 64, pages: int = 512) -> float:
-    """Seconds to lower one decode step for CUDA (Pallas kernels through Triton), on any machine: abstract inputs
-    and an abstract H200 mesh, as tests/test_kernels.py's host-synchronisation check does."""
+def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, pages_per_seq: int,
+                          full_vocab: bool = False) -> str:
+    """One decode step lowered for CUDA (Pallas kernels through Triton) on any machine, from abstract inputs on an
+    abstract H200 mesh: its StableHLO text. tests/test_kernels.py checks it for host round trips."""
     import functools
     from qwen35_jax.executor import decode_step
     from qwen35_jax.sampler import SamplerState, SamplingBatch
@@ -71,12 +72,17 @@ def cuda_decode_lowering_seconds(cfg, kernels, batch: int = 16, slots: int = 64,
     sp = SamplingBatch(*(S((batch,), t) for t in (f32, i32, f32, f32, f32, f32, f32, jnp.uint32, i32, jnp.bool_)))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
-    fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, False), mesh=mesh,
+    fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, full_vocab), mesh=mesh,
                        in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(), check_vma=False)
-    t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh):
-        jax.jit(fn).trace(weights, state, sstate, S((batch,), i32), S((batch,), i32), S((batch, 96), i32),
-                          sp).lower(lowering_platforms=("cuda",))
+        return jax.jit(fn).trace(weights, state, sstate, S((batch,), i32), S((batch,), i32),
+                                 S((batch, pages_per_seq), i32), sp).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def cuda_decode_lowering_seconds(cfg, kernels) -> float:
+    """Seconds to lower a 16-row decode step for CUDA (64 slots, 96 pages per row)."""
+    t0 = time.perf_counter()
+    lower_decode_for_cuda(cfg, kernels, batch=16, slots=64, pages=512, pages_per_seq=96)
     return time.perf_counter() - t0
 
 

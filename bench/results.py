@@ -28,7 +28,7 @@ def commit() -> str:
                                capture_output=True, text=True, cwd=os.path.dirname(RESULTS)).stdout.strip()
         return sha + ("+uncommitted" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("QWEN35_COMMIT", "unknown")
+        return "unknown"
 
 
 def machine() -> str:

@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
 from qwen35_jax.sampler import host_batch  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.state import bytes_per_slot  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
 
 
@@ -122,16 +122,12 @@ def main():
           f"warm cache {warm:.1f}s", flush=True)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
-    # An untied embedding table is only gathered (a row per token), not read whole: as in the profile's floor.
-    read_bytes = weight_bytes - (weights.embed.nbytes if weights.lm_head is not None else 0)
-    slot_bytes = bytes_per_slot(cfg, jnp.bfloat16)
-    kv_per_token = 2 * len(cfg.attn_layers) * cfg.num_kv_heads * cfg.head_dim * 2
     ctx = args.prompt_len + args.output_len // 2
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         dt, dispatch = time_decode(engine, b, ctx, args.iters)
         dt /= args.decode_steps
-        floor_bytes = read_bytes + 2 * b * slot_bytes + b * ctx * kv_per_token
+        floor_bytes = sum(decode_floor_bytes(cfg, weights, engine.executor.state, b, ctx).values())
         floor = floor_bytes / bw
         rows.append({"batch": b, "step ms": f"{dt * 1e3:.2f}", "floor ms": f"{floor * 1e3:.2f}",
                      "step / floor": f"{dt / floor:.2f}", "dispatch ms": f"{dispatch * 1e3:.2f}",
@@ -161,9 +157,10 @@ def main():
 
     body = (f"Model: `{args.config}` shapes, random bf16 weights ({weight_bytes / 1e9:.1f} GB), kernel_backend="
             f"`{engine.backend}`, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
-            f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights, the embedding table excepted when untied, + GDN state read and written + KV read at "
-            f"context {ctx}) / copy bandwidth. 'dispatch ms': median host time of one dispatch call (much less "
-            f"than the step: the host runs ahead of the device).\n\n"
+            f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights, an untied embedding table only for its looked-up "
+            f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
+            f"(`qwen35_jax.profile.decode_floor_bytes`). 'dispatch ms': median host time of one dispatch call (much "
+            f"less than the step: the host runs ahead of the device).\n\n"
             f"Precompile sweep ({n_exe} executables, {eargs.precompile_threads or 'default'} threads): "
             f"{'cold (empty persistent cache)' if cold_cache else 'first start (cache not empty)'} {cold:.1f} s, "
             f"warm persistent cache {warm:.1f} s.\n\n"

@@ -27,9 +27,9 @@ from bench import results  # noqa: E402
 from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
 from qwen35_jax.runner import ModelRunner, make_batch  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.state import bytes_per_slot  # noqa: E402
 from qwen35_jax.weights import random_weights, relayout  # noqa: E402
 
 GiB = 2 ** 30
@@ -73,14 +73,9 @@ def allreduce_ms_per_step(engine: Engine, batch: int, ctx: int, steps: int = 5) 
     return coll / 1e3 / n, total / 1e3 / n
 
 
-def floor_ms(cfg, weights, device, tp, batch, ctx, bw) -> float:
-    """Bytes one device must move per decode step over the copy bandwidth: its weight shards (an untied embedding
-    table only gathered), its share of the GDN state read and written and of the KV read at context ctx."""
-    w = per_device_bytes(weights, device)
-    if weights.lm_head is not None:
-        w -= per_device_bytes(weights.embed, device)
-    kv_per_token = 2 * len(cfg.attn_layers) * cfg.num_kv_heads * cfg.head_dim * 2
-    return 1e3 * (w + (2 * batch * bytes_per_slot(cfg) + batch * ctx * kv_per_token) / tp) / bw
+def floor_ms(cfg, engine: Engine, batch, ctx, bw) -> float:
+    """Bytes GPU 0 must move per decode step (its weight shards, its share of GDN state and KV) over bw, in ms."""
+    return 1e3 * sum(decode_floor_bytes(cfg, engine.weights, engine.executor.state, batch, ctx).values()) / bw
 
 
 def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=True):
@@ -107,7 +102,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
     mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
     t1 = {b: time_decode(eng1, b, ctx, 10)[0] for b in batches}
-    f1 = {b: floor_ms(cfg, w1, devs[0], 1, b, ctx, bw) for b in batches}
+    f1 = {b: floor_ms(cfg, eng1, b, ctx, bw) for b in batches}
     print(f"[{name}] tp=1 decode ms {[round(v * 1e3, 2) for v in t1.values()]}", flush=True)
     eng1.shutdown()
     del eng1
@@ -130,7 +125,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
     memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
     tn = {b: time_decode(engn, b, ctx, 10)[0] for b in batches}
-    fn = {b: floor_ms(cfg, wn, devs[0], tp, b, ctx, bw) for b in batches}
+    fn = {b: floor_ms(cfg, engn, b, ctx, bw) for b in batches}
     coll, total = allreduce_ms_per_step(engn, 16 if 16 in batches else batches[-1], ctx)
     sweep = engn.precompile_seconds
     n_exe = len(engn.executor.compiled)

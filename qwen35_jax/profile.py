@@ -395,7 +395,8 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         dtype=jnp.dtype(dt).name,
         kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
         decode_wall_ms=sorted(passes)[1],
-        floor_bytes=_decode_floor_bytes(cfg, engine.weights, ex.state, batch, prompt_len, decode_steps))
+        floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
+                                       prompt_len + (decode_steps + 1) / 2))
     for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
         with open(os.path.join(session, f"{step}.hlo.txt"), "w") as f:
             f.write(text)
@@ -409,11 +410,11 @@ def _shard_bytes(x) -> int:
     return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
 
 
-def _decode_floor_bytes(cfg, weights, state, batch, prompt_len, decode_steps) -> dict[str, int]:
-    """Bytes one decode step must move on one device (rank 0), averaged over the profiled steps:
-    weights once (an untied embedding table contributes only the looked-up rows), every GDN layer's recurrent and
-    conv state for `batch` slots read and written, and each attention layer's K/V read over the live context
-    plus the new token's K/V written."""
+def decode_floor_bytes(cfg, weights, state, batch, context: float) -> dict[str, int]:
+    """Bytes one decode step of `batch` rows must move on one device (rank 0): weights once (an untied embedding
+    table contributes only the looked-up rows), every GDN layer's recurrent and conv state for `batch` slots read
+    and written, and each attention layer's K/V read over `context` cached tokens plus the new token's K/V
+    written. Also used by bench/throughput.py and bench/tp.py."""
     import jax
     import jax.numpy as jnp
     leaves = jax.tree.leaves(weights)
@@ -427,8 +428,7 @@ def _decode_floor_bytes(cfg, weights, state, batch, prompt_len, decode_steps) ->
     for k_pages in state.k_pages:                                 # [kv_heads, pages, page, D], sharded on heads
         heads, _, _, d = k_pages.sharding.shard_shape(k_pages.shape)
         per_token = 2 * heads * d * k_pages.dtype.itemsize        # K and V
-        mean_ctx = prompt_len + (decode_steps + 1) / 2            # tokens in the cache after this step's write
-        kv += int(batch * per_token * (mean_ctx + 1))             # read the context, write the new token
+        kv += int(batch * per_token * (context + 1))              # read the context, write the new token
     return {"weights": w, "gdn_state": gdn, "kv": kv}
 
 

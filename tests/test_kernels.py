@@ -280,34 +280,13 @@ def test_decode_step_has_no_host_synchronisation():
     """XLA:GPU runs a while loop with a data-dependent trip count, and a conditional, by copying the predicate to
     the host and blocking on the stream; a decode step must have neither, so the engine can dispatch ahead. The
     decode step with the Pallas kernels, lowered for CUDA: no while / case / if outside the Triton kernels."""
+    from bench.compile_time import lower_decode_for_cuda
     from qwen35_jax import backends
     from qwen35_jax.config import load_config
-    from qwen35_jax.executor import decode_step
-    from qwen35_jax.sampler import SamplerState, SamplingBatch
-    from qwen35_jax.sharding import DP, TP, Layout
-    from qwen35_jax.state import abstract_state
-    from qwen35_jax.weights import abstract_weights
     cfg = load_config(fixture_dir("mm_tied_r2_g2"))
-    layout = Layout.build(cfg, 1)
     kernels = backends.pallas_kernels(interpret=False)
-    S, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
-    as_struct = lambda tree: jax.tree.map(lambda p: S(p.shape, p.dtype), tree,
-                                          is_leaf=lambda x: hasattr(x, "axes"))
-    weights = as_struct(abstract_weights(cfg, layout, jnp.bfloat16))
-    state = as_struct(abstract_state(cfg, layout, 4, 9, 16, jnp.bfloat16))
-    b, v = 4, weights.embed.shape[0]
-    sstate = SamplerState(last_token=S((5,), i32), counts=S((5, v), i32), prompt_mask=S((5, v), jnp.bool_))
-    sp = SamplingBatch(*(S((b,), f) for f in (f32, i32, f32, f32, f32, f32, f32, jnp.uint32, i32, jnp.bool_)))
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
-
-    def lowered(kernels, full_vocab=False):
-        step = functools.partial(decode_step, cfg, layout, kernels, 1, full_vocab)
-        fn = jax.shard_map(step, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
-                           out_specs=jax.sharding.PartitionSpec(), check_vma=False)
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jax.jit(fn).trace(weights, state, sstate, S((b,), i32), S((b,), i32), S((b, 8), i32), sp).lower(
-                lowering_platforms=("cuda",)).as_text()
+    lowered = lambda kernels, full_vocab=False: lower_decode_for_cuda(cfg, kernels, batch=4, slots=4, pages=9,
+                                                                       pages_per_seq=8, full_vocab=full_vocab)
 
     text = lowered(kernels)
     assert "stablehlo.while" not in lowered(kernels, full_vocab=True)
