@@ -94,7 +94,8 @@ def compile_all(paths):
             open(cubin, "wb").write(k.asm["cubin"])
             res = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
             reg = int(re.search(r"REG:(\d+)", res).group(1))
-            local = int(re.search(r"LOCAL:(\d+)", res).group(1))
+            # ptxas puts register spills in the stack frame (STACK), not LOCAL; a frame means spills here
+            local = int(re.search(r"STACK:(\d+)", res).group(1)) + int(re.search(r"LOCAL:(\d+)", res).group(1))
             smem = k.metadata.shared
             per_sm = min(227 * 1024 // max(smem, 1), 65536 // max(reg * 32 * nw, 1), 32)
             ttgir = k.asm["ttgir"]

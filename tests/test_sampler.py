@@ -85,9 +85,10 @@ def test_sampling_distribution_follows_temperature():
 def test_top_k_desc_two_stage_is_exact():
     from qwen35_jax.sampler import top_k_desc
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((3, 5000)).astype(np.float32)
-    x[1, 4990:] = -np.inf                                   # padding columns, as in the model's logits
-    x[2, [7, 4000, 4999]] = 9.0                             # ties at the top, in different blocks
+    x = rng.standard_normal((4, 70001)).astype(np.float32)  # 547 blocks of 128, the last one partial
+    x[1, 69990:] = -np.inf                                  # padding columns, as in the model's logits
+    x[2, [7, 4000, 70000]] = 9.0                            # ties at the top, in different blocks
+    x[3, 256:384] = 5.0 + np.arange(128) / 1e3              # the whole top 128 in one block
     for k in (1, 20, 128):
         vals, idx = top_k_desc(jnp.asarray(x), k)
         want = -np.sort(-x, axis=-1)[:, :k]
