@@ -103,7 +103,7 @@ def elapsed():
 
 
 def model_pending():
-    return ARGS.model and "model_step_done" not in RES
+    return ARGS.model and "model_step_done" not in RES and (not ARGS.only or "model_step" in ARGS.only)
 
 
 def time_left(reserve_model=True):
@@ -139,6 +139,9 @@ def save():
 def section(name, need=10.0, reserve_model=True):
     """Run a section; record its error instead of dying; skip it when the time is up."""
     def deco(fn):
+        if ARGS.only and name not in ARGS.only + ["fla_import", "ceilings"]:
+            RES["skipped"].append(f"section {name} (--only)")
+            return fn
         if not have_time(f"section {name}", need, reserve_model):
             return fn
         t0 = time.time()
@@ -368,11 +371,16 @@ class PrefillProblem:
     def pool(self):
         return rand_pool(self.key, self.ns * self.n + 1)
 
+    def carry(self):
+        """(state pool, a scalar that every call's output feeds: no kernel of the call is dead code)."""
+        return self.pool(), jnp.zeros((1,), jnp.float32)
+
     def full_us(self, config):
-        def call(pool, q, k, v, a, b, slots):
-            return gdn.gdn_prefill_packed(q, k, v, a, b, self.A_log, self.dt_bias, pool, self.starts, self.lens_a,
-                                          slots, self.use, config=config, **kernel_kw())[1]
-        us, _ = time_calls(call, self.pool(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
+        def call(c, q, k, v, a, b, slots):
+            o, pool = gdn.gdn_prefill_packed(q, k, v, a, b, self.A_log, self.dt_bias, c[0], self.starts,
+                                             self.lens_a, slots, self.use, config=config, **kernel_kw())
+            return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
+        us, _ = time_calls(call, self.carry(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
         return us
 
     def prep_outputs(self, config):
@@ -387,13 +395,14 @@ class PrefillProblem:
         """The WY scan alone, on precomputed prep outputs (preps from prep_outputs of a config of the same
         precisions)."""
         precs = config.precisions(jnp.bfloat16)[:3]
-        chunk_off, _, _ = gdn.chunk_map(self.starts, self.lens_a, self.mc)
+        chunk_off, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
         sets = [(q, k, *pr, slots) for (q, k, v, a, b, slots), pr in zip(self.sets, preps)]
 
-        def call(pool, q, k, w, u, p, f, slots):
-            return gdn.wy_scan(q, k, w, u, p, f, pool, self.starts, self.lens_a, self.lens_a, slots, self.use,
-                               chunk_off, config=config, precs=precs, **kernel_kw())[1]
-        us, _ = time_calls(call, self.pool(), sets, calls=(2, 10))
+        def call(c, q, k, w, u, p, f, slots):
+            o, pool = gdn.wy_scan(q, k, w, u, p, f, c[0], self.starts, self.lens_a, self.lens_a, slots, self.use,
+                                  chunk_off, row0, nvalid, config=config, precs=precs, **kernel_kw())
+            return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
+        us, _ = time_calls(call, self.carry(), sets, calls=(2, 10))
         return us
 
     def prep_us(self, config):
@@ -609,8 +618,8 @@ def main():
                     preps[key] = gdn.wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid,
                                              w_dtype=jnp.bfloat16 if precs[0] == "bf16" else jnp.float32,
                                              prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode, **kernel_kw())
-                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, config=c,
-                                       precs=precs[:3], **kernel_kw())
+                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, row0,
+                                       nvalid, config=c, precs=precs[:3], **kernel_kw())
             return outs
 
         try:   # all variants in one program
@@ -918,6 +927,8 @@ def main():
                 time_prefill(case, "wy_best", best)
             if case == "8x2k" and best.bv is not None:          # several sequences: also the automatic V-block
                 time_prefill(case, "wy_best_bvauto", dataclasses.replace(best, bv=None))
+            time_fla_prefill(case)                              # fla beside it (skipped where already timed)
+            RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
         problems.clear()
 
     # ------------------------------------------------------------------ decode sweep
@@ -1194,7 +1205,7 @@ def report() -> str:
     if RES["notes"]:
         L += ["", "Notes: " + "; ".join(dict.fromkeys(RES["notes"]))]
     if RES["skipped"]:
-        L += ["", "Skipped (time limit): " + "; ".join(RES["skipped"])]
+        L += ["", "Skipped: " + "; ".join(RES["skipped"])]
     if RES["errors"]:
         L += ["", "Errors / excluded: " + "; ".join(f"{k}: {v}" for k, v in RES["errors"].items())]
     return "\n".join(L) + "\n"
@@ -1261,6 +1272,9 @@ if __name__ == "__main__":
     ap.add_argument("--model-batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model decode step")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md")
+    ap.add_argument("--only", nargs="+", default=[],
+                    help="run only these sections (fla_import and ceilings always run), e.g. correct_defaults "
+                         "correct_variants prefill_sweep prefill_best")
     ARGS = ap.parse_args()
     ARGS.no_record = ARGS.no_record or DRY           # a CPU smoke run never writes bench/RESULTS.md
     if ARGS.model_reserve is None:

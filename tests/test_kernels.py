@@ -44,11 +44,13 @@ def _prefill_fn(config=None):
 
 
 WY, V1 = gdn.WYConfig(), gdn.PrefillConfig()
+SPLIT = gdn.WYConfig(bv=16, num_stages=2, prefetch=False, split=True)
 
 
 @pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
-                                                       (3, 16, 32, V1, [65, 130, 1, 0])],
-                         ids=["wy-r1", "wy-r3", "v1-r3"])
+                                                       (3, 16, 32, V1, [65, 130, 1, 0]),
+                                                       (2, 16, 32, SPLIT, [70, 130, 1, 0])],
+                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-split-r2"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
     n, t = len(lens_l), max(lens_l)
@@ -78,6 +80,7 @@ BF16_CASES = {
     "wy-tf32-fp32W-tile2-prep": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3",
                                               prep_mode="tile2"), [130, 1, 0], 1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
+    "wy-split": (SPLIT, [130, 1, 0], 1.5e-3),
 }
 
 
@@ -104,7 +107,8 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-def test_gdn_prefill_packed_ragged():
+@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split"])
+def test_gdn_prefill_packed_ragged(config):
     """Packed sequences at arbitrary offsets (not chunk-aligned), one call; rows outside sequences untouched."""
     hk, hv, dk, dv = 2, 4, 32, 16
     lens = [65, 1, 130, 3]
@@ -114,7 +118,7 @@ def test_gdn_prefill_packed_ragged():
     q, k, v, a, b = (x[0] for x in (q, k, v, a, b))
     slots = jnp.array([4, 2, 8, 6])
     use = jnp.array([True, True, False, True])
-    fn = jax.jit(functools.partial(gdn.gdn_prefill_packed, interpret=True))
+    fn = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, interpret=True))
     o, new = fn(q, k, v, a, b, A_log, dt_bias, pool, jnp.array(starts), jnp.array(lens), slots, use)
     for i, (s, ln) in enumerate(zip(starts, lens)):
         sl = slice(s, s + ln)
@@ -246,7 +250,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                      gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
     configs += [gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
-    assert text.count("__gpu$xla.gpu.triton") == 2 * len(configs)                   # prep/solve + scan each
+    kernels = sum(3 if getattr(c, "split", False) else 2 for c in configs)           # prep/solve + scan (+ out)
+    assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
               S((n,), jnp.bool_))
