@@ -63,3 +63,33 @@ def table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         out.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     return "\n".join(out)
+
+
+def sections(text: str) -> dict:
+    """{title: section text} of a RESULTS.md text."""
+    return {m.group(1): m.group(0) for m in re.finditer(r"^## ([^\n]*)\n.*?(?=^## |\Z)", text, re.S | re.M)}
+
+
+def merge(paths: list[str]):
+    """Take into bench/RESULTS.md every section of the given RESULTS.md files (copies the GPU machine sent back)
+    that is new or dated later than ours: one call's sections never overwrite another call's newer ones."""
+    text = open(RESULTS).read()
+    date = lambda sec: (re.search(r"^- date: (.*)$", sec, re.M) or [None, ""])[1]
+    for path in paths:
+        ours = sections(text)
+        for title, sec in sections(open(path).read()).items():
+            if title not in ours:
+                text = text.rstrip() + "\n\n" + sec.rstrip() + "\n"
+            elif date(sec) > date(ours[title]):
+                text = text.replace(ours[title], sec.rstrip() + "\n\n")
+            else:
+                continue
+            print(f"merged '{title}' from {path}")
+    with open(RESULTS, "w") as f:
+        f.write(text.rstrip() + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] != "merge":
+        sys.exit("usage: python bench/results.py merge RESULTS.md...")
+    merge(sys.argv[2:])

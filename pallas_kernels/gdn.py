@@ -134,13 +134,18 @@ class DecodeConfig:
     num_warps: int = 1
     num_stages: int = 1
     group: bool = False
+    vblocks: int = 1           # V-blocks per program, in a loop that loads block j + 1's state before it stores
+                               # block j's; q, k and their norms computed once per program, not once per V-block
 
     @property
     def name(self):
-        return f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "")
+        return (f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "")
+                + (f"_l{self.vblocks}" if self.vblocks > 1 else "") + (f"_s{self.num_stages}" if self.num_stages > 1 else ""))
 
 
-DEFAULT_PREFILL = WYConfig()
+# The fastest configuration of the H200 sweep at 8d3cb55 (bench/RESULTS.md): scan alone 401 us at 1x8k against
+# 900 us for the register-prefetching WYConfig(), whole prefill 1019 vs 1564 us.
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False)
 DEFAULT_DECODE = DecodeConfig()
 
 
@@ -170,7 +175,9 @@ def decode_sweep():
     """Every decode configuration bench/kernels.py times (tests cross-lower each one for CUDA)."""
     return [DecodeConfig(), DecodeConfig(bv=32, num_warps=2), DecodeConfig(bv=16, num_warps=1),
             DecodeConfig(bv=64, num_warps=4), DecodeConfig(bv=8, num_warps=1, group=True),
-            DecodeConfig(bv=32, num_warps=4, group=True)]
+            DecodeConfig(bv=32, num_warps=4, group=True),
+            DecodeConfig(vblocks=4), DecodeConfig(vblocks=16), DecodeConfig(bv=16, vblocks=4),
+            DecodeConfig(bv=16, num_warps=2, vblocks=8), DecodeConfig(bv=32, num_warps=2, vblocks=4)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -955,27 +962,40 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, pool_ref, o_ref, pool_out_ref,
-                   *, ratio, bv, group):
-    """Grid (row, value head, V-block), or with group=True (row, key head, V-block) doing its `ratio` value heads."""
+                   *, ratio, bv, group, vblocks):
+    """Grid (row, value head, V-block group of `vblocks`), or with group=True (row, key head, V-block group) doing
+    its `ratio` value heads."""
     n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h if group else h // ratio
     slot = slot_ref[n]
-    vcols = pl.ds(vb * bv, bv)
     dk = q_ref.shape[-1]
     q = _l2norm(q_ref[n, kh, :].astype(jnp.float32)) * (dk ** -0.5)
     k = _l2norm(k_ref[n, kh, :].astype(jnp.float32))
     qk = jnp.sum(q * k)
     for hv in ([kh * ratio + r for r in range(ratio)] if group else [h]):
-        v = v_ref[n, hv, vcols].astype(jnp.float32)
         g, beta = _gates(a_ref[n, hv], b_ref[n, hv], alog_ref[hv], dtb_ref[hv])
         alpha = jnp.exp(g)
-        s = pool_ref[slot, hv, vcols, :]                                # [BV, dk] fp32, contiguous dk
-        r_k = jnp.sum(s * k[None, :], axis=1)
-        r_q = jnp.sum(s * q[None, :], axis=1)
-        u = beta * (v - alpha * r_k)
-        o = alpha * r_q + qk * u
-        pool_out_ref[slot, hv, vcols, :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
-        o_ref[n, hv, vcols] = o.astype(o_ref.dtype)
+
+        cols = lambda j: pl.ds((vb * vblocks + j) * bv, bv)
+
+        def block(j, s, hv=hv, beta=beta, alpha=alpha):
+            """V-block j given its state s [BV, dk] (fp32, contiguous dk); returns block j + 1's state, whose
+            load is issued before this block's math and store (the loop's software pipelining)."""
+            nxt = pool_ref[slot, hv, cols(jnp.minimum(j + 1, vblocks - 1)), :] if vblocks > 1 else s
+            v = v_ref[n, hv, cols(j)].astype(jnp.float32)
+            r_k = jnp.sum(s * k[None, :], axis=1)
+            r_q = jnp.sum(s * q[None, :], axis=1)
+            u = beta * (v - alpha * r_k)
+            o = alpha * r_q + qk * u
+            pool_out_ref[slot, hv, cols(j), :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
+            o_ref[n, hv, cols(j)] = o.astype(o_ref.dtype)
+            return nxt
+
+        first = pool_ref[slot, hv, cols(0), :]
+        if vblocks == 1:
+            block(0, first)
+        else:
+            jax.lax.fori_loop(0, vblocks, block, first)
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig | None = None,
@@ -991,10 +1011,13 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConf
     bv = min(config.bv, dv)
     if dv % bv or bv & (bv - 1):
         raise ValueError(f"decode V-block {bv} must be a power of two dividing dv={dv}")
+    vblocks = min(config.vblocks, dv // bv)
+    if (dv // bv) % vblocks:
+        raise ValueError(f"{vblocks} V-blocks per program must divide the {dv // bv} V-blocks of {bv}")
     o, pool = pl.pallas_call(
-        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group),
+        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group, vblocks=vblocks),
         out_shape=(jax.ShapeDtypeStruct((n, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(n, hk if config.group else hv, dv // bv),
+        grid=(n, hk if config.group else hv, dv // bv // vblocks),
         input_output_aliases={8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gdn_decode",

@@ -4,13 +4,12 @@
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
 
 Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`: a
-parallel prep kernel + a four-dot chunk scan) and the decode step `gdn.DEFAULT_DECODE` ([8, 128] state tiles,
-one warp per program). These are the variants expected to be fastest from the kernels' design and their
-sm_90 compile statistics; they are NOT yet validated by a GPU run (bench/kernels.py times them against the
-previous kernels). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2`
-(or any name in gdn.decode_sweep()) another decode configuration; the choice is logged. Decode attention:
-pallas_kernels/paged_attention.py (DEFAULT config, not yet run on a GPU; bench/attention.py checks and times it);
-`QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead.
+parallel prep kernel + a four-dot chunk scan, the fastest configuration of the H200 sweep) and the decode step
+`gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program); both checked and timed on the H200 against the
+references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill
+kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
+choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
+H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
 def prefill_variants() -> dict:
-    return {"wy": gdn.DEFAULT_PREFILL, "v1": gdn.PrefillConfig()}
+    return {"wy": gdn.DEFAULT_PREFILL, "v1": gdn.PrefillConfig(), **{c.name: c for c in gdn.prefill_sweep()}}
 
 
 def decode_variants() -> dict:
@@ -69,7 +68,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
 
 
 def default_backend() -> str:
-    """"pallas" on GPU (with the default kernel variants above, unvalidated on the GPU so far), else "reference"."""
+    """"pallas" on GPU (the default kernel variants above), else "reference"."""
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 

@@ -130,8 +130,9 @@ def test_gdn_prefill_packed_ragged(config):
 
 
 @pytest.mark.parametrize("ratio,config", [(1, gdn.DecodeConfig()), (2, gdn.DecodeConfig(bv=8, num_warps=1, group=True)),
-                                          (3, gdn.DecodeConfig(bv=16, num_warps=1)), (2, gdn.DecodeConfig(bv=16, group=True))],
-                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16"])
+                                          (3, gdn.DecodeConfig(bv=16, num_warps=1)), (2, gdn.DecodeConfig(bv=16, group=True)),
+                                          (2, gdn.DecodeConfig(vblocks=4)), (3, gdn.DecodeConfig(group=True, vblocks=2))],
+                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16", "r2-loop4", "r3-group-loop2"])
 def test_gdn_decode_in_place(ratio, config):
     n, hk, dk, dv = 5, 2, 32, 16
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(20 + ratio, n, 1, hk, hk * ratio, dk, dv)
