@@ -1245,6 +1245,12 @@ def summary() -> str:
     return "\n".join(rows)
 
 
+def title():
+    """The RESULTS.md section title; a run of some sections only (--only) records under its own title, so it does
+    not replace the full run's section."""
+    return TITLE + (f": sections {' '.join(ARGS.only)}" if ARGS.only else "")
+
+
 def record(md, quiet=False):
     """Replace the kernels section of bench/RESULTS.md (the legacy hand-written block included) and copy the file
     to $OUT."""
@@ -1258,9 +1264,9 @@ def record(md, quiet=False):
         import contextlib
         import io
         with contextlib.redirect_stdout(io.StringIO()):
-            results_md.record(TITLE, md, command=ARGS.command_line)
+            results_md.record(title(), md, command=ARGS.command_line)
     else:
-        results_md.record(TITLE, md, command=ARGS.command_line)
+        results_md.record(title(), md, command=ARGS.command_line)
     shutil.copy(path, os.path.join(OUT, "RESULTS.md"))
 
 
