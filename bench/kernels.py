@@ -388,7 +388,7 @@ class PrefillProblem:
         _, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
         w_dtype = jnp.bfloat16 if precs[0] == "bf16" else jnp.float32
         f = jax.jit(functools.partial(gdn.wy_prep, w_dtype=w_dtype, prec=precs[3], num_warps=config.prep_warps,
-                                      mode=config.prep_mode, **kernel_kw()))
+                                      mode=config.prep_mode, solve_warps=config.solve_warps, **kernel_kw()))
         return [f(q, k, v, a, b, self.A_log, self.dt_bias, row0, nvalid) for q, k, v, a, b, _ in self.sets]
 
     def scan_us(self, config, preps):
@@ -412,7 +412,8 @@ class PrefillProblem:
 
         def call(c, q, k, v, a, b, slots):
             outs = gdn.wy_prep(q, k, v, a, b, self.A_log, self.dt_bias + c[0], row0, nvalid, w_dtype=w_dtype,
-                               prec=precs[3], num_warps=config.prep_warps, mode=config.prep_mode, **kernel_kw())
+                               prec=precs[3], num_warps=config.prep_warps, mode=config.prep_mode,
+                               solve_warps=config.solve_warps, **kernel_kw())
             return c + 0.0 * outs[3][0, 0, 0, :1]       # a data dependence: no call is dead or CSE'd
         us, _ = time_calls(call, jnp.zeros((1,), jnp.float32), self.sets, calls=(2, 10))
         return us
@@ -546,9 +547,11 @@ def main():
 
     # ------------------------------------------------------------------ correctness of every variant
     prefill_variants = {c.name: c for c in gdn.prefill_sweep()}
-    for mode, w in gdn.PREP_VARIANTS:          # the prep variants timed below run through the full pipeline here
-        c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=mode, prep_warps=w)
+    prep_variants = {}                         # label -> WYConfig overrides of the prep variants timed alone
+    for kw in gdn.PREP_VARIANTS:               # they also run through the full pipeline here
+        c = dataclasses.replace(gdn.DEFAULT_PREFILL, **kw)
         prefill_variants.setdefault(c.name, c)
+        prep_variants[f"{c.prep_mode}_w{c.prep_warps}" + (f"_s{c.solve_warps}" if c.prep_mode == "solve" else "")] = kw
     decode_variants = {c.name: c for c in gdn.decode_sweep()}
     RES["valid"] = {"prefill": [], "decode": [], "conv_prefill": [], "conv_decode": []}
 
@@ -613,11 +616,12 @@ def main():
                     outs[nm] = run(c, *x)
                     continue
                 precs = c.precisions(v.dtype)
-                key = (c.prep_mode, c.prep_warps, precs[0], precs[3])
+                key = (c.prep_mode, c.prep_warps, c.solve_warps, precs[0], precs[3])
                 if key not in preps:
                     preps[key] = gdn.wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid,
                                              w_dtype=jnp.bfloat16 if precs[0] == "bf16" else jnp.float32,
-                                             prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode, **kernel_kw())
+                                             prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode,
+                                             solve_warps=c.solve_warps, **kernel_kw())
                 outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, row0,
                                        nvalid, config=c, precs=precs[:3], **kernel_kw())
             return outs
@@ -883,12 +887,11 @@ def main():
             save()
         by_prec.clear()
         prep = RES["prefill"][SWEEP_CASE].setdefault("prep", {})
-        tile_ok = any(dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=m, prep_warps=w).name in RES["valid"]["prefill"]
-                      for m, w in gdn.PREP_VARIANTS if m != "blocks")
-        for mode, w in gdn.PREP_VARIANTS:
-            c = dataclasses.replace(gdn.DEFAULT_PREFILL, prep_mode=mode, prep_warps=w)
-            label = f"{mode}_w{w}"
-            if mode == "blocks" and tile_ok:      # the fallback is timed only when no tile prep compiled
+        tile_ok = any(dataclasses.replace(gdn.DEFAULT_PREFILL, **kw).name in RES["valid"]["prefill"]
+                      for kw in prep_variants.values() if kw["prep_mode"] != "blocks")
+        for label, kw in prep_variants.items():
+            c = dataclasses.replace(gdn.DEFAULT_PREFILL, **kw)
+            if c.prep_mode == "blocks" and tile_ok:      # the fallback is timed only when no tile prep compiled
                 continue
             if c.name not in RES["valid"]["prefill"] or not have_time(f"prep {label}", 8):
                 continue
@@ -911,8 +914,7 @@ def main():
         cfg = prefill_variants[min(ok, key=ok.get)]
         prep = {k: v for k, v in RES["prefill"][SWEEP_CASE].get("prep", {}).items() if v}
         if prep:
-            mode, w = min(prep, key=prep.get).split("_w")
-            cfg = dataclasses.replace(cfg, prep_mode=mode, prep_warps=int(w))
+            cfg = dataclasses.replace(cfg, **prep_variants[min(prep, key=prep.get)])
         return cfg
 
     # ------------------------------------------------------------------ the best WY configuration on every case

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
 
 import jax
@@ -99,7 +98,10 @@ class WYConfig:
                products (the default; its Triton compile takes ~7 s on a CPU core, against ~20 s for "tile2");
                "tile2": the same with all value heads of a key head in one program (K K^T, Q K^T computed once,
                the heads' solve chains interleaved);
-               "blocks": everything in 16-row blocks, heads in a loop (no assembly; the fallback)."""
+               "blocks": everything in 16-row blocks, heads in a loop (no assembly; the fallback);
+               "solve": T by the v1 solve kernel on `solve_warps` warps, then the "tile" kernel given T (the
+               solve's row loops and 16x16 reductions stay within one or two warps; T costs 2 x 16 KB of
+               traffic per chunk and head)."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int = 1
@@ -112,6 +114,7 @@ class WYConfig:
     prep_prec: str | None = None
     split: bool = False
     out_warps: int = 4
+    solve_warps: int = 2
 
     @property
     def name(self):
@@ -119,6 +122,7 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
                 + (f"_split{self.out_warps}" if self.split else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
+                + (f"{self.solve_warps}" if self.prep_mode == "solve" else "")
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -140,7 +144,8 @@ class DecodeConfig:
     @property
     def name(self):
         return (f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "")
-                + (f"_l{self.vblocks}" if self.vblocks > 1 else "") + (f"_s{self.num_stages}" if self.num_stages > 1 else ""))
+                + (f"_l{self.vblocks}" if self.vblocks > 1 else "")
+                + (f"_s{self.num_stages}" if self.num_stages > 1 else ""))
 
 
 # The fastest configuration of the H200 sweep at 8d3cb55 (bench/RESULTS.md): scan alone 401 us at 1x8k against
@@ -168,7 +173,10 @@ def prefill_sweep():
             PrefillConfig()]
 
 
-PREP_VARIANTS = (("tile", 4), ("tile", 8), ("tile2", 4), ("tile2", 8), ("blocks", 4))   # (mode, warps) timed alone
+# WYConfig overrides of the prep variants bench/kernels.py times alone
+PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", prep_warps=2),
+                 dict(prep_mode="solve", solve_warps=1), dict(prep_mode="solve", solve_warps=2),
+                 dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
 
 
 def decode_sweep():
@@ -465,13 +473,15 @@ def _assemble(blocks, nb):
     return rows[0]
 
 
-def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
-                 w_ref, u_ref, p_ref, f_ref, *, ratio, prec, interpret, per_value_head=False):
+def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs, ratio, prec,
+                 interpret, per_value_head=False, solved=False):
     """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
     (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
-    full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C)."""
+    full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
+    solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead."""
+    t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
     c, pid1 = pl.program_id(0), pl.program_id(1)
     kh = pid1 // ratio if per_value_head else pid1
     nvalid = nvalid_ref[c]
@@ -479,7 +489,7 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
     @pl.when(nvalid > 0)
     def _():
         row0 = row0_ref[c]
-        dk, dv = k_ref.shape[-1], v_ref.shape[-1]
+        dk = k_ref.shape[-1]
         scale = dk ** -0.5
         mm = functools.partial(_mm, interpret=interpret)
         exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
@@ -514,41 +524,47 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
             f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
             f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
 
-        ks, rks, valid = [], [], []
-        for i in range(nb):
-            vi = idx + i * SUB < nvalid
-            valid.append(vi)
-            kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
-            kf = kx.astype(jnp.float32)
-            ks.append(kx)
-            rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))
-        kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
-              for i in range(nb) for j in range(i + 1)}
-        blocks = []
-        for hv in heads:
-            gam_b, betas_b, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
-            blk = {}
+        if solved:
+            ts = [t_in_ref[c, hv, :, :] for hv in heads]
+        else:
+            ts = []
+            ks, rks, valid = [], [], []
             for i in range(nb):
-                for j in range(i + 1):
-                    diff = gam_b[i][:, None] - gam_b[j][None, :]
-                    if i == j:                               # mask before exp: i < j would overflow
-                        blk[i, j] = jnp.where(strict, betas_b[i][:, None] * kk[i, j]
-                                              * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-                    else:
-                        blk[i, j] = betas_b[i][:, None] * kk[i, j] * jnp.exp(diff)
-            blocks.append(blk)
-        diag = _inv_unit_lower([blk[i, i] for blk in blocks for i in range(nb)])   # every head's chains at once
+                vi = idx + i * SUB < nvalid
+                valid.append(vi)
+                kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
+                kf = kx.astype(jnp.float32)
+                ks.append(kx)
+                rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))
+            kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
+                  for i in range(nb) for j in range(i + 1)}
+            blocks = []
+            for hv in heads:
+                gam_b, betas_b, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
+                blk = {}
+                for i in range(nb):
+                    for j in range(i + 1):
+                        diff = gam_b[i][:, None] - gam_b[j][None, :]
+                        if i == j:                               # mask before exp: i < j would overflow
+                            blk[i, j] = jnp.where(strict, betas_b[i][:, None] * kk[i, j]
+                                                  * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+                        else:
+                            blk[i, j] = betas_b[i][:, None] * kk[i, j] * jnp.exp(diff)
+                blocks.append(blk)
+            diag = _inv_unit_lower([blk[i, i] for blk in blocks for i in range(nb)])   # every head's chains at once
+            for h, hv in enumerate(heads):
+                blk = blocks[h]
+                inv = {(i, i): diag[h * nb + i] for i in range(nb)}
+                for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
+                    for j in range(nb - d):
+                        i = j + d
+                        s = exact(blk[i, j], inv[j, j])
+                        for m in range(j + 1, i):
+                            s = s + exact(blk[i, m], inv[m, j])
+                        inv[i, j] = -exact(inv[i, i], s)
+                ts.append(_assemble(inv, nb))                    # [64, 64] fp32
         for h, hv in enumerate(heads):
-            blk = blocks[h]
-            inv = {(i, i): diag[h * nb + i] for i in range(nb)}
-            for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
-                for j in range(nb - d):
-                    i = j + d
-                    s = exact(blk[i, j], inv[j, j])
-                    for m in range(j + 1, i):
-                        s = s + exact(blk[i, m], inv[m, j])
-                    inv[i, j] = -exact(inv[i, i], s)
-            t = _assemble(inv, nb)                           # [64, 64] fp32
+            t = ts[h]
             gam, beta = gates[h]
             wk = (beta * jnp.exp(gam) * rk)[:, None]
             for ref, src, hd, coef in ((w_ref, k_ref, kh, wk), (u_ref, v_ref, hv, beta[:, None])):
@@ -784,22 +800,34 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            interpret=False):
+            solve_warps=2, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
-    P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten."""
+    P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
+    mode "solve": T first, by `_solve_kernel` on `solve_warps` warps (its 16x16 row loops reduce within fewer
+    warps), then the "tile" kernel from T."""
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
     f32 = jnp.float32
+    extra = ()
+    if mode == "solve":
+        extra = (pl.pallas_call(
+            functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32),
+            grid=(mc, hk),
+            compiler_params=pltriton.CompilerParams(num_warps=solve_warps, num_stages=1),
+            interpret=interpret, name="gdn_solve",
+        )(row0, nvalid, k, a, b, A_log.astype(f32), dt_bias.astype(f32)),)
+    kernel = {"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
+              "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True)}
     return pl.pallas_call(
-        functools.partial({"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
-                           "blocks": _prep_blocks_kernel}[mode], ratio=hv // hk, prec=prec, interpret=interpret),
+        functools.partial(kernel[mode], ratio=hv // hk, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
-        grid=(mc, hv if mode == "tile" else hk),
+        grid=(mc, hk if mode in ("tile2", "blocks") else hv),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_wy_prep",
-    )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
+    )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32), *extra)
 
 
 def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid, *,
@@ -832,7 +860,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                         num_warps=config.prep_warps, mode=config.prep_mode, interpret=interpret)
+                         num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
+                         interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid,
                    config=config, precs=(h_prec, o_prec, s_prec), interpret=interpret)
 

@@ -54,7 +54,7 @@ def dump(out_dir, only=()):
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((64,), i32))
     jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in gdn.prefill_sweep()]
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
-             for c in (gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS)]
+             for c in (gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
     for b in (1, 64):               # paged decode attention at 9B shapes (Hq 16, Hkv 4, D 256, page 16, 8k context)
         attn = (S((b, 16, 256), bf), S((4, 8193, 16, 256), bf), S((4, 8193, 16, 256), bf), S((b, 512), i32),

@@ -75,15 +75,18 @@ class EngineArgs:
         return min(128 if (platform or jax.default_backend()) == "gpu" else 32, self.max_num_batched_tokens)
 
 
-def setup_compilation_cache(path: str | None):
+def setup_compilation_cache(path: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache at `path` (None: <cache root>/xla, "": off); returns the
+    directory in use (the engine keeps its serialized executables under it, in executables/)."""
     if path == "":
-        return
+        return None
     from qwen35_jax.tools.make_tiny_model import cache_root
     path = path or os.path.join(cache_root(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,7 +130,7 @@ class Engine:
         from qwen35_jax.llm import load_model_weights, resolve_dtype   # noqa: circular at import time only
         self.args = args = args or EngineArgs()
         args.validate()
-        setup_compilation_cache(args.compilation_cache_dir)
+        cache_dir = setup_compilation_cache(args.compilation_cache_dir)
         self.model_dir = model_dir
         self.cfg: ModelConfig = load_config(model_dir)
         self.dtype = resolve_dtype(args.dtype)
@@ -161,7 +164,9 @@ class Engine:
                                     weight_specs(abstract_weights(self.cfg, self.layout, self.dtype)),
                                     state_specs(self.abstract_state), pages_per_seq=self.pages_per_seq,
                                     decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
-                                    decode_steps=args.decode_steps)
+                                    decode_steps=args.decode_steps, cache_tag=f"{self.backend} {self.dtype}",
+                                    exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables"))
+                                    if cache_dir else None)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)

@@ -3,7 +3,10 @@
 This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the two decode executables sample from
 the top candidates or over the sorted vocabulary: sampler.needs_full_vocab): at start-up every bucket is lowered and
 compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
-objects are kept and called directly, and serving never compiles. A decode executable runs `decode_steps` model
+objects are kept and called directly, and serving never compiles. With a cache directory, the compiled executables
+are also serialized there (`ExecutableCache`), so a warm start loads them without tracing or lowering the model
+again (the persistent compilation cache keys on the lowered module, so it saves only XLA's compile: about 1 s of
+Python per 9B bucket remained, under the GIL). A decode executable runs `decode_steps` model
 steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
 lives on the device, so the host can dispatch step i+1 before it has read step i's tokens.
 """
@@ -11,8 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
+import pickle
 import threading
 import time
 
@@ -112,13 +118,92 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 of the sources that define the compiled steps (this package and pallas_kernels/): any code change
+    gives every cached executable a new key."""
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ("qwen35_jax", "pallas_kernels"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, pkg))):
+            dirnames.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    h.update(f.encode())
+                    h.update(open(os.path.join(dirpath, f), "rb").read())
+    return h.hexdigest()
+
+
+_compile_hits = threading.local()      # persistent-cache hits of the compiles made in this thread
+
+
+def _count_cache_hit(event: str, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _compile_hits.n = getattr(_compile_hits, "n", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+class ExecutableCache:
+    """Compiled executables serialized on disk (jax.experimental.serialize_executable), one file per key. The key
+    hashes everything that determines an executable: the caller's description of the step (bucket, model config,
+    mesh, abstract inputs, kernels), the sources (`source_digest`), jax / jaxlib and the platform's versions,
+    the devices and XLA_FLAGS. A file that does not load (another jaxlib wrote it, a torn write) is a miss,
+    logged, and is overwritten. Only executables compiled in this process are stored: one that JAX's persistent
+    cache handed back was itself deserialized, and XLA:CPU does not serialize those faithfully (their functions
+    are missing when loaded again)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(*parts) -> str:
+        import jaxlib
+        dev = jax.devices()[0]
+        env = sorted((k, v) for k, v in os.environ.items() if k == "XLA_FLAGS" or k.startswith("QWEN35_"))
+        ident = (parts, source_digest(), jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
+                 dev.client.platform_version, env)
+        return hashlib.sha256(repr(ident).encode()).hexdigest()
+
+    def load(self, key: str, devices):
+        """The executable stored under key, loaded onto `devices` (its mesh's devices, in mesh order), or None."""
+        from jax.experimental import serialize_executable
+        path = os.path.join(self.path, key + ".exe")
+        if not os.path.exists(path):
+            self.misses += 1
+            return None
+        try:
+            with open(path, "rb") as f:
+                blob, trees = pickle.load(f)
+            exe = serialize_executable.deserialize_and_load(blob, *trees, execution_devices=devices)
+        except Exception as e:  # noqa: BLE001 (any unreadable entry is a miss; the caller recompiles)
+            log.warning("cached executable %s did not load (%r): compiling it again", path, e)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return exe
+
+    def store(self, key: str, exe):
+        from jax.experimental import serialize_executable
+        blob, in_tree, out_tree = serialize_executable.serialize(exe)
+        tmp = os.path.join(self.path, f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump((blob, (in_tree, out_tree)), f)
+        os.replace(tmp, os.path.join(self.path, key + ".exe"))      # atomic: readers never see a partial file
+
+
 class Executor:
     """Holds the device state and the compiled step for every bucket. Buckets count rows per dp replica; the
     arrays of a step hold dp * rows rows, replica d's at [d * rows, (d + 1) * rows)."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, state: State, sstate: SamplerState, kernels: Kernels,
                  weight_specs, state_specs, *, pages_per_seq: int, decode_buckets, prefill_buckets,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, exe_cache: ExecutableCache | None = None, cache_tag: str = ""):
+        """exe_cache: where compiled steps are kept across processes (single-process runs only); cache_tag: what
+        the cache key cannot see in the inputs' shapes, i.e. which kernels `kernels` holds."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
@@ -144,6 +229,8 @@ class Executor:
         self._decode = {full: jax.jit(decode(full), donate_argnums=(1, 2), out_shardings=outs)
                         for full in (False, True)}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.exe_cache = exe_cache if jax.process_count() == 1 else None
+        self.cache_tag = cache_tag
         self.lazy = False          # True: compile a bucket on first use (precompile=False, for tests and notebooks)
         self.multiprocess = jax.process_count() > 1
         self.on_dispatch = None    # called with (kind, key, host inputs) before each dispatch (multi-host leader)
@@ -192,7 +279,7 @@ class Executor:
         threading.stack_size(64 << 20)      # XLA lowering recurses deeply; 8 MB thread stacks overflow
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
-                futures = {pool.submit(lambda k=k: self._lower(k).compile()): k for k in keys}
+                futures = {pool.submit(self._compile, k): k for k in keys}
                 for fut in concurrent.futures.as_completed(futures):
                     self.compiled[futures[fut]] = fut.result()
                     if bar is not None:
@@ -202,15 +289,34 @@ class Executor:
             if bar is not None:
                 bar.close()
         dt = time.perf_counter() - t0
-        log.info("precompiled %d executables in %.1fs (%d threads)", len(keys), dt, threads)
+        cached = f", {self.exe_cache.hits} loaded from {self.exe_cache.path}" if self.exe_cache else ""
+        log.info("precompiled %d executables in %.1fs (%d threads%s)", len(keys), dt, threads, cached)
         return dt
+
+    def _cache_key(self, key) -> str:
+        describe = lambda tree: (str(jax.tree.structure(tree)),
+                                 [(x.shape, str(x.dtype), str(x.sharding.spec)) for x in jax.tree.leaves(tree)])
+        mesh = (self.mesh.axis_names, self.mesh.devices.shape, [d.id for d in self.mesh.devices.flat])
+        return ExecutableCache.key(key, repr(self.cfg), mesh, self.pages_per_seq, self.decode_steps, self.cache_tag,
+                                   describe(self.weights), describe(self.state), describe(self.sstate))
+
+    def _compile(self, key) -> jax.stages.Compiled:
+        """The bucket's executable: from the executable cache, else lowered and compiled (and then cached)."""
+        ckey = self._cache_key(key) if self.exe_cache is not None else None
+        exe = self.exe_cache.load(ckey, list(self.mesh.devices.flat)) if ckey else None
+        if exe is None:
+            before = getattr(_compile_hits, "n", 0)
+            exe = self._lower(key).compile()
+            if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
+                self.exe_cache.store(ckey, exe)
+        return exe
 
     def _exe(self, key):
         exe = self.compiled.get(key)
         if exe is None:
             if not self.lazy:
                 raise RuntimeError(f"no compiled executable for bucket {key}; run precompile() first")
-            exe = self.compiled[key] = self._lower(key).compile()
+            exe = self.compiled[key] = self._compile(key)
         return exe
 
     # -- dispatch (asynchronous: returns device arrays) -----------------------------------------------------------
@@ -246,4 +352,4 @@ def fetch(out: StepOutput) -> StepOutput:
                         (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
 
 
-__all__ = ["Executor", "StepOutput", "fetch", "pow2_buckets", "MAX_LOGPROBS"]
+__all__ = ["Executor", "ExecutableCache", "StepOutput", "fetch", "pow2_buckets", "MAX_LOGPROBS"]

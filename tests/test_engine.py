@@ -1,6 +1,8 @@
 """Continuous-batching engine on CPU: batch invariance, seeded sampling, slot reuse, aborts, no compiles while
 serving, chunked prefill."""
+import contextlib
 import functools
+import os
 import threading
 
 import jax
@@ -151,3 +153,62 @@ def test_prefill_bucket_floor():
     assert EngineArgs(min_prefill_tokens=16).prefill_floor("gpu") == 16
     with pytest.raises(ValueError, match="min_prefill_tokens"):
         EngineArgs(min_prefill_tokens=4096, max_num_batched_tokens=2048).validate()
+
+
+@contextlib.contextmanager
+def without_persistent_cache():
+    """JAX's persistent cache off for a while: every compile inside is a fresh one (the executable cache stores only
+    those; see executor.ExecutableCache)."""
+    from jax._src import compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
+def test_warm_start_loads_serialized_executables(tmp_path):
+    """A second engine of the same model and shapes (tp=2: the executables are loaded onto the mesh's 2 of 8
+    devices) loads every bucket's executable from the executable cache, without tracing, lowering or compiling,
+    and generates the same tokens; an unreadable entry is a logged miss, compiled and written again."""
+    from qwen35_jax.engine import Engine, EngineArgs
+    from qwen35_jax.executor import ExecutableCache
+
+    def engine():
+        e = Engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, **engine_args(precompile=False)))
+        e.executor.exe_cache = ExecutableCache(str(tmp_path))
+        return e
+
+    ps = prompts(3, seed=9)
+    tokens = lambda e: [list(o.outputs[0].token_ids) for o in e.generate(ps, [GREEDY] * 3)]
+    with without_persistent_cache():
+        first = engine()
+        first.executor.precompile()
+        keys = first.executor.keys()
+        assert (first.executor.exe_cache.hits, first.executor.exe_cache.misses) == (0, len(keys))
+        want = tokens(first)
+        broken = os.path.join(tmp_path, first.executor._cache_key(keys[0]) + ".exe")
+        first.shutdown()
+
+        second = engine()
+        events = []
+        listener = lambda name, secs, **kw: events.append(name) if "compile" in name or "trace" in name else None
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            second.executor.precompile()
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert (second.executor.exe_cache.hits, second.executor.exe_cache.misses) == (len(keys), 0)
+        assert events == []
+        assert tokens(second) == want
+        second.shutdown()
+
+        open(broken, "wb").write(b"not an executable")
+        third = engine()
+        third.executor.precompile()
+        assert (third.executor.exe_cache.hits, third.executor.exe_cache.misses) == (len(keys) - 1, 1)
+        assert tokens(third) == want
+        third.shutdown()
+        assert open(broken, "rb").read(4) != b"not "                   # compiled and written again

@@ -49,8 +49,9 @@ SPLIT = gdn.WYConfig(bv=16, num_stages=2, prefetch=False, split=True)
 
 @pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
                                                        (3, 16, 32, V1, [65, 130, 1, 0]),
-                                                       (2, 16, 32, SPLIT, [70, 130, 1, 0])],
-                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-split-r2"])
+                                                       (2, 16, 32, SPLIT, [70, 130, 1, 0]),
+                                                       (3, 16, 32, gdn.WYConfig(prep_mode="solve"), [65, 3, 130, 0])],
+                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-split-r2", "wy-solve-prep-r3"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
     n, t = len(lens_l), max(lens_l)
@@ -81,6 +82,7 @@ BF16_CASES = {
                                               prep_mode="tile2"), [130, 1, 0], 1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
     "wy-split": (SPLIT, [130, 1, 0], 1.5e-3),
+    "wy-solve-prep": (gdn.WYConfig(prep_mode="solve", solve_warps=1), [130, 1, 0], 1.5e-3),
 }
 
 
@@ -249,9 +251,10 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs = gdn.prefill_sweep() + [None, gdn.WYConfig(bv=64, prefetch=True, num_warps=8),
                                      gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8),
                                      gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
-    configs += [gdn.WYConfig(prep_mode=m, prep_warps=w) for m, w in gdn.PREP_VARIANTS]
+    configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
-    kernels = sum(3 if getattr(c, "split", False) else 2 for c in configs)           # prep/solve + scan (+ out)
+    kernels = sum(2 + getattr(c, "split", False) + (getattr(c, "prep_mode", "") == "solve")   # prep/solve, scan,
+                  for c in configs)                                                         # (+ out, + solve)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
