@@ -148,9 +148,10 @@ class DecodeConfig:
                 + (f"_s{self.num_stages}" if self.num_stages > 1 else ""))
 
 
-# The fastest configuration of the H200 sweep at 8d3cb55 (bench/RESULTS.md): scan alone 401 us at 1x8k against
-# 900 us for the register-prefetching WYConfig(), whole prefill 1019 vs 1564 us.
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False)
+# The fastest configuration of the H200 sweeps (bench/RESULTS.md): at 8d3cb55 the scan alone took 401 us at 1x8k
+# against 900 us for the register-prefetching WYConfig() (whole prefill 1019 vs 1564 us); at 1652ce8 the "solve"
+# prep on one warp took 417 us against 615 us for the one-kernel prep (whole prefill 838 us).
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False, prep_mode="solve", solve_warps=1)
 DEFAULT_DECODE = DecodeConfig()
 
 
