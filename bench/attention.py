@@ -66,6 +66,9 @@ def main():
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke run of this script)")
+    ap.add_argument("--pick", default=None, metavar="FILE",
+                    help="write the variant with the least total time over the timed cells of the smallest context "
+                         "(the decode contexts the engine benchmarks run) to FILE")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -109,6 +112,13 @@ def main():
             rows.append(row)
             print(row, flush=True)
 
+    if args.pick and ok:
+        ctx0 = min(r["context"] for r in rows)
+        total = {nm: sum(float(r[f"{nm} us"]) for r in rows if r["context"] == ctx0) for nm in ok}
+        best = min(total, key=total.get)
+        open(args.pick, "w").write(best)
+        print(f"picked {best}: {total[best]:.1f} us over the context-{ctx0} cells (default {pa.DEFAULT.name}: "
+              f"{total.get(pa.DEFAULT.name, float('nan')):.1f} us)", flush=True)
     body = (f"9B attention shapes (Hq {HQ}, Hkv {HKV}, D {D}, page {PAGE}, bf16 KV). Copy bandwidth in this run "
             f"{bw / 1e12:.2f} TB/s. 'best / copy bw': KV bytes read per second by the fastest variant over the copy "
             "bandwidth. GPU correctness (5 rows, context 700, against the jnp reference):\n\n"

@@ -155,8 +155,10 @@ def main():
              "engine steps": steps, "host ms/step": f"{host * 1e3:.2f}", "wait ms/step": f"{wait * 1e3:.2f}"}
     print(serve)
 
+    variants = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QWEN35_")
+                         and k != "QWEN35_COMMIT")
     body = (f"Model: `{args.config}` shapes, random bf16 weights ({weight_bytes / 1e9:.1f} GB), kernel_backend="
-            f"`{engine.backend}`, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
+            f"`{engine.backend}`{f' ({variants})' if variants else ''}, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
             f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
             f"(`qwen35_jax.profile.decode_floor_bytes`). 'dispatch ms': median host time of one dispatch call (much "

@@ -44,9 +44,11 @@ DEFAULT = DecodeAttentionConfig()
 
 def config_sweep():
     """Variants bench/kernels.py times and triton_compile_check.py compiles (the first is DEFAULT)."""
-    return [DEFAULT, DecodeAttentionConfig(pages_per_block=8), DecodeAttentionConfig(pages_per_block=2),
-            DecodeAttentionConfig(num_warps=8), DecodeAttentionConfig(num_stages=3),
-            DecodeAttentionConfig(target_programs=528)]
+    c = DecodeAttentionConfig
+    return [DEFAULT, c(pages_per_block=8), c(pages_per_block=2), c(num_warps=8), c(num_stages=3),
+            c(target_programs=528), c(pages_per_block=2, num_warps=8), c(pages_per_block=2, target_programs=528),
+            c(num_warps=8, target_programs=528), c(pages_per_block=2, num_stages=4), c(pages_per_block=1, num_stages=4),
+            c(pages_per_block=2, num_warps=8, target_programs=528)]
 
 
 def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_block,

@@ -9,7 +9,8 @@ parallel prep kernel + a four-dot chunk scan, the fastest configuration of the H
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
-H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead.
+H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
+paged_attention.config_sweep() another configuration.
 """
 from __future__ import annotations
 
@@ -53,15 +54,16 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
     p = lambda f, **kw: jax.jit(functools.partial(f, interpret=interpret, **kw))
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
-    av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention}
+    av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
+          **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
     if prefill not in pv:
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
     if decode not in dv:
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s (%s)", prefill, pv[prefill].name,
-             decode, dv[decode].name, attention, paged_attention.DEFAULT.name if attention == "kernel" else "reference")
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s", prefill, pv[prefill].name,
+             decode, dv[decode].name, paged_attention.DEFAULT.name if attention == "kernel" else attention)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention])

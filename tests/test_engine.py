@@ -202,7 +202,9 @@ def test_warm_start_loads_serialized_executables(tmp_path):
             jax.monitoring.unregister_event_duration_listener(listener)
         assert (second.executor.exe_cache.hits, second.executor.exe_cache.misses) == (len(keys), 0)
         assert events == []
+        before = jax.tree.leaves(second.executor.state)
         assert tokens(second) == want
+        assert all(x.is_deleted() for x in before)                      # loaded executables still donate the state
         second.shutdown()
 
         open(broken, "wb").write(b"not an executable")

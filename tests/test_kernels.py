@@ -322,12 +322,14 @@ def test_backend_kernel_variants():
         backends.pallas_kernels(interpret=True, prefill="nope")
     assert config(backends.pallas_kernels(interpret=True).attention_decode) == paged_attention.DEFAULT
     assert backends.pallas_kernels(interpret=True, attention="jnp").attention_decode is decode_attention
+    other = paged_attention.config_sweep()[-1]
+    assert config(backends.pallas_kernels(interpret=True, attention=other.name).attention_decode) == other
     with pytest.raises(ValueError, match="decode attention variant"):
         backends.pallas_kernels(interpret=True, attention="nope")
 
 
 def test_sweep_names_unique():
-    for sweep in (gdn.prefill_sweep(), gdn.decode_sweep()):
+    for sweep in (gdn.prefill_sweep(), gdn.decode_sweep(), paged_attention.config_sweep()):
         names = [c.name for c in sweep]
         assert len(names) == len(set(names)), names
 
