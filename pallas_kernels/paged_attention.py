@@ -8,8 +8,8 @@ row's own context length, so the cost still follows real lengths) and the step h
 
 Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order.
 Grid (row, KV head, split): a program takes the G query heads of one KV head (padded to 16 rows, the smallest
-tensor-core tile) and one contiguous share of the row's pages, `pages_per_block` pages per loop step, with an
-online softmax in fp32. Splits (flash-decoding) give small batches enough programs; their partial results are
+tensor-core tile) and one contiguous, equal share of the row's real pages (its context length, not its page table),
+`pages_per_block` pages per loop step, with an online softmax in fp32. Splits (flash-decoding) give small batches enough programs; their partial results are
 merged outside the kernel.
 """
 from __future__ import annotations
@@ -52,13 +52,18 @@ def config_sweep():
 
 
 def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_block,
-            pages_per_split):
+            splits):
     """Refs (BlockSpecs): ctx [N] (whole), q [R, D] (this row and KV head), k/v [num_pages, ps, D] (this KV
     head), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row, KV head)."""
     n, s = pl.program_id(0), pl.program_id(2)
     ctx = ctx_ref[n]
-    first = s * pages_per_split
-    last = jnp.minimum(first + pages_per_split, (ctx + page_size - 1) // page_size)
+    # Splits share the row's real pages, not its page table (sized for max_model_len): a short row in a long
+    # table still spreads over every split. share <= pages_per_split, so the page reads stay in the table.
+    real = (ctx + page_size - 1) // page_size
+    share = (real + splits - 1) // splits
+    share = (share + pages_per_block - 1) // pages_per_block * pages_per_block
+    first = s * share
+    last = jnp.minimum(first + share, real)
     steps = jnp.maximum(last - first + pages_per_block - 1, 0) // pages_per_block
     q = q_ref[...]
     rows, d = q.shape
@@ -120,8 +125,7 @@ def paged_decode_attention(q, k_pages, v_pages, pages, ctx_lens, *, config: Deco
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block,
-                          pages_per_split=per_split),
+        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits),
         grid=(n, hkv, splits),
         in_specs=[pl.BlockSpec((n,), lambda i, h, s: (0,)),
                   pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),

@@ -253,8 +253,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                      gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
+    resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
     kernels = sum(2 + getattr(c, "split", False) + (getattr(c, "prep_mode", "") == "solve")   # prep/solve, scan,
-                  for c in configs)                                                         # (+ out, + solve)
+                  for c in resolved)                                                        # (+ out, + solve)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
