@@ -395,12 +395,12 @@ class PrefillProblem:
         """The WY scan alone, on precomputed prep outputs (preps from prep_outputs of a config of the same
         precisions)."""
         precs = config.precisions(jnp.bfloat16)[:3]
-        chunk_off, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
+        chunk_off, _, _ = gdn.chunk_map(self.starts, self.lens_a, self.mc)
         sets = [(q, k, *pr, slots) for (q, k, v, a, b, slots), pr in zip(self.sets, preps)]
 
         def call(c, q, k, w, u, p, f, slots):
             o, pool = gdn.wy_scan(q, k, w, u, p, f, c[0], self.starts, self.lens_a, self.lens_a, slots, self.use,
-                                  chunk_off, row0, nvalid, config=config, precs=precs, **kernel_kw())
+                                  chunk_off, config=config, precs=precs, **kernel_kw())
             return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
         us, _ = time_calls(call, self.carry(), sets, calls=(2, 10))
         return us
@@ -622,8 +622,8 @@ def main():
                                              w_dtype=jnp.bfloat16 if precs[0] == "bf16" else jnp.float32,
                                              prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode,
                                              solve_warps=c.solve_warps, **kernel_kw())
-                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, row0,
-                                       nvalid, config=c, precs=precs[:3], **kernel_kw())
+                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, config=c,
+                                       precs=precs[:3], **kernel_kw())
             return outs
 
         try:   # all variants in one program

@@ -90,10 +90,6 @@ class WYConfig:
     o_prec  P Vnew,
     s_prec  the state update k^T (fk Vnew),
     prep_prec  W = T (..) and U = T (..) in the prep kernel.
-    split      the scan carries only the state chain (X = W H, the update) and stores each chunk's entry state
-               (bf16, the precision X and Y use anyway) and Vnew (fp32); `_wy_out_kernel`, grid (chunk, value
-               head), then computes o = fq * q H_c + P Vnew fully in parallel (fla's split: a lighter sequential
-               loop whose loads pipeline in less shared memory, for ~200 MB more traffic at 8k tokens);
     prep_mode  "tile": one value head per program, T assembled into one [64, 64] tile, W, U, P as full-tile
                products (the default; its Triton compile takes ~7 s on a CPU core, against ~20 s for "tile2");
                "tile2": the same with all value heads of a key head in one program (K K^T, Q K^T computed once,
@@ -112,15 +108,12 @@ class WYConfig:
     o_prec: str | None = None
     s_prec: str | None = None
     prep_prec: str | None = None
-    split: bool = False
-    out_warps: int = 4
     solve_warps: int = 2
 
     @property
     def name(self):
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
-                + (f"_split{self.out_warps}" if self.split else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode == "solve" else "")
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -158,19 +151,17 @@ DEFAULT_DECODE = DecodeConfig()
 def prefill_sweep():
     """Every prefill configuration bench/kernels.py times (tests cross-lower each one for CUDA). Compiled for sm_90
     with Triton 3.9 on the CPU (pallas_kernels/triton_compile_check.py, ptxas spills read from the stack frame):
-    the register-prefetching scans (prefetch=True, the first default) spill 336-1136 B per thread at 4 warps; the
-    others listed here do not. One-kernel scans at num_stages=2 take 148-164 KB of shared memory (one program per
-    SM: bv=16's 256 single-sequence programs run in two waves); the split state kernel takes 74 KB at bv=16 /
-    num_stages=2 (three programs per SM) and 111 KB at num_stages=3."""
+    the register-prefetching scan (prefetch=True, the first default) spills 512 B per thread at 4 warps; the
+    others listed here do not. Scans at num_stages=2 take 148-164 KB of shared memory (one program per SM: bv=16's
+    256 single-sequence programs run in two waves). A split of the scan into a state-chain kernel and a parallel
+    output kernel (fla's fwd_h / fwd_o) timed 473-609 us against 395-401 us for the one-kernel default at 1x8k on
+    the H200 (two runs, bench/RESULTS.md) and was removed."""
     nopf = functools.partial(WYConfig, prefetch=False)
     return [WYConfig(),                                                   # bv auto, 4 warps, 1 stage, prefetch
             nopf(bv=16), nopf(bv=32, num_warps=8), nopf(bv=16, num_warps=8), nopf(bv=64, num_warps=8),
             nopf(bv=16, num_stages=2), nopf(bv=32, num_stages=2), nopf(bv=32, num_warps=8, num_stages=2),
-            nopf(bv=16, split=True), nopf(bv=16, num_stages=2, split=True), nopf(bv=16, num_stages=3, split=True),
-            nopf(bv=32, num_stages=2, split=True), nopf(bv=32, num_warps=8, num_stages=3, split=True),
-            nopf(bv=16, num_stages=2, split=True, out_warps=8),
-            nopf(bv=16, num_stages=2, split=True, s_prec="bf16"),  # one-dot state update; emulated state err ~1.8e-3
-            nopf(bv=16, num_stages=2, split=True, s_prec="tf32"),
+            nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
+            nopf(bv=32, num_stages=2, s_prec="tf32"),
             PrefillConfig()]
 
 
@@ -708,70 +699,6 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
     pool_out_ref[slot, hv, vcols, :] = h.T               # same buffer as pool_ref (aliased): in place
 
 
-def _wy_state_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, k_ref, w_ref, u_ref, f_ref,
-                     pool_ref, hs_ref, vn_ref, o_ref, pool_out_ref, *, ratio, bv, precs, interpret):
-    """The split scan (WYConfig.split): grid (sequence, value head, V-block), the state chain only. Stores
-    hs[chunk] = the state entering the chunk (H^T [dk, BV], bf16) and vn = Vnew (fp32) for `_wy_out_kernel`, and
-    zeroes the output rows [len, span) (padding of a padded batch; the out kernel writes only valid rows)."""
-    h_prec, _, s_prec = precs
-    n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = hv // ratio
-    start, length, span = start_ref[n], len_ref[n], span_ref[n]
-    slot, coff = slot_ref[n], coff_ref[n]
-    dk = k_ref.shape[-1]
-    last_chunk = w_ref.shape[0] - 1
-    mm = functools.partial(_mm, interpret=interpret)
-    vcols = pl.ds(vb * bv, bv)
-    rows = jnp.arange(CHUNK, dtype=jnp.int32)
-    h = pool_ref[slot, hv, vcols, :]
-    h = jnp.where(use_ref[n] != 0, h, 0.0).T                 # [dk, BV]
-    nch = (length + CHUNK - 1) // CHUNK
-
-    def step(c, h):
-        row0 = start + c * CHUNK
-        cc = jnp.minimum(coff + c, last_chunk)
-        valid = (rows < length - c * CHUNK)[:, None]
-        kr = _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], jnp.broadcast_to(valid, (CHUNK, dk)))
-        hs_ref[cc, hv, :, vcols] = h.astype(hs_ref.dtype)
-        vnew = u_ref[cc, hv, :, vcols] - mm(w_ref[cc, hv, :, :], h, (1, 0), h_prec)
-        pltriton.store(vn_ref.at[pl.ds(row0, CHUNK), hv, vcols], vnew, mask=jnp.broadcast_to(valid, (CHUNK, bv)))
-        wgt = vnew * f_ref[cc, hv, 1, :][:, None]
-        return jnp.max(f_ref[cc, hv, 2, :]) * h + mm(kr, wgt, (0, 0), s_prec)
-
-    h = jax.lax.fori_loop(0, nch, step, h)
-
-    def zero_chunk(c, carry):                                # rows [len, span) from len's chunk on
-        r = rows + c * CHUNK
-        m = jnp.broadcast_to(((r >= length) & (r < span))[:, None], (CHUNK, bv))
-        pltriton.store(o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols], jnp.zeros((CHUNK, bv), o_ref.dtype),
-                       mask=m)
-        return carry
-
-    jax.lax.fori_loop(length // CHUNK, (span + CHUNK - 1) // CHUNK, zero_chunk, 0)
-    pool_out_ref[slot, hv, vcols, :] = h.T
-
-
-def _wy_out_kernel(row0_ref, nvalid_ref, q_ref, hs_ref, vn_ref, p_ref, f_ref, _o_in_ref, o_ref, *, ratio, precs,
-                   interpret):
-    """Grid (flat chunk, value head): o = fq * (q H_c) + P Vnew for the chunk's valid rows (split pipeline)."""
-    h_prec, o_prec, _ = precs
-    c, hv = pl.program_id(0), pl.program_id(1)
-    nvalid = nvalid_ref[c]
-
-    @pl.when(nvalid > 0)
-    def _():
-        row0 = row0_ref[c]
-        dk, dv = q_ref.shape[-1], vn_ref.shape[-1]
-        mm = functools.partial(_mm, interpret=interpret)
-        valid = (jnp.arange(CHUNK, dtype=jnp.int32) < nvalid)[:, None]
-        qr = _load(q_ref.at[pl.ds(row0, CHUNK), hv // ratio, :], jnp.broadcast_to(valid, (CHUNK, dk)))
-        vnew = _load(vn_ref.at[pl.ds(row0, CHUNK), hv, :], jnp.broadcast_to(valid, (CHUNK, dv)))
-        o = f_ref[c, hv, 0, :][:, None] * mm(qr, hs_ref[c, hv, :, :], (1, 0), h_prec) \
-            + mm(p_ref[c, hv, :, :], vnew, (1, 0), o_prec)
-        pltriton.store(o_ref.at[pl.ds(row0, CHUNK), hv, :], o.astype(o_ref.dtype),
-                       mask=jnp.broadcast_to(valid, (CHUNK, dv)))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Wrappers.
 
@@ -831,13 +758,10 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32), *extra)
 
 
-def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid, *,
-            config: WYConfig, precs, interpret=False):
-    """The WY scan given the prep outputs (wy_prep): one kernel, or with config.split the state kernel and the
-    output kernel. precs = (h_prec, o_prec, s_prec). Returns (o [total, Hv, dv] in q.dtype, pool)."""
-    if config.split:
-        return _wy_split(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid,
-                         config=config, precs=precs, interpret=interpret)
+def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, config: WYConfig,
+            precs, interpret=False):
+    """The WY scan kernel given the prep outputs (wy_prep). precs = (h_prec, o_prec, s_prec).
+    Returns (o [total, Hv, dv] in q.dtype, pool)."""
     total, hk, dk = k.shape
     hv, dv = u.shape[1], u.shape[-1]
     n = starts.shape[0]
@@ -863,38 +787,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
                          interpret=interpret)
-    return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid,
-                   config=config, precs=(h_prec, o_prec, s_prec), interpret=interpret)
-
-
-def _wy_split(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, row0, nvalid, *,
-              config: WYConfig, precs, interpret=False):
-    """The split WY scan (WYConfig.split): the state kernel, then the parallel output kernel."""
-    total, hk, dk = k.shape
-    mc, hv, _, dv = u.shape
-    n = starts.shape[0]
-    bv = min(config.bv or pick_bv_wy(n, hv, dv), dv)
-    if dv % bv or bv < 16:
-        raise ValueError(f"V-block {bv} must divide dv={dv} and be >= 16")
-    hs_dtype = jnp.bfloat16 if precs[0] == "bf16" else jnp.float32
-    hs, vn, o, pool = pl.pallas_call(
-        functools.partial(_wy_state_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs), interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((mc, hv, dk, dv), hs_dtype), jax.ShapeDtypeStruct((total, hv, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(n, hv, dv // bv),
-        input_output_aliases={10: 3},
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name="gdn_wy_state",
-    )(starts, lens, spans, slots, use_state, chunk_off, k, w, u, f, pool)
-    o = pl.pallas_call(
-        functools.partial(_wy_out_kernel, ratio=hv // hk, precs=tuple(precs), interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((total, hv, dv), q.dtype),
-        grid=(mc, hv),
-        input_output_aliases={7: 0},
-        compiler_params=pltriton.CompilerParams(num_warps=config.out_warps, num_stages=1),
-        interpret=interpret, name="gdn_wy_out",
-    )(row0, nvalid, q, hs, vn, p, f, o)
-    return o, pool
+    return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
+                   precs=(h_prec, o_prec, s_prec), interpret=interpret)
 
 
 def chunk_map(starts, lens, max_chunks):

@@ -43,15 +43,13 @@ def _prefill_fn(config=None):
     return jax.jit(functools.partial(gdn.gdn_prefill, config=config, interpret=True))
 
 
-WY, V1 = gdn.WYConfig(), gdn.PrefillConfig()
-SPLIT = gdn.WYConfig(bv=16, num_stages=2, prefetch=False, split=True)
+WY, V1 = gdn.DEFAULT_PREFILL, gdn.PrefillConfig()
 
 
 @pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
                                                        (3, 16, 32, V1, [65, 130, 1, 0]),
-                                                       (2, 16, 32, SPLIT, [70, 130, 1, 0]),
-                                                       (3, 16, 32, gdn.WYConfig(prep_mode="solve"), [65, 3, 130, 0])],
-                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-split-r2", "wy-solve-prep-r3"])
+                                                       (2, 16, 32, gdn.WYConfig(prep_mode="tile"), [70, 130, 1, 0])],
+                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-tile-prep-r2"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
     n, t = len(lens_l), max(lens_l)
@@ -81,8 +79,7 @@ BF16_CASES = {
     "wy-tf32-fp32W-tile2-prep": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3",
                                               prep_mode="tile2"), [130, 1, 0], 1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
-    "wy-split": (SPLIT, [130, 1, 0], 1.5e-3),
-    "wy-solve-prep": (gdn.WYConfig(prep_mode="solve", solve_warps=1), [130, 1, 0], 1.5e-3),
+    "wy-tile-prep": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False), [130, 1, 0], 1.5e-3),
 }
 
 
@@ -109,7 +106,7 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("config", [None, SPLIT], ids=["default", "split"])
+@pytest.mark.parametrize("config", [None, gdn.WYConfig(prep_mode="tile2")], ids=["default", "tile2-prep"])
 def test_gdn_prefill_packed_ragged(config):
     """Packed sequences at arbitrary offsets (not chunk-aligned), one call; rows outside sequences untouched."""
     hk, hv, dk, dv = 2, 4, 32, 16
@@ -254,8 +251,7 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
     resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
-    kernels = sum(2 + getattr(c, "split", False) + (getattr(c, "prep_mode", "") == "solve")   # prep/solve, scan,
-                  for c in resolved)                                                        # (+ out, + solve)
+    kernels = sum(2 + (getattr(c, "prep_mode", "") == "solve") for c in resolved)   # prep/solve, scan (+ T solve)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
