@@ -263,56 +263,15 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
     @pl.when(nvalid > 0)
     def _():
         row0 = row0_ref[c]
-        dk = k_ref.shape[-1]
         mm = functools.partial(_mm, interpret=interpret)
-        exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
-        idx = jnp.arange(SUB, dtype=jnp.int32)
         nb = CHUNK // SUB
-        ks, rks, valid = [], [], []
-        for i in range(nb):
-            v = idx + i * SUB < nvalid
-            valid.append(v)
-            x = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(v[:, None], (SUB, dk)))
-            xf = x.astype(jnp.float32)
-            ks.append(x)
-            rks.append(jax.lax.rsqrt(jnp.sum(xf * xf, axis=1) + 1e-6))      # l2norm as row factors
         # raw K K^T: exact on bf16 tensor cores for bf16 inputs
-        exact_prec = "bf16" if k_ref.dtype == jnp.bfloat16 else prec
-        kk = {(i, j): mm(ks[i], ks[j], (1, 1), exact_prec) * (rks[i][:, None] * rks[j][None, :])
-              for i in range(nb) for j in range(i + 1)}
-        strict = idx[:, None] > idx[None, :]
+        _, _, valid, kk = _k_blocks(k_ref, row0, kh, nvalid, "bf16" if k_ref.dtype == jnp.bfloat16 else prec, mm)
+
         def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r
-            gs, betas = [], []
-            for i in range(nb):
-                av = _load(a_ref.at[pl.ds(row0 + i * SUB, SUB), hv], valid[i])
-                bv = _load(b_ref.at[pl.ds(row0 + i * SUB, SUB), hv], valid[i])
-                g, beta = _gates(av, bv, alog_ref[hv], dtb_ref[hv])
-                gs.append(jnp.where(valid[i], g, 0.0))
-                betas.append(jnp.where(valid[i], beta, 0.0))
-            gam, acc = [], 0.0                               # chunk-local cumulative log decay per sub-block
-            for i in range(nb):
-                cs = jnp.cumsum(gs[i]) + acc
-                gam.append(cs)
-                acc = jnp.min(cs)                            # = last entry: gamma is non-increasing
-            blocks = {}
-            for i in range(nb):
-                for j in range(i + 1):
-                    diff = gam[i][:, None] - gam[j][None, :]
-                    if i == j:                               # mask before exp: i < j would overflow
-                        blk = jnp.where(strict, betas[i][:, None] * kk[i, j] * jnp.exp(jnp.where(strict, diff, 0.0)),
-                                        0.0)
-                    else:
-                        blk = betas[i][:, None] * kk[i, j] * jnp.exp(diff)
-                    blocks[i, j] = blk
-            inv = dict(zip([(i, i) for i in range(nb)], _inv_unit_lower([blocks[i, i] for i in range(nb)])))
-            for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
-                for j in range(nb - d):
-                    i = j + d
-                    s = exact(blocks[i, j], inv[j, j])
-                    for m in range(j + 1, i):
-                        s = s + exact(blocks[i, m], inv[m, j])
-                    inv[i, j] = -exact(inv[i, i], s)
+            gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
+            inv = _unit_lower_inverse(kk, gam, betas, interpret)
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
@@ -411,16 +370,31 @@ def _chunk_gates(a_ref, b_ref, row0, hv, valid, a_log, dt_bias):
     return gam, betas, acc
 
 
-def _unit_lower_inverse(kk, gam, betas, interpret):
-    """T = (I + A)^-1 as 16x16 blocks {(i, j): block, j <= i}, A = strict_lower(beta K^ K^T * Gamma) (kk: the
-    blocks of K^ K^T). Diagonal blocks by forward substitution, off-diagonal ones by the exact fp32 merge
-    T_ij = -T_ii sum_m A_im T_mj (fla's scheme)."""
-    nb = len(gam)
-    exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
+def _k_blocks(k_ref, row0, kh, nvalid, raw, mm):
+    """A chunk's raw k rows as four 16-row blocks (rows past nvalid read as 0), their l2norm row factors, the
+    masks of valid rows and the blocks of K^ K^T {(i, j): [16, 16], j <= i} (raw: the precision of the raw
+    products; bf16 inputs are exact on tensor cores)."""
+    dk = k_ref.shape[-1]
+    idx = jnp.arange(SUB, dtype=jnp.int32)
+    ks, rks, valid = [], [], []
+    for i in range(CHUNK // SUB):
+        vi = idx + i * SUB < nvalid
+        valid.append(vi)
+        kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
+        kf = kx.astype(jnp.float32)
+        ks.append(kx)
+        rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))          # l2norm as row factors
+    kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
+          for i in range(len(ks)) for j in range(i + 1)}
+    return ks, rks, valid, kk
+
+
+def _a_blocks(kk, gam, betas):
+    """A = strict_lower(beta K^ K^T * Gamma) as 16x16 blocks {(i, j): block, j <= i} (kk: the blocks of K^ K^T)."""
     idx = jnp.arange(SUB, dtype=jnp.int32)
     strict = idx[:, None] > idx[None, :]
     blocks = {}
-    for i in range(nb):
+    for i in range(len(gam)):
         for j in range(i + 1):
             diff = gam[i][:, None] - gam[j][None, :]
             if i == j:                                       # mask before exp: i < j would overflow
@@ -428,7 +402,15 @@ def _unit_lower_inverse(kk, gam, betas, interpret):
                     strict, betas[i][:, None] * kk[i, j] * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
             else:
                 blocks[i, j] = betas[i][:, None] * kk[i, j] * jnp.exp(diff)
-    inv = dict(zip([(i, i) for i in range(nb)], _inv_unit_lower([blocks[i, i] for i in range(nb)])))
+    return blocks
+
+
+def _merge_inverse(blocks, diag, interpret):
+    """T = (I + A)^-1 as blocks {(i, j): block, j <= i} from A's blocks and the inverses of its diagonal blocks,
+    by the exact fp32 merge T_ij = -T_ii sum_m A_im T_mj (fla's scheme)."""
+    nb = len(diag)
+    exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
+    inv = {(i, i): diag[i] for i in range(nb)}
     for d in range(1, nb):
         for j in range(nb - d):
             i = j + d
@@ -437,6 +419,12 @@ def _unit_lower_inverse(kk, gam, betas, interpret):
                 s = s + exact(blocks[i, m], inv[m, j])
             inv[i, j] = -exact(inv[i, i], s)
     return inv
+
+
+def _unit_lower_inverse(kk, gam, betas, interpret):
+    """T = (I + A)^-1 as 16x16 blocks: diagonal blocks by forward substitution, the others by the exact merge."""
+    blocks = _a_blocks(kk, gam, betas)
+    return _merge_inverse(blocks, _inv_unit_lower([blocks[i, i] for i in range(len(gam))]), interpret)
 
 
 def _hcat(a, b):
@@ -484,9 +472,6 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         dk = k_ref.shape[-1]
         scale = dk ** -0.5
         mm = functools.partial(_mm, interpret=interpret)
-        exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
-        idx = jnp.arange(SUB, dtype=jnp.int32)
-        strict = idx[:, None] > idx[None, :]
         rows = jnp.arange(CHUNK, dtype=jnp.int32)
         incl = rows[:, None] >= rows[None, :]
         valid64 = rows < nvalid
@@ -519,42 +504,12 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         if solved:
             ts = [t_in_ref[c, hv, :, :] for hv in heads]
         else:
-            ts = []
-            ks, rks, valid = [], [], []
-            for i in range(nb):
-                vi = idx + i * SUB < nvalid
-                valid.append(vi)
-                kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
-                kf = kx.astype(jnp.float32)
-                ks.append(kx)
-                rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))
-            kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
-                  for i in range(nb) for j in range(i + 1)}
-            blocks = []
-            for hv in heads:
-                gam_b, betas_b, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
-                blk = {}
-                for i in range(nb):
-                    for j in range(i + 1):
-                        diff = gam_b[i][:, None] - gam_b[j][None, :]
-                        if i == j:                               # mask before exp: i < j would overflow
-                            blk[i, j] = jnp.where(strict, betas_b[i][:, None] * kk[i, j]
-                                                  * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-                        else:
-                            blk[i, j] = betas_b[i][:, None] * kk[i, j] * jnp.exp(diff)
-                blocks.append(blk)
+            _, _, valid, kk = _k_blocks(k_ref, row0, kh, nvalid, raw, mm)
+            blocks = [_a_blocks(kk, *_chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])[:2])
+                      for hv in heads]
             diag = _inv_unit_lower([blk[i, i] for blk in blocks for i in range(nb)])   # every head's chains at once
-            for h, hv in enumerate(heads):
-                blk = blocks[h]
-                inv = {(i, i): diag[h * nb + i] for i in range(nb)}
-                for d in range(1, nb):                           # block merge: T_ij = -T_ii sum_m A_im T_mj
-                    for j in range(nb - d):
-                        i = j + d
-                        s = exact(blk[i, j], inv[j, j])
-                        for m in range(j + 1, i):
-                            s = s + exact(blk[i, m], inv[m, j])
-                        inv[i, j] = -exact(inv[i, i], s)
-                ts.append(_assemble(inv, nb))                    # [64, 64] fp32
+            ts = [_assemble(_merge_inverse(blk, diag[h * nb:(h + 1) * nb], interpret), nb)   # [64, 64] fp32
+                  for h, blk in enumerate(blocks)]
         for h, hv in enumerate(heads):
             t = ts[h]
             gam, beta = gates[h]
@@ -582,17 +537,8 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
         idx = jnp.arange(SUB, dtype=jnp.int32)
         incl = idx[:, None] >= idx[None, :]
         nb = CHUNK // SUB
-        ks, rks, valid = [], [], []
-        for i in range(nb):
-            vi = idx + i * SUB < nvalid
-            valid.append(vi)
-            kx = _load(k_ref.at[pl.ds(row0 + i * SUB, SUB), kh, :], jnp.broadcast_to(vi[:, None], (SUB, dk)))
-            kf = kx.astype(jnp.float32)
-            ks.append(kx)
-            rks.append(jax.lax.rsqrt(jnp.sum(kf * kf, axis=1) + 1e-6))          # l2norm as row factors
         raw = "bf16" if k_ref.dtype == jnp.bfloat16 else prec  # raw bf16 products are exact on tensor cores
-        kk = {(i, j): mm(ks[i], ks[j], (1, 1), raw) * (rks[i][:, None] * rks[j][None, :])
-              for i in range(nb) for j in range(i + 1)}
+        ks, rks, valid, kk = _k_blocks(k_ref, row0, kh, nvalid, raw, mm)
 
         def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r

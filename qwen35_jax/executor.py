@@ -149,8 +149,8 @@ class ExecutableCache:
     """Compiled executables serialized on disk (jax.experimental.serialize_executable), one file per key. The key
     hashes everything that determines an executable: the caller's description of the step (bucket, model config,
     mesh, abstract inputs, kernels), the sources (`source_digest`), jax / jaxlib and the platform's versions,
-    the devices and XLA_FLAGS. A file that does not load (another jaxlib wrote it, a torn write) is a miss,
-    logged, and is overwritten. Only executables compiled in this process are stored: one that JAX's persistent
+    the devices and XLA_FLAGS. A file that does not load (another jaxlib wrote it, a torn write) is a logged miss,
+    replaced once the bucket is compiled afresh. Only executables compiled in this process are stored: one that JAX's persistent
     cache handed back was itself deserialized, and XLA:CPU does not serialize those faithfully (their functions
     are missing when loaded again)."""
 
@@ -158,6 +158,14 @@ class ExecutableCache:
         self.path = path
         os.makedirs(path, exist_ok=True)
         self.hits = self.misses = 0
+        self._count = threading.Lock()      # precompile threads load concurrently
+
+    def _tally(self, hit: bool):
+        with self._count:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
 
     @staticmethod
     def key(*parts) -> str:
@@ -173,7 +181,7 @@ class ExecutableCache:
         from jax.experimental import serialize_executable
         path = os.path.join(self.path, key + ".exe")
         if not os.path.exists(path):
-            self.misses += 1
+            self._tally(False)
             return None
         try:
             with open(path, "rb") as f:
@@ -181,9 +189,9 @@ class ExecutableCache:
             exe = serialize_executable.deserialize_and_load(blob, *trees, execution_devices=devices)
         except Exception as e:  # noqa: BLE001 (any unreadable entry is a miss; the caller recompiles)
             log.warning("cached executable %s did not load (%r): compiling it again", path, e)
-            self.misses += 1
+            self._tally(False)
             return None
-        self.hits += 1
+        self._tally(True)
         return exe
 
     def store(self, key: str, exe):
