@@ -3,7 +3,8 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels throughput serving servinglite profile profiletp tp9b tpflags tp27b. Single-GPU sections run on GPU 0.
+# Sections: attention kernels kdecode gemm sampler throughput serving servinglite profile profiletp tp9b tpflags tp27b.
+# Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
 #   bash bench/gpu_session.sh 560 attention throughput;  bash bench/gpu_session.sh 560 servinglite profile kernels
@@ -38,6 +39,12 @@ for s in $sections; do
   case $s in
     attention) CUDA_VISIBLE_DEVICES=0 run attention 90 python3 bench/attention.py --record ;;
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
+    kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 170 python3 bench/kernels.py --time-limit 150 \
+               --only correct_defaults decode_cases correct_variants decode_sweep ;;
+    gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \
+            --shapes "gdn in_proj,attn qkv_proj,out_proj / o_proj,mlp gate_up,mlp down_proj" ;;
+    sampler) old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
+             CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \

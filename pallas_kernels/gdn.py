@@ -133,10 +133,13 @@ class DecodeConfig:
     group: bool = False
     vblocks: int = 1           # V-blocks per program, in a loop that loads block j + 1's state before it stores
                                # block j's; q, k and their norms computed once per program, not once per V-block
+    vfirst: bool = False       # grid (V-block, head, row) instead of (row, head, V-block): the first grid axis is
+                               # CUDA's x, scheduled fastest, so neighbouring programs then walk one head's
+                               # contiguous state (as fla's grid (NV, N * HV)) instead of one block of every row
 
     @property
     def name(self):
-        return (f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "")
+        return (f"bv{self.bv}_w{self.num_warps}" + ("_grp" if self.group else "") + ("_vf" if self.vfirst else "")
                 + (f"_l{self.vblocks}" if self.vblocks > 1 else "")
                 + (f"_s{self.num_stages}" if self.num_stages > 1 else ""))
 
@@ -177,7 +180,9 @@ def decode_sweep():
             DecodeConfig(bv=64, num_warps=4), DecodeConfig(bv=8, num_warps=1, group=True),
             DecodeConfig(bv=32, num_warps=4, group=True),
             DecodeConfig(vblocks=4), DecodeConfig(vblocks=16), DecodeConfig(bv=16, vblocks=4),
-            DecodeConfig(bv=16, num_warps=2, vblocks=8), DecodeConfig(bv=32, num_warps=2, vblocks=4)]
+            DecodeConfig(bv=16, num_warps=2, vblocks=8), DecodeConfig(bv=32, num_warps=2, vblocks=4),
+            DecodeConfig(vfirst=True), DecodeConfig(bv=16, vfirst=True), DecodeConfig(bv=32, num_warps=2, vfirst=True),
+            DecodeConfig(bv=8, num_warps=1, group=True, vfirst=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -832,10 +837,11 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, pool_ref, o_ref, pool_out_ref,
-                   *, ratio, bv, group, vblocks):
+                   *, ratio, bv, group, vblocks, vfirst):
     """Grid (row, value head, V-block group of `vblocks`), or with group=True (row, key head, V-block group) doing
-    its `ratio` value heads."""
-    n, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    its `ratio` value heads; vfirst reverses the grid's axes."""
+    n, h, vb = (pl.program_id(2), pl.program_id(1), pl.program_id(0)) if vfirst else \
+        (pl.program_id(0), pl.program_id(1), pl.program_id(2))
     kh = h if group else h // ratio
     slot = slot_ref[n]
     dk = q_ref.shape[-1]
@@ -884,10 +890,12 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConf
     vblocks = min(config.vblocks, dv // bv)
     if (dv // bv) % vblocks:
         raise ValueError(f"{vblocks} V-blocks per program must divide the {dv // bv} V-blocks of {bv}")
+    grid = (n, hk if config.group else hv, dv // bv // vblocks)
     o, pool = pl.pallas_call(
-        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group, vblocks=vblocks),
+        functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group, vblocks=vblocks,
+                          vfirst=config.vfirst),
         out_shape=(jax.ShapeDtypeStruct((n, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
-        grid=(n, hk if config.group else hv, dv // bv // vblocks),
+        grid=grid[::-1] if config.vfirst else grid,
         input_output_aliases={8: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gdn_decode",

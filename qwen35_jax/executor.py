@@ -50,12 +50,10 @@ def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, 
     """Sample rows, then record the tokens on the device (next input, penalty counts) where `write` is set."""
     tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab)
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    rank = 1 + jnp.sum(raw > lp["logprob"][:, None], axis=-1).astype(jnp.int32)
     sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
                           counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)),
                           prompt_mask=sstate.prompt_mask)
-    return sstate, StepOutput(tokens, lp["logprob"], rank, lp["top_logprobs"], lp["top_ids"])
+    return sstate, StepOutput(tokens, lp["logprob"], lp["rank"], lp["top_logprobs"], lp["top_ids"])
 
 
 def _full_logits(logits):

@@ -1,4 +1,4 @@
-"""Batched on-device sampling: penalties, temperature, min_p / top_k / top_p, seeded Gumbel-max, logprobs.
+"""Batched on-device sampling: penalties, temperature, min_p / top_k / top_p, seeded inverse-CDF draws, logprobs.
 
 Every row carries its own parameters. Randomness is keyed on (request seed, request step) only, so a seeded
 request samples the same tokens whatever else is in the batch and whichever slot it occupies; unseeded requests
@@ -109,41 +109,76 @@ def needs_full_vocab(p: SamplingBatch) -> bool:
     return bool(np.any(sampled & ((top_k > CANDIDATES) | ((top_p < 1) & ~bounded))))
 
 
-def _filter(x, p: SamplingBatch, full_vocab: bool = True):
-    """min_p, top_k, top_p on temperature-scaled logits x [B, V]; removed entries become -inf.
-
-    Every filter keeps the entries at or above a per-row threshold, found on the descending values: the whole row
-    sorted (full_vocab), or only its top CANDIDATES, which decide the threshold whenever top_k is in
-    [1, CANDIDATES] (or top_p is off): `needs_full_vocab` tells the host which executable a batch needs. The
-    top_p mass is normalised over every surviving entry of the row, so both give the same thresholds."""
-    v = x.shape[-1]
+def _cut(x, p: SamplingBatch, full_vocab: bool = True):
+    """Per-row threshold [B, 1] on temperature-scaled logits x [B, V]: the entries at or above it survive min_p,
+    top_k and top_p. The thresholds are found on the descending values: the whole row sorted (full_vocab), or
+    only its top CANDIDATES, which decide them whenever top_k is in [1, CANDIDATES] (or top_p is off):
+    `needs_full_vocab` tells the host which executable a batch needs. The top_p mass is normalised over every
+    surviving entry of the row, so both give the same thresholds."""
     m = x.max(-1, keepdims=True)
+    desc = -jnp.sort(-x, axis=-1) if full_vocab else top_k_desc(x, min(CANDIDATES, x.shape[-1]))[0]
     min_p_cut = m + jnp.log(p.min_p)[:, None]                             # probs >= min_p * max prob
-    desc = -jnp.sort(-x, axis=-1) if full_vocab else top_k_desc(x, min(CANDIDATES, v))[0]
     kth = jnp.take_along_axis(desc, jnp.clip(p.top_k - 1, 0, desc.shape[-1] - 1)[:, None], axis=-1)
     cut = jnp.maximum(min_p_cut, jnp.where(p.top_k[:, None] > 0, kth, -jnp.inf))
     z = jnp.sum(jnp.where(x >= cut, jnp.exp(x - m), 0.0), axis=-1, keepdims=True)
     probs = jnp.where(desc >= cut, jnp.exp(desc - m), 0.0) / z
     before = jnp.cumsum(probs, axis=-1) - probs                          # mass strictly above each entry
     nucleus = jnp.min(jnp.where((desc >= cut) & (before < p.top_p[:, None]), desc, jnp.inf), axis=-1, keepdims=True)
-    cut = jnp.where(p.top_p[:, None] < 1.0, jnp.maximum(cut, nucleus), cut)
-    return jnp.where(x < cut, -jnp.inf, x)
+    return jnp.where(p.top_p[:, None] < 1.0, jnp.maximum(cut, nucleus), cut), m
+
+
+def _filter(x, p: SamplingBatch, full_vocab: bool = True):
+    """min_p, top_k, top_p on x [B, V]: removed entries become -inf (see `_cut`)."""
+    return jnp.where(x < _cut(x, p, full_vocab)[0], -jnp.inf, x)
+
+
+def _first(hit, fallback):
+    """Index of the first True of each row of hit [B, n], or fallback [B] where a row has none."""
+    return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), fallback)
+
+
+def _last_positive(w):
+    n = w.shape[-1]
+    return n - 1 - jnp.argmax(w[:, ::-1] > 0, axis=-1)
+
+
+def draw(x, cut, m, u, block: int = 128):
+    """Exact sample of x [B, V] restricted to x >= cut (weights exp(x - m), m the row max) by inverse CDF in token
+    order, in two levels so no [B, V] random numbers are made: u[:, 0] picks a block of `block` tokens by the
+    cumulative block sums, u[:, 1] a token inside it by the block's own cumulative weights (P(token) = P(block)
+    P(token | block), each level exact). Rows whose cumulative sums round oddly still get a kept token: the choice
+    is restricted to positive weights, the last one where no cumulative passes the target."""
+    b, v = x.shape
+    nb = -(-v // block)
+    xb = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
+    sums = jnp.sum(jnp.where(xb >= cut[:, :, None], jnp.exp(xb - m[:, :, None]), 0.0), axis=-1)     # [B, nb]
+    cum = jnp.cumsum(sums, axis=-1)
+    bi = _first((cum > u[:, :1] * cum[:, -1:]) & (sums > 0), _last_positive(sums))
+    xs = jnp.take_along_axis(xb, bi[:, None, None], axis=1)[:, 0]                                   # [B, block]
+    w = jnp.where(xs >= cut, jnp.exp(xs - m), 0.0)
+    cw = jnp.cumsum(w, axis=-1)
+    j = _first((cw > u[:, 1:] * cw[:, -1:]) & (w > 0), _last_positive(w))
+    return (bi * block + j).astype(jnp.int32)
 
 
 def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True):
     """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict). full_vocab=False
-    is exact only for batches where `needs_full_vocab` is False (see `_filter`).
+    is exact only for batches where `needs_full_vocab` is False (see `_cut`).
 
     Branch-free on purpose: XLA:GPU runs a `lax.cond` by copying its predicate to the host and blocking on the
-    stream, which would make every decode dispatch wait for the device. So the filters, the Gumbel noise and the
-    top-N logprobs are computed for every row, and rows that asked for none of them ignore the results."""
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    stream, which would make every decode dispatch wait for the device. So the filters, the draw and the top-N
+    logprobs are computed for every row, and rows that asked for none of them ignore the results. Each step
+    reads the [B, V] logits a few times and sorts at most [B, CANDIDATES x 128] values (bench/sampler.py)."""
+    m_raw = jnp.max(logits, axis=-1, keepdims=True)
+    lse = m_raw + jnp.log(jnp.sum(jnp.exp(logits - m_raw), axis=-1, keepdims=True))
     x = apply_penalties(logits, p, counts, prompt_mask)
     greedy = p.temperature <= 0
-    x_t = _filter(x / jnp.where(greedy, 1.0, p.temperature)[:, None], p, full_vocab)
+    x_t = x / jnp.where(greedy, 1.0, p.temperature)[:, None]
+    cut, m = _cut(x_t, p, full_vocab)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, x_t.shape[-1:], jnp.float32))(keys)
-    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(x_t + noise, axis=-1)).astype(jnp.int32)
-    token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_v, top_i = top_k_desc(raw_logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    return tokens, {"logprob": token_lp, "top_logprobs": top_v, "top_ids": top_i.astype(jnp.int32)}
+    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
+    tokens = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), draw(x_t, cut, m, u))
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+    top_v, top_i = top_k_desc(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    return tokens, {"logprob": (chosen - lse)[:, 0], "rank": 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32),
+                    "top_logprobs": top_v - lse, "top_ids": top_i.astype(jnp.int32)}

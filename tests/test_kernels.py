@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
 from qwen35_jax.attention import decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -130,8 +130,10 @@ def test_gdn_prefill_packed_ragged(config):
 
 @pytest.mark.parametrize("ratio,config", [(1, gdn.DecodeConfig()), (2, gdn.DecodeConfig(bv=8, num_warps=1, group=True)),
                                           (3, gdn.DecodeConfig(bv=16, num_warps=1)), (2, gdn.DecodeConfig(bv=16, group=True)),
-                                          (2, gdn.DecodeConfig(vblocks=4)), (3, gdn.DecodeConfig(group=True, vblocks=2))],
-                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16", "r2-loop4", "r3-group-loop2"])
+                                          (2, gdn.DecodeConfig(vblocks=4)), (3, gdn.DecodeConfig(group=True, vblocks=2)),
+                                          (2, gdn.DecodeConfig(vfirst=True)), (2, gdn.DecodeConfig(group=True, vfirst=True))],
+                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16", "r2-loop4", "r3-group-loop2", "r2-vfirst",
+                              "r2-group-vfirst"])
 def test_gdn_decode_in_place(ratio, config):
     n, hk, dk, dv = 5, 2, 32, 16
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(20 + ratio, n, 1, hk, hk * ratio, dk, dv)
@@ -274,12 +276,34 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
     assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
 
+    for m in (1, 64):                                              # decode matmuls at the 9B in_proj / down_proj
+        for k, nn in ((4096, 12352), (12288, 4096)):
+            mcfgs = [c for c in matmul.config_sweep() if matmul.fits(m, k, nn, c)]
+            text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
+                                  S((k, nn), bf))
+            assert len(mcfgs) >= 6 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
+
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
                 S((b,), i32))
         acfgs = paged_attention.config_sweep()
         text = lower_for_cuda(lambda *x: [paged_attention.paged_decode_attention(*x, config=c) for c in acfgs], *attn)
         assert text.count("__gpu$xla.gpu.triton") == len(acfgs)
+
+
+@pytest.mark.parametrize("m,k,n,config", [(1, 512, 256, matmul.DEFAULT), (5, 512, 384, matmul.MatmulConfig(bn=128, split_k=2)),
+                                      (16, 1024, 256, matmul.MatmulConfig(bn=32, split_k=4)),
+                                      (40, 256, 128, matmul.MatmulConfig(bn=128, bk=256))])
+def test_decode_matmul_matches_dot(m, k, n, config):
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.key(k), (k, n))).astype(jnp.bfloat16)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = matmul.matmul(x, w, out_dtype=out_dtype, config=config, interpret=True)
+        want = matmul.reference(x, w, out_dtype=out_dtype)
+        assert got.shape == (m, n) and got.dtype == out_dtype
+        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
+    with pytest.raises(ValueError, match="does not fit"):
+        matmul.matmul(x, w[:, :n - 8], config=config, interpret=True)
 
 
 def test_decode_step_has_no_host_synchronisation():

@@ -119,3 +119,43 @@ def test_needs_full_vocab_routing():
     assert not needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 1.0], min_p=[0, 0.1]))
     assert needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 0.9]))                        # nucleus unbounded
     assert needs_full_vocab(batch(1, top_k=[CANDIDATES + 1]))
+
+
+def test_draw_is_exact_on_a_grid_of_uniforms():
+    """Over a 200 x 200 grid of (u0, u1) the two-level inverse CDF picks each kept token with its probability (to the
+    grid's resolution), never a removed or padding one; blocks of 128 with a partial last block."""
+    from qwen35_jax.sampler import draw
+    rng = np.random.default_rng(5)
+    v = 300
+    x = (rng.standard_normal(v) * 1.5).astype(np.float32)
+    x[290:] = -np.inf                                       # padding columns
+    cut = np.float32(np.sort(x[:290])[-60])                 # keep the top 60, spread over the three blocks
+    g = (np.arange(200) + 0.5) / 200
+    u = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2).astype(np.float32)
+    n = len(u)
+    xs = jnp.broadcast_to(jnp.asarray(x), (n, v))
+    tok = np.asarray(draw(xs, jnp.full((n, 1), cut), jnp.full((n, 1), x.max()), jnp.asarray(u)))
+    w = np.where(x >= cut, np.exp(x - x.max()), 0.0)
+    freq = np.bincount(tok, minlength=v) / n
+    assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(w))
+    np.testing.assert_allclose(freq, w / w.sum(), atol=2.5 / 200)
+
+
+def test_candidate_and_full_vocab_sampling_agree():
+    """The same seeded draws whichever decode executable (candidates or full sort) a batch runs."""
+    from qwen35_jax.sampler import CANDIDATES
+    rng = np.random.default_rng(6)
+    v = 5000
+    logits = jnp.asarray((rng.standard_normal((6, v)) * 2).astype(np.float32))
+    p = batch(6, temperature=[0.0, 0.7, 1.0, 1.3, 0.9, 1.0], top_k=[0, 20, 0, CANDIDATES, 1, 50],
+              top_p=[1.0, 0.8, 1.0, 0.9, 1.0, 0.95], min_p=[0, 0, 0.05, 0, 0, 0], seed=[1, 2, 3, 4, 5, 6],
+              logprobs=[True] * 6)
+    z = jnp.zeros((6, v), jnp.int32), jnp.zeros((6, v), bool)
+    for step in range(5):
+        q = dataclasses.replace(p, step=np.full(6, step, np.int32))
+        a, lp_a = sample(logits, q, *z, full_vocab=False)
+        b, lp_b = sample(logits, q, *z, full_vocab=True)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(lp_a["rank"], lp_b["rank"])
+        ref = np.asarray(jax.nn.log_softmax(logits, -1))
+        np.testing.assert_array_equal(lp_a["rank"], 1 + (ref > ref[np.arange(6), np.asarray(a)][:, None]).sum(-1))

@@ -1,0 +1,108 @@
+"""Decode-shaped matmuls on the GPU: the Pallas kernel's configurations (pallas_kernels/matmul.py) against XLA's dot.
+
+    python bench/gemm.py --record [--pick picks.json]
+    python bench/gemm.py --interpret --rows 2 --scale 64          # CPU smoke run of the script itself
+
+At the 9B decode projections (K x N of in_proj, qkv_proj, out_proj / o_proj, gate_up, down_proj, lm_head) and
+M = 1, 16, 64 rows: checks every configuration against XLA's dot, then times each and reports the weight bytes
+read per second against the copy bandwidth measured in the same run. GPU time, host dispatch excluded: a
+compiled loop makes 16 calls (each call's output, behind an optimization barrier, feeds one element of the next
+call's input); per call = (its time - the same loop's around a call that does nothing) / 16. --pick writes the fastest configuration per (shape, rows) as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from bench.throughput import copy_bandwidth  # noqa: E402
+from pallas_kernels import matmul as mm  # noqa: E402
+
+SHAPES = {"gdn in_proj": (4096, 12352), "attn qkv_proj": (4096, 10240), "out_proj / o_proj": (4096, 4096),
+          "mlp gate_up": (4096, 24576), "mlp down_proj": (12288, 4096), "lm_head": (4096, 248320)}
+
+
+def loop_us(fn, x, w, calls=16, reps=5):
+    """Median microseconds of one compiled program making `calls` calls of fn back to back."""
+    def prog(x, w):
+        def body(_, x):
+            y = jax.lax.optimization_barrier(fn(x, w))
+            return x.at[:, 0].add((y[:, 0] * 1e-3).astype(x.dtype))
+        return jax.lax.fori_loop(0, calls, body, x)
+    f = jax.jit(prog).lower(x, w).compile()
+    jax.block_until_ready(f(x, w))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, w))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def per_call_us(fn, x, w, base_us, calls=16):
+    """One call's time: the loop's, less the same loop around a call that does nothing (base_us), over calls."""
+    return (loop_us(fn, x, w, calls) - base_us) / calls
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    ap.add_argument("--scale", type=int, default=1, help="divide K and N (CPU smoke runs)")
+    ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--pick", help="write the fastest configuration per (K x N, rows) here (JSON)")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    bw = None if args.interpret else copy_bandwidth()
+    configs = mm.config_sweep()
+    lines, picks, checks = [], {}, []
+    for name in args.shapes.split(","):
+        k, n = (d // args.scale for d in SHAPES[name])
+        w = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for m in rows:
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            ref = mm.reference(x, w, out_dtype=jnp.float32)
+            base = loop_us(lambda x, w: x[:, :1], x, w)
+            row = {"XLA dot": per_call_us(lambda x, w: mm.reference(x, w), x, w, base)}
+            for c in configs:
+                if not mm.fits(m, k, n, c):
+                    continue
+                f = lambda x, w, c=c: mm.matmul(x, w, out_dtype=jnp.float32, config=c, interpret=args.interpret)
+                err = float(jnp.max(jnp.abs(f(x, w) - ref)) / jnp.max(jnp.abs(ref)))
+                checks.append(err)
+                if err > 1e-3:
+                    raise SystemExit(f"{c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
+                row[c.name] = per_call_us(lambda x, w, c=c: mm.matmul(x, w, config=c, interpret=args.interpret),
+                                          x, w, base)
+            best = min((t, c) for c, t in row.items() if c != "XLA dot")
+            picks.setdefault(f"{k}x{n}", {})[m] = best[1]
+            gbs = lambda t: k * n * 2 / t / 1e3
+            frac = (lambda t: f"{gbs(t) / bw:.2f}") if bw else (lambda t: "-")
+            lines.append(f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {best[1]} | "
+                         f"{best[0]:.1f} | {frac(best[0])} | {row['XLA dot'] / best[0]:.2f}× | {row[configs[0].name]:.1f} |")
+            print(lines[-1], flush=True)
+            print("   " + "  ".join(f"{c}={t:.1f}" for c, t in row.items()), flush=True)
+    body = ((f"Copy bandwidth in this run {bw / 1e3:.2f} TB/s. " if bw else "")
+            + f"{len(configs)} configurations, every one checked against XLA's dot (max error relative to the "
+            f"largest output {max(checks):.1e}). 'x bw': weight bytes read per second over the copy bandwidth.\n\n"
+            "| matmul | K x N | rows | XLA us | XLA x bw | best Pallas | us | x bw | XLA / best | default us |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    print(body)
+    if args.pick:
+        with open(args.pick, "w") as f:
+            json.dump(picks, f, indent=1)
+    if args.record:
+        results.record("Decode matmuls: Pallas vs XLA (bench/gemm.py)", body)
+
+
+if __name__ == "__main__":
+    main()

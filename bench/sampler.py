@@ -1,0 +1,118 @@
+"""Decode sampler on the GPU: the whole sampling pass and its parts, per call, at the 9B vocabulary.
+
+    python bench/sampler.py --record [--old path/to/older/sampler.py]
+    python bench/sampler.py --batches 2 --vocab 4096          # CPU smoke run of the script itself
+
+Times `sampler.sample` (candidates and full-vocabulary executables) as the engine's decode step runs it (penalty
+rows gathered from the slot pool, T=0.7 top_p=0.8 top_k=20 with logprobs), its parts, and with --old the
+`sample` of another sampler module (e.g. an earlier commit's, saved by `git show`) with the log-softmax rank the
+executor then computed, side by side in one run. GPU time, host dispatch excluded: a compiled loop runs the call R
+times (each call's tokens written into the next call's logits, so nothing is hoisted), for two R; per call =
+slope.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from qwen35_jax import sampler  # noqa: E402
+
+
+def per_call_us(fn, logits, calls=(4, 20), reps=5):
+    """fn(logits) -> int32 [B]; microseconds per call."""
+    meds = []
+    for r in calls:
+        def prog(x, r=r):
+            def body(_, x):
+                return x.at[:, 0].set(fn(x).astype(x.dtype) * 1e-9)
+            return jax.lax.fori_loop(0, r, body, x)
+        f = jax.jit(prog).lower(logits).compile()
+        jax.block_until_ready(f(logits))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(logits))
+            ts.append(time.perf_counter() - t0)
+        meds.append(float(np.median(ts)))
+    return (meds[1] - meds[0]) / (calls[1] - calls[0]) * 1e6
+
+
+def params(b):
+    return sampler.SamplingBatch(
+        temperature=jnp.full((b,), 0.7), top_k=jnp.full((b,), 20, jnp.int32), top_p=jnp.full((b,), 0.8),
+        min_p=jnp.zeros((b,)), presence=jnp.zeros((b,)), frequency=jnp.zeros((b,)), repetition=jnp.ones((b,)),
+        seed=jnp.arange(b, dtype=jnp.uint32), step=jnp.zeros((b,), jnp.int32), logprobs=jnp.ones((b,), bool))
+
+
+def variants(b, v, old):
+    p = params(b)
+    counts = jnp.zeros((b + 1, v), jnp.int32).at[1:, :64].set(1)
+    mask = jnp.zeros((b + 1, v), bool).at[1:, 64:1000].set(True)
+    slots = jnp.arange(1, b + 1, dtype=jnp.int32)
+
+    def engine(sample):
+        return lambda x: sample(x, p, counts[slots], mask[slots])
+
+    out = {
+        "sample": lambda x: engine(lambda *a: sampler.sample(*a, full_vocab=False)[0])(x),
+        "sample full vocab": lambda x: engine(lambda *a: sampler.sample(*a, full_vocab=True)[0])(x),
+        "penalties (argmax)": lambda x: jnp.argmax(sampler.apply_penalties(x, p, counts[slots], mask[slots]), -1),
+        "log-sum-exp": lambda x: jax.nn.logsumexp(x, -1).astype(jnp.int32),
+        "top 128 (two stage)": lambda x: sampler.top_k_desc(x, 128)[1][:, -1],
+        "top 20 (two stage)": lambda x: sampler.top_k_desc(x, 20)[1][:, -1],
+        "top 128 (lax.top_k)": lambda x: jax.lax.top_k(x, 128)[1][:, -1],
+        "draw": lambda x: sampler.draw(x, x[:, :1], x.max(-1, keepdims=True), jnp.full((b, 2), 0.5)),
+        "gumbel argmax": lambda x: jnp.argmax(x + jax.random.gumbel(jax.random.key(0), x.shape), -1),
+    }
+    if old is not None:
+        def old_sample(x):
+            tok, lp = old.sample(x, p, counts[slots], mask[slots], full_vocab=False)
+            raw = jax.nn.log_softmax(x, axis=-1)
+            rank = jnp.sum(raw > lp["logprob"][:, None], axis=-1)
+            return tok + (rank < 0)
+        out = {"old sample": old_sample, **out}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--old", help="another sampler module's file to time beside this one")
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+    old = None
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_sampler", args.old)
+        old = sys.modules["old_sampler"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    batches = [int(b) for b in args.batches.split(",")]
+    table = {}
+    for b in batches:
+        logits = jax.random.normal(jax.random.key(b), (b, args.vocab), jnp.float32) * 3
+        for name, fn in variants(b, args.vocab, old).items():
+            table.setdefault(name, {})[b] = per_call_us(fn, logits)
+            print(f"batch {b:3d} {name:24s} {table[name][b]:8.1f} us", flush=True)
+    lines = ["| part | " + " | ".join(f"batch {b} us" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    lines += [f"| {name} | " + " | ".join(f"{t[b]:.1f}" for b in batches) + " |" for name, t in table.items()]
+    body = (f"Vocabulary {args.vocab}, fp32 logits, T=0.7 top_p=0.8 top_k=20 with logprobs. 'sample': the decode "
+            "step's sampling pass (candidates executable); the rows below it are its parts alone"
+            + (f"; 'old sample': `{args.old}` with the executor's log-softmax rank" if old else "") + ".\n\n"
+            + "\n".join(lines) + "\n")
+    print(body)
+    if args.record:
+        results.record("Decode sampler (bench/sampler.py)", body)
+
+
+if __name__ == "__main__":
+    main()
