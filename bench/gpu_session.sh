@@ -39,8 +39,8 @@ for s in $sections; do
   case $s in
     attention) CUDA_VISIBLE_DEVICES=0 run attention 90 python3 bench/attention.py --record ;;
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
-    kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 170 python3 bench/kernels.py --time-limit 150 \
-               --only correct_defaults decode_cases correct_variants decode_sweep ;;
+    kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
+               --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
     gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \
             --shapes "gdn in_proj,attn qkv_proj,out_proj / o_proj,mlp gate_up,mlp down_proj" ;;
     sampler) old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )

@@ -452,7 +452,7 @@ def fla_prefill(lens):
 # ---------------------------------------------------------------------------------------------------------------
 # Decode.
 
-DECODE_BATCHES = (1, 8) if DRY else (1, 8, 32, 128, 256)
+DECODE_BATCHES = (1, 8) if DRY else (1, 8, 32, 128, 256)      # --decode-batches overrides
 
 
 class DecodeProblem:
@@ -863,6 +863,11 @@ def main():
         check_prefill({nm: c for nm, c in prefill_variants.items() if nm not in first_prefill})
         check_decode({nm: c for nm, c in decode_variants.items() if nm not in first_decode})
         check_conv()
+
+    @section("correct_decode", need=10)          # the decode variants alone (a decode-only --only run)
+    def _():
+        check_decode({nm: c for nm, c in decode_variants.items() if nm not in first_decode
+                      and nm not in RES["correct_decode_conv"]})
 
     # ------------------------------------------------------------------ prefill sweep at 1x8k
     @section("prefill_sweep", need=20)
@@ -1280,6 +1285,7 @@ if __name__ == "__main__":
     ap.add_argument("--model-batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model decode step")
     ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md")
+    ap.add_argument("--decode-batches", type=int, nargs="+", help="decode batches to time (default: all five)")
     ap.add_argument("--only", nargs="+", default=[],
                     help="run only these sections (fla_import and ceilings always run), e.g. correct_defaults "
                          "correct_variants prefill_sweep prefill_best")
@@ -1288,4 +1294,6 @@ if __name__ == "__main__":
     if ARGS.model_reserve is None:
         ARGS.model_reserve = min(100.0, 0.4 * ARGS.time_limit)
     ARGS.command_line = os.environ.get("BENCH_COMMAND", "python3 bench/kernels.py " + " ".join(sys.argv[1:]))
+    if ARGS.decode_batches:
+        DECODE_BATCHES = tuple(ARGS.decode_batches)
     main()

@@ -6,9 +6,7 @@
 Times `sampler.sample` (candidates and full-vocabulary executables) as the engine's decode step runs it (penalty
 rows gathered from the slot pool, T=0.7 top_p=0.8 top_k=20 with logprobs), its parts, and with --old the
 `sample` of another sampler module (e.g. an earlier commit's, saved by `git show`) with the log-softmax rank the
-executor then computed, side by side in one run. GPU time, host dispatch excluded: a compiled loop runs the call R
-times (each call's tokens written into the next call's logits, so nothing is hoisted), for two R; per call =
-slope.
+executor then computed, side by side in one run. GPU time, host dispatch excluded (see per_call_us).
 """
 from __future__ import annotations
 
@@ -27,14 +25,15 @@ from bench import results  # noqa: E402
 from qwen35_jax import sampler  # noqa: E402
 
 
-def per_call_us(fn, logits, calls=(4, 20), reps=5):
-    """fn(logits) -> int32 [B]; microseconds per call."""
+def per_call_us(fn, logits, calls=(2, 8), reps=7):
+    """fn(logits) -> int32 [B]; microseconds per call: straight-line programs of c calls (each call's tokens
+    written into the next call's logits, so nothing is shared or hoisted), for two c; per call = slope."""
     meds = []
-    for r in calls:
-        def prog(x, r=r):
-            def body(_, x):
-                return x.at[:, 0].set(fn(x).astype(x.dtype) * 1e-9)
-            return jax.lax.fori_loop(0, r, body, x)
+    for c in calls:
+        def prog(x, c=c):
+            for _ in range(c):
+                x = x.at[:, 0].set(fn(x).astype(x.dtype) * 1e-9)
+            return x
         f = jax.jit(prog).lower(logits).compile()
         jax.block_until_ready(f(logits))
         ts = []
@@ -67,8 +66,9 @@ def variants(b, v, old):
         "sample full vocab": lambda x: engine(lambda *a: sampler.sample(*a, full_vocab=True)[0])(x),
         "penalties (argmax)": lambda x: jnp.argmax(sampler.apply_penalties(x, p, counts[slots], mask[slots]), -1),
         "log-sum-exp": lambda x: jax.nn.logsumexp(x, -1).astype(jnp.int32),
-        "top 128 (two stage)": lambda x: sampler.top_k_desc(x, 128)[1][:, -1],
-        "top 20 (two stage)": lambda x: sampler.top_k_desc(x, 20)[1][:, -1],
+        "top 128 (three levels)": lambda x: sampler.top_k_desc(x, 128)[1][:, -1],
+        "top 128 (two levels)": lambda x: sampler.top_k_desc(x, 128, blocks=(128,))[1][:, -1],
+        "top 20 (three levels)": lambda x: sampler.top_k_desc(x, 20)[1][:, -1],
         "top 128 (lax.top_k)": lambda x: jax.lax.top_k(x, 128)[1][:, -1],
         "draw": lambda x: sampler.draw(x, x[:, :1], x.max(-1, keepdims=True), jnp.full((b, 2), 0.5)),
         "gumbel argmax": lambda x: jnp.argmax(x + jax.random.gumbel(jax.random.key(0), x.shape), -1),

@@ -49,9 +49,18 @@ def config_sweep():
             c(bn=32, split_k=2), c(bn=64, split_k=4), c(bn=256, split_k=4, num_warps=8)]
 
 
+SMEM_BYTES = 200 * 1024     # of the H200's 227 KB per block: Triton's pipeline buffers plus some slack
+
+
+def _rows(m: int) -> int:
+    return max(MIN_ROWS, 1 << max(0, (m - 1).bit_length()))
+
+
 def fits(m: int, k: int, n: int, config: MatmulConfig) -> bool:
-    """Whether the kernel takes this shape with this configuration (see the contract)."""
-    return n % config.bn == 0 and k % (config.split_k * config.bk) == 0 and m <= 256
+    """Whether the kernel takes this shape with this configuration (see the contract; the pipeline's bf16 x and w
+    tiles, num_stages deep, must fit in shared memory)."""
+    smem = config.num_stages * (_rows(m) * config.bk + config.bk * config.bn) * 2
+    return n % config.bn == 0 and k % (config.split_k * config.bk) == 0 and m <= 256 and smem <= SMEM_BYTES
 
 
 def _kernel(x_ref, w_ref, o_ref, *, bk, steps):
@@ -74,8 +83,9 @@ def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpre
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not fits(m, k, n, config):
         raise ValueError(f"matmul [{m}, {k}] @ [{k}, {n}] does not fit {config.name}: N must be a multiple of "
-                         f"{config.bn}, K of {config.split_k * config.bk}, M at most 256")
-    rows = max(MIN_ROWS, 1 << max(0, (m - 1).bit_length()))
+                         f"{config.bn}, K of {config.split_k * config.bk}, M at most 256, and the pipeline's "
+                         f"tiles within {SMEM_BYTES} bytes of shared memory")
+    rows = _rows(m)
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     s = config.split_k
     part_dtype = out_dtype if s == 1 else jnp.float32

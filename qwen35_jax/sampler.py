@@ -84,20 +84,31 @@ def apply_penalties(logits, p: SamplingBatch, counts, prompt_mask):
     return jnp.where(seen & (rep != 1.0), penalized, logits)
 
 
-def top_k_desc(x, k: int, block: int = 128):
+def top_k_desc(x, k: int, blocks: tuple[int, ...] = (16, 8)):
     """Exact top k of each row of x [B, V]: (values descending, indices). XLA:GPU takes a top k with k > 16 by
-    sorting the whole row (~1 ms at [16, 248320] on the H200, bench/RESULTS.md). Here only block maxima and a few
-    blocks are sorted: every entry of the top k lies in a block whose maximum is among the k largest block maxima
-    (otherwise k blocks would each hold a larger entry), so the top k of those k blocks is the top k of the row."""
+    sorting the whole row (~1 ms at [16, 248320] on the H200, bench/RESULTS.md), and its sort costs grow fast
+    with the row. Here only maxima are sorted, level by level: every entry of the top k lies in a block whose
+    maximum is among the k largest block maxima (otherwise k blocks would each hold a larger entry), so the top k
+    of those k blocks is the top k of the row, and the same holds one level up for the block maxima themselves.
+    With blocks (16, 8) a row of 248320 sorts 1940 super-block maxima, then k x 8 block maxima, then k x 16
+    entries."""
     b, v = x.shape
-    nb = -(-v // block)
-    if nb < 4 * k:
+    sizes = [int(np.prod(blocks[:i + 1])) for i in range(len(blocks))]          # entries under one max, per level
+    if -(-v // sizes[-1]) < 4 * k:
         return jax.lax.top_k(x, k)
-    blocks = jnp.pad(x, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf).reshape(b, nb, block)
-    _, bi = jax.lax.top_k(blocks.max(-1), k)                             # [B, k] the candidate blocks
-    cand = jnp.take_along_axis(blocks, bi[:, :, None], axis=1)           # [B, k, block]
-    vals, pos = jax.lax.top_k(cand.reshape(b, k * block), k)
-    return vals, jnp.take_along_axis(bi, pos // block, axis=-1) * block + pos % block
+    n0 = -(-v // sizes[-1]) * sizes[-1]
+    x = jnp.pad(x, ((0, 0), (0, n0 - v)), constant_values=-jnp.inf)
+    maxima = [x]                                                             # level i: [B, n0 / sizes[i-1]]
+    for blk in blocks:
+        maxima.append(maxima[-1].reshape(b, -1, blk).max(-1))
+    # top k of the coarsest maxima, then descend: at each level the candidates are the k chosen blocks' children
+    _, idx = jax.lax.top_k(maxima[-1], k)                                    # [B, k] indices into level L
+    for level in range(len(blocks) - 1, -1, -1):
+        blk = blocks[level]
+        child = (idx[:, :, None] * blk + jnp.arange(blk)).reshape(b, k * blk)  # indices into level `level`
+        vals, pos = jax.lax.top_k(jnp.take_along_axis(maxima[level], child, axis=-1), k)
+        idx = jnp.take_along_axis(child, pos, axis=-1)
+    return vals, idx
 
 
 def needs_full_vocab(p: SamplingBatch) -> bool:
@@ -168,7 +179,7 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = Tru
     Branch-free on purpose: XLA:GPU runs a `lax.cond` by copying its predicate to the host and blocking on the
     stream, which would make every decode dispatch wait for the device. So the filters, the draw and the top-N
     logprobs are computed for every row, and rows that asked for none of them ignore the results. Each step
-    reads the [B, V] logits a few times and sorts at most [B, CANDIDATES x 128] values (bench/sampler.py)."""
+    reads the [B, V] logits a few times and sorts at most [B, CANDIDATES x 16] values (bench/sampler.py)."""
     m_raw = jnp.max(logits, axis=-1, keepdims=True)
     lse = m_raw + jnp.log(jnp.sum(jnp.exp(logits - m_raw), axis=-1, keepdims=True))
     x = apply_penalties(logits, p, counts, prompt_mask)
