@@ -171,8 +171,8 @@ def main():
             f"{args.output_len} output tokens (greedy, ignore_eos), in-process engine. 'host ms/step' is host work "
             f"per engine step not overlapped by dispatch; 'wait ms/step' is time blocked on device results.\n\n"
             + results.table([serve], list(serve)))
-    if args.record:
-        results.record("Engine throughput (bench/throughput.py)", body)
+    if args.record:       # a run with kernel variants chosen by QWEN35_* records beside the default's section
+        results.record("Engine throughput (bench/throughput.py)" + (f" {variants}" if variants else ""), body)
 
 
 if __name__ == "__main__":

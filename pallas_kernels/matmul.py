@@ -63,6 +63,21 @@ def fits(m: int, k: int, n: int, config: MatmulConfig) -> bool:
     return n % config.bn == 0 and k % (config.split_k * config.bk) == 0 and m <= 256 and smem <= SMEM_BYTES
 
 
+def choose(m: int, k: int, n: int) -> MatmulConfig | None:
+    """The configuration the model runs for [m, k] @ [k, n], or None where none fits (XLA's dot then). Column
+    blocks of 64, and the fewest K splits (up to 4, keeping >= 8 loop steps) that give >= 2 programs per H200 SM:
+    the rule the H200 runs of bench/gemm.py point to (its per-shape picks are noisy at 10-50 us per call)."""
+    best = None
+    for split in (1, 2, 4):
+        c = dataclasses.replace(DEFAULT, split_k=split)
+        if not fits(m, k, n, c) or k // (split * c.bk) < 8:
+            break
+        best = c
+        if n // c.bn * split >= 264:
+            break
+    return best
+
+
 def _kernel(x_ref, w_ref, o_ref, *, bk, steps):
     """x [R, K] (whole), w [K, bn] (this column block), o [R, bn] (this K range's partial)."""
     kr = pl.program_id(1)

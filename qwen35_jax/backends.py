@@ -5,12 +5,14 @@
 
 Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`: a
 parallel prep kernel + a four-dot chunk scan, the fastest configuration of the H200 sweep) and the decode step
-`gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program); both checked and timed on the H200 against the
+`gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration.
+paged_attention.config_sweep() another configuration. Decode projections (T = 1): pallas_kernels/matmul.py, its
+configuration chosen per shape (`matmul.choose`; XLA's dot where none fits, logged once per shape);
+`QWEN35_DECODE_MATMUL=xla` keeps XLA's dot (cuBLAS) for all of them.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import os
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
 
@@ -42,13 +44,35 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
+def decode_matmul(interpret: bool):
+    """(x [M, K], w [K, N], out_dtype) -> [M, N]: the Pallas kernel in the configuration `matmul.choose` gives for
+    the shape, or XLA's dot where none fits (logged once per shape)."""
+    logged = set()
+
+    def run(x, w, out_dtype):
+        (m, k), n = x.shape, w.shape[1]
+        config = matmul.choose(m, k, n)
+        if (m, k, n) not in logged:
+            logged.add((m, k, n))
+            log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n,
+                     config.name if config else "XLA dot (no kernel configuration fits the shape)")
+        if config is None:
+            return matmul.reference(x, w, out_dtype=out_dtype)
+        return matmul.matmul(x, w, out_dtype=out_dtype, config=config, interpret=interpret)
+
+    return jax.jit(run, static_argnums=2)
+
+
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
-                   attention: str | None = None) -> Kernels:
-    """prefill / decode / attention: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
-    $QWEN35_DECODE_ATTENTION, else "wy" / "default" / "kernel")."""
+                   attention: str | None = None, projections: str | None = None) -> Kernels:
+    """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
+    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "kernel")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
+    projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "kernel"
+    if projections not in ("kernel", "xla"):
+        raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -62,11 +86,13 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s", prefill, pv[prefill].name,
-             decode, dv[decode].name, paged_attention.DEFAULT.name if attention == "kernel" else attention)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
+             pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
-                   attention_decode=av[attention])
+                   attention_decode=av[attention],
+                   matmul=decode_matmul(interpret) if projections == "kernel" else None)
 
 
 def default_backend() -> str:

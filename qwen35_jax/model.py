@@ -44,6 +44,17 @@ class Kernels:
     conv_prefill: Callable
     conv_decode: Callable
     attention_decode: Callable
+    matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
+
+
+def project(kernels: Kernels, x, w, out_dtype=None):
+    """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Decode steps (T = 1)
+    run the backend's matmul kernel where it has one: those GEMMs read the whole weight for a few rows."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    n, t, k = x.shape
+    if t == 1 and kernels.matmul is not None:
+        return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -60,10 +71,9 @@ def gated_norm(o, z, w, eps):
     return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
-def row_parallel(x, w):
+def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding."""
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    return jax.lax.psum(y, TP).astype(x.dtype)
+    return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -93,7 +103,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = x @ w.qkv
+        qkv = project(kernels, x, w.qkv)
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -111,7 +121,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
             o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
-        return row_parallel(o, w.o_proj), k_pages, v_pages
+        return row_parallel(kernels, o, w.o_proj), k_pages, v_pages
 
 
 def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
@@ -121,7 +131,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = x @ w.in_proj
+        proj = project(kernels, x, w.in_proj)
         mixed, z, b, a = jnp.split(proj, [2 * kl + vl, 2 * kl + 2 * vl, 2 * kl + 2 * vl + hv], axis=-1)
     decode = t == 1
     with jax.named_scope("conv1d"):
@@ -143,15 +153,15 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):
-        return row_parallel(o, w.out_proj), conv_pool, rec_pool
+        return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
-def mlp_block(w, x):
+def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
-        gate, up = jnp.split(x @ w.gate_up, 2, axis=-1)
+        gate, up = jnp.split(project(kernels, x, w.gate_up), 2, axis=-1)
         h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("down_proj"):
-        return row_parallel(h, w.down)
+        return row_parallel(kernels, h, w.down)
 
 
 def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
@@ -178,7 +188,7 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
                 gi += 1
             x = x + h
             with jax.named_scope("mlp"):
-                x = x + mlp_block(layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
+                x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
     with jax.named_scope("lm_head"):
         x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
         if not all_logits:
