@@ -389,7 +389,9 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     meta = dict(
         title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
                f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
-               f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"),
+               f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
+               + "".join(f", {k}={v}" for k, v in sorted(os.environ.items())       # kernel variants in force
+                         if k.startswith("QWEN35_") and k != "QWEN35_COMMIT")),
         device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,
