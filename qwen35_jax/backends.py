@@ -10,9 +10,10 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. Decode projections (T = 1): pallas_kernels/matmul.py, its
-configuration chosen per shape (`matmul.choose`; XLA's dot where none fits, logged once per shape);
-`QWEN35_DECODE_MATMUL=xla` keeps XLA's dot (cuBLAS) for all of them.
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot (cuBLAS):
+`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
+`matmul.choose`, XLA's dot where none fits, logged once per shape), which the H200 profile measured slower in the
+9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms of device time per step at batch 64, 5.67 vs 5.62 at 16).
 """
 from __future__ import annotations
 
@@ -66,11 +67,11 @@ def decode_matmul(interpret: bool):
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
                    attention: str | None = None, projections: str | None = None) -> Kernels:
     """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
-    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "kernel")."""
+    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
-    projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "kernel"
+    projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
     if projections not in ("kernel", "xla"):
         raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
     pv, dv = prefill_variants(), decode_variants()

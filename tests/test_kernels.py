@@ -312,7 +312,7 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     and unfit shapes through XLA's dot, all equal to the reference within fp32 rounding."""
     from qwen35_jax import backends
     from qwen35_jax.model import project
-    kernels = backends.pallas_kernels(interpret=True)
+    kernels = backends.pallas_kernels(interpret=True, projections="kernel")
     assert matmul.choose(3, 1024, 256) == matmul.MatmulConfig(split_k=1) and matmul.choose(3, 64, 256) is None
     assert matmul.choose(64, 4096, 4096).split_k == 4 and matmul.choose(16, 4096, 24576).split_k == 1
     w = (0.05 * jax.random.normal(jax.random.key(0), (1024, 256))).astype(jnp.bfloat16)
@@ -323,10 +323,10 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
             assert got.shape == (3, t, 256) and got.dtype == out
             assert rel(got.astype(jnp.float32), matmul.reference(x.reshape(-1, 1024), w, out_dtype=jnp.float32)
                        .reshape(3, t, 256)) <= (1e-6 if out == jnp.float32 else 4e-3)
-    text = jax.jit(lambda x, w: project(backends.pallas_kernels(interpret=False), x, w)).trace(
+    text = jax.jit(lambda x, w: project(backends.pallas_kernels(False, projections="kernel"), x, w)).trace(
         jax.ShapeDtypeStruct((3, 1, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)).jaxpr
     assert "decode_matmul" in str(text)
-    assert "QWEN35_DECODE_MATMUL" not in os.environ and backends.pallas_kernels(True, projections="xla").matmul is None
+    assert "QWEN35_DECODE_MATMUL" not in os.environ and backends.pallas_kernels(True).matmul is None
     with pytest.raises(ValueError, match="decode matmul variant"):
         backends.pallas_kernels(interpret=True, projections="nope")
 
