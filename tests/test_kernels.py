@@ -226,7 +226,8 @@ def test_paged_decode_attention_splits():
     cfg = paged_attention.DEFAULT
     assert paged_attention.num_splits(64, 4, 512, cfg) == 2          # 9B batch 64: 512 programs from 2 splits
     assert paged_attention.num_splits(1, 4, 512, cfg) == cfg.max_splits
-    assert paged_attention.num_splits(1, 4, 3, cfg) == 1              # never more splits than page blocks
+    assert paged_attention.num_splits(1, 4, 3, cfg) == -(-3 // cfg.pages_per_block)   # never more splits than
+    assert paged_attention.num_splits(1, 4, 1, cfg) == 1                                # page blocks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +295,7 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
 
 @pytest.mark.parametrize("m,k,n,config", [(1, 512, 256, matmul.DEFAULT), (5, 512, 384, matmul.MatmulConfig(bn=128, split_k=2)),
                                       (16, 1024, 256, matmul.MatmulConfig(bn=32, split_k=4)),
-                                      (40, 256, 128, matmul.MatmulConfig(bn=128, bk=256))])
+                                      (40, 256, 128, matmul.MatmulConfig(bn=128, bk=256, num_stages=2))])
 def test_decode_matmul_matches_dot(m, k, n, config):
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.key(k), (k, n))).astype(jnp.bfloat16)
