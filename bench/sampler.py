@@ -25,21 +25,22 @@ from bench import results  # noqa: E402
 from qwen35_jax import sampler  # noqa: E402
 
 
-def per_call_us(fn, logits, calls=(2, 8), reps=7):
-    """fn(logits) -> int32 [B]; microseconds per call: straight-line programs of c calls (each call's tokens
-    written into the next call's logits, so nothing is shared or hoisted), for two c; per call = slope."""
+def per_call_us(fn, logits, extra, calls=(2, 8), reps=7):
+    """fn(logits, extra) -> int32 [B]; microseconds per call: straight-line programs of c calls (each call's tokens
+    written into the next call's logits, so nothing is shared or hoisted), for two c; per call = slope. `extra`
+    (the penalty pools) goes in as an argument: closed over, XLA would constant-fold its gathers at compile time."""
     meds = []
     for c in calls:
-        def prog(x, c=c):
+        def prog(x, extra, c=c):
             for _ in range(c):
-                x = x.at[:, 0].set(fn(x).astype(x.dtype) * 1e-9)
+                x = x.at[:, 0].set(fn(x, extra).astype(x.dtype) * 1e-9)
             return x
-        f = jax.jit(prog).lower(logits).compile()
-        jax.block_until_ready(f(logits))
+        f = jax.jit(prog).lower(logits, extra).compile()
+        jax.block_until_ready(f(logits, extra))
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(logits))
+            jax.block_until_ready(f(logits, extra))
             ts.append(time.perf_counter() - t0)
         meds.append(float(np.median(ts)))
     return (meds[1] - meds[0]) / (calls[1] - calls[0]) * 1e6
@@ -52,30 +53,34 @@ def params(b):
         seed=jnp.arange(b, dtype=jnp.uint32), step=jnp.zeros((b,), jnp.int32), logprobs=jnp.ones((b,), bool))
 
 
+def pools(b, v):
+    """Penalty pools of b + 1 slots (generated-token counts, prompt mask), some tokens set in every live slot."""
+    return (jnp.zeros((b + 1, v), jnp.int32).at[1:, :64].set(1), jnp.zeros((b + 1, v), bool).at[1:, 64:1000].set(True))
+
+
 def variants(b, v, old):
+    """name -> fn(logits, (counts pool, mask pool)) -> int32 [B]."""
     p = params(b)
-    counts = jnp.zeros((b + 1, v), jnp.int32).at[1:, :64].set(1)
-    mask = jnp.zeros((b + 1, v), bool).at[1:, 64:1000].set(True)
     slots = jnp.arange(1, b + 1, dtype=jnp.int32)
 
     def engine(sample):
-        return lambda x: sample(x, p, counts[slots], mask[slots])
+        return lambda x, pools: sample(x, p, pools[0][slots], pools[1][slots])
 
     out = {
-        "sample": lambda x: engine(lambda *a: sampler.sample(*a, full_vocab=False)[0])(x),
-        "sample full vocab": lambda x: engine(lambda *a: sampler.sample(*a, full_vocab=True)[0])(x),
-        "penalties (argmax)": lambda x: jnp.argmax(sampler.apply_penalties(x, p, counts[slots], mask[slots]), -1),
-        "log-sum-exp": lambda x: jax.nn.logsumexp(x, -1).astype(jnp.int32),
-        "top 128 (three levels)": lambda x: sampler.top_k_desc(x, 128)[1][:, -1],
-        "top 128 (two levels)": lambda x: sampler.top_k_desc(x, 128, blocks=(128,))[1][:, -1],
-        "top 20 (three levels)": lambda x: sampler.top_k_desc(x, 20)[1][:, -1],
-        "top 128 (lax.top_k)": lambda x: jax.lax.top_k(x, 128)[1][:, -1],
-        "draw": lambda x: sampler.draw(x, x[:, :1], x.max(-1, keepdims=True), jnp.full((b, 2), 0.5)),
-        "gumbel argmax": lambda x: jnp.argmax(x + jax.random.gumbel(jax.random.key(0), x.shape), -1),
+        "sample": engine(lambda *a: sampler.sample(*a, full_vocab=False)[0]),
+        "sample full vocab": engine(lambda *a: sampler.sample(*a, full_vocab=True)[0]),
+        "penalties (argmax)": engine(lambda x, _, c, m: jnp.argmax(sampler.apply_penalties(x, p, c, m), -1)),
+        "log-sum-exp": lambda x, _: jax.nn.logsumexp(x, -1).astype(jnp.int32),
+        "top 128 (three levels)": lambda x, _: sampler.top_k_desc(x, 128)[1][:, -1],
+        "top 128 (two levels)": lambda x, _: sampler.top_k_desc(x, 128, blocks=(128,))[1][:, -1],
+        "top 20 (three levels)": lambda x, _: sampler.top_k_desc(x, 20)[1][:, -1],
+        "top 128 (lax.top_k)": lambda x, _: jax.lax.top_k(x, 128)[1][:, -1],
+        "draw": lambda x, _: sampler.draw(x, x[:, :1], x.max(-1, keepdims=True), jnp.full((b, 2), 0.5)),
+        "gumbel argmax": lambda x, _: jnp.argmax(x + jax.random.gumbel(jax.random.key(0), x.shape), -1),
     }
     if old is not None:
-        def old_sample(x):
-            tok, lp = old.sample(x, p, counts[slots], mask[slots], full_vocab=False)
+        def old_sample(x, pools):
+            tok, lp = old.sample(x, p, pools[0][slots], pools[1][slots], full_vocab=False)
             raw = jax.nn.log_softmax(x, axis=-1)
             rank = jnp.sum(raw > lp["logprob"][:, None], axis=-1)
             return tok + (rank < 0)
@@ -99,8 +104,9 @@ def main():
     table = {}
     for b in batches:
         logits = jax.random.normal(jax.random.key(b), (b, args.vocab), jnp.float32) * 3
+        extra = pools(b, args.vocab)
         for name, fn in variants(b, args.vocab, old).items():
-            table.setdefault(name, {})[b] = per_call_us(fn, logits)
+            table.setdefault(name, {})[b] = per_call_us(fn, logits, extra)
             print(f"batch {b:3d} {name:24s} {table[name][b]:8.1f} us", flush=True)
     lines = ["| part | " + " | ".join(f"batch {b} us" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
