@@ -93,12 +93,11 @@ def top_k_desc(x, k: int, blocks: tuple[int, ...] = (16, 8)):
     With blocks (16, 8) a row of 248320 sorts 1940 super-block maxima, then k x 8 block maxima, then k x 16
     entries."""
     b, v = x.shape
-    sizes = [int(np.prod(blocks[:i + 1])) for i in range(len(blocks))]          # entries under one max, per level
-    if -(-v // sizes[-1]) < 4 * k:
+    top = int(np.prod(blocks))                                               # entries under one coarsest maximum
+    if -(-v // top) < 4 * k:
         return jax.lax.top_k(x, k)
-    n0 = -(-v // sizes[-1]) * sizes[-1]
-    x = jnp.pad(x, ((0, 0), (0, n0 - v)), constant_values=-jnp.inf)
-    maxima = [x]                                                             # level i: [B, n0 / sizes[i-1]]
+    x = jnp.pad(x, ((0, 0), (0, -(-v // top) * top - v)), constant_values=-jnp.inf)
+    maxima = [x]                                                             # the entries, then each level's maxima
     for blk in blocks:
         maxima.append(maxima[-1].reshape(b, -1, blk).max(-1))
     # top k of the coarsest maxima, then descend: at each level the candidates are the k chosen blocks' children
