@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
+from bench.timing import slope_us  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from qwen35_jax.attention import decode_attention  # noqa: E402
 
@@ -43,21 +43,13 @@ def inputs(batch, ctx, seed=0):
 
 
 def per_call_us(fn, args, calls=(8, 40), reps=5):
-    meds = []
-    for r in calls:
-        def prog(q, k, v, pages, ctx, r=r):
+    def make_prog(r):
+        def prog(q, k, v, pages, ctx):
             def body(_, q):
                 return (q + 1e-3 * fn(q, k, v, pages, ctx)).astype(q.dtype)
             return jax.lax.fori_loop(0, r, body, q)
-        f = jax.jit(prog).lower(*args).compile()
-        jax.block_until_ready(f(*args))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            ts.append(time.perf_counter() - t0)
-        meds.append(float(np.median(ts)))
-    return (meds[1] - meds[0]) / (calls[1] - calls[0]) * 1e6
+        return prog
+    return slope_us(make_prog, args, calls, reps)
 
 
 def main():

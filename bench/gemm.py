@@ -15,15 +15,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
+from bench.timing import slope_us  # noqa: E402
 from pallas_kernels import matmul as mm  # noqa: E402
 
 SHAPES = {"gdn in_proj": (4096, 12352), "attn qkv_proj": (4096, 10240), "out_proj / o_proj": (4096, 4096),
@@ -37,23 +36,15 @@ def per_call_us(fn, x, ws, calls=(1, 4), reps=7):
     """GPU time of one call: straight-line programs making c * len(ws) calls (cycling the weight copies, so none
     is read from L2; each call's output, behind an optimization barrier, feeds one element of the next call's
     input), for two c; per call = slope."""
-    meds = []
-    for c in calls:
-        def prog(x, ws, c=c):
+    def make_prog(c):
+        def prog(x, ws):
             for _ in range(c):
                 for w in ws:
                     y = jax.lax.optimization_barrier(fn(x, w))
                     x = x.at[:, 0].add((y[:, 0] * 1e-3).astype(x.dtype))
             return x
-        f = jax.jit(prog).lower(x, ws).compile()
-        jax.block_until_ready(f(x, ws))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, ws))
-            ts.append(time.perf_counter() - t0)
-        meds.append(float(np.median(ts)))
-    return (meds[1] - meds[0]) / ((calls[1] - calls[0]) * len(ws)) * 1e6
+        return prog
+    return slope_us(make_prog, (x, ws), calls, reps, per_count=len(ws))
 
 
 def main():

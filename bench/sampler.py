@@ -14,14 +14,13 @@ import argparse
 import importlib.util
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
+from bench.timing import slope_us  # noqa: E402
 from qwen35_jax import sampler  # noqa: E402
 
 
@@ -29,21 +28,13 @@ def per_call_us(fn, logits, extra, calls=(2, 8), reps=7):
     """fn(logits, extra) -> int32 [B]; microseconds per call: straight-line programs of c calls (each call's tokens
     written into the next call's logits, so nothing is shared or hoisted), for two c; per call = slope. `extra`
     (the penalty pools) goes in as an argument: closed over, XLA would constant-fold its gathers at compile time."""
-    meds = []
-    for c in calls:
-        def prog(x, extra, c=c):
+    def make_prog(c):
+        def prog(x, extra):
             for _ in range(c):
                 x = x.at[:, 0].set(fn(x, extra).astype(x.dtype) * 1e-9)
             return x
-        f = jax.jit(prog).lower(logits, extra).compile()
-        jax.block_until_ready(f(logits, extra))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(logits, extra))
-            ts.append(time.perf_counter() - t0)
-        meds.append(float(np.median(ts)))
-    return (meds[1] - meds[0]) / (calls[1] - calls[0]) * 1e6
+        return prog
+    return slope_us(make_prog, (logits, extra), calls, reps)
 
 
 def params(b):
