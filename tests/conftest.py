@@ -1,7 +1,11 @@
 """Test setup: 8 simulated CPU devices (tp up to 8), the HF fixtures, and the embedded tiny model."""
 import os
 
-import jax
+# Tests compile a few hundred small executables and run them on tiny models: LLVM at -O0 roughly halves XLA:CPU's
+# compile time (measured: 4-6 s -> 2.5-3.5 s per engine executable) and makes the suite faster overall.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -33,7 +37,6 @@ XLA_CACHE = os.environ.get("QWEN35_TEST_XLA_CACHE", os.path.join(os.path.dirname
 
 
 def engine_args(**kw):
-    from qwen35_jax.engine import EngineArgs
     base = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, max_prefill_rows=4,
                 compilation_cache_dir=XLA_CACHE)
     base.update(kw)

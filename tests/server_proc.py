@@ -31,7 +31,7 @@ class ServerProcess(Server):
     """The benchmark's server launcher, with the test environment (CPU, 8 simulated devices); the log is deleted
     at stop."""
 
-    def __init__(self, args: list[str], timeout: float = 240.0, env: dict | None = None):
+    def __init__(self, args: list[str], timeout: float = 600.0, env: dict | None = None):
         super().__init__(args, timeout, env or server_env(), keep_log=False)
 
 

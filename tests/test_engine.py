@@ -65,7 +65,7 @@ def test_recycled_slot_matches_fresh_engine():
                                                                       ignore_eos=True))
     p = prompts(1, seed=22)[0]
     used = model.generate([p], GREEDY)[0].outputs[0].token_ids
-    fresh = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args()).generate([p], GREEDY)
+    fresh = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False)).generate([p], GREEDY)
     assert used == fresh[0].outputs[0].token_ids
 
 
@@ -177,7 +177,8 @@ def test_warm_start_loads_serialized_executables(tmp_path):
     from qwen35_jax.executor import ExecutableCache
 
     def engine():
-        e = Engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, **engine_args(precompile=False)))
+        e = Engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, **engine_args(
+            precompile=False, max_num_seqs=2, max_num_batched_tokens=32, max_prefill_rows=1)))      # 5 buckets
         e.executor.exe_cache = ExecutableCache(str(tmp_path))
         return e
 

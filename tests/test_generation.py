@@ -1,6 +1,5 @@
 """Text-level generation on the embedded tiny model: stop strings and tokens, streaming, async API, n, chat."""
 import asyncio
-import functools
 
 import pytest
 
@@ -11,7 +10,7 @@ from qwen35_jax.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir, **engine_args(dtype="bfloat16", max_num_seqs=4))
+    return LLM(tiny_model_dir, **engine_args(dtype="bfloat16", max_num_seqs=4, precompile=False))
 
 
 GREEDY = dict(temperature=0, ignore_eos=True)

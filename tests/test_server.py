@@ -407,7 +407,7 @@ def test_health_fails_when_engine_loop_dies(tiny_model_dir):
     from conftest import engine_args
     from qwen35_jax.llm import LLM
     from qwen35_jax.server_app import ServerConfig, create_app
-    llm = LLM(tiny_model_dir, **engine_args())
+    llm = LLM(tiny_model_dir, **engine_args(precompile=False))
     app = create_app(llm.engine, ServerConfig(served_model_names=[MODEL], model_path=tiny_model_dir))
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200

@@ -8,7 +8,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 from conftest import engine_args, fixture_dir
 from server_proc import ENGINE_FLAGS, ROOT, ServerProcess, server_env
@@ -21,7 +20,7 @@ PROMPTS = [[5 + i, 17, 33 + 2 * i, 90, 4 + i] for i in range(4)]
 
 def test_start_stop_profile(tmp_path):
     server = ServerProcess(["--model", fixture_dir(CASE), "--skip-tokenizer-init", "--profile-dir", str(tmp_path),
-                            *ENGINE_FLAGS])
+                            *ENGINE_FLAGS, "--no-precompile"])
     try:
         assert httpx.post(server.url + "/stop_profile").status_code == 409          # nothing running
         r = httpx.post(server.url + "/start_profile")
@@ -51,20 +50,21 @@ def test_two_process_server_and_dead_peer(tmp_path):
     port = _free_port()
     flags = ["--model", fixture_dir(CASE), "--skip-tokenizer-init", "--tensor-parallel-size", "4",
              "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-             *[f for f in ENGINE_FLAGS], "--compilation-cache-dir", ""]
+             *ENGINE_FLAGS, "--compilation-cache-dir", "", "--no-precompile"]
     env = dict(server_env(), JAX_NUM_CPU_DEVICES="2")
     log = open(tmp_path / "follower.log", "w")
     follower = subprocess.Popen([sys.executable, "-m", "qwen35_jax.serve", *flags, "--process-id", "1"], env=env,
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     leader = None
     try:
-        leader = ServerProcess([*flags, "--process-id", "0"], timeout=400, env=env)
+        leader = ServerProcess([*flags, "--process-id", "0"], env=env)
         body = {"model": fixture_dir(CASE), "prompt": PROMPTS, "max_tokens": 6, "temperature": 0,
                 "return_token_ids": True}
         r = httpx.post(leader.url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         got = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
-        single = LLM(fixture_dir(CASE), tensor_parallel_size=4, skip_tokenizer_init=True, **engine_args())
+        single = LLM(fixture_dir(CASE), tensor_parallel_size=4, skip_tokenizer_init=True,
+                     **engine_args(precompile=False))
         want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))]
         assert got == want
 

@@ -16,7 +16,7 @@ from qwen35_jax.config import load_config
 from qwen35_jax.llm import LLM
 from qwen35_jax.sharding import Layout, make_mesh
 from qwen35_jax.state import abstract_state, init_state
-from qwen35_jax.weights import abstract_weights, load_weights, restore_converted, save_converted
+from qwen35_jax.weights import abstract_weights, load_weights
 
 CASE = "text_untied_r1_g6"     # single-file checkpoint, Hq=12, Hkv=2, Hk=Hv=4, I=128
 
