@@ -49,10 +49,14 @@ class Row:   # what host_batch reads from a request
         self.params, self.seed, self.num_generated = SamplingParams(temperature=0), 0, 0
 
 
-def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> tuple[float, float]:
-    """(seconds per decode step, median seconds the host spends in one dispatch call) for `batch` live rows at
-    context length ctx, back-to-back dispatches. A dispatch much shorter than the step means the host is free to
-    run ahead; one as long as the step means the executable synchronises with the host (a while / conditional)."""
+def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, float]:
+    """Seconds per decode step and the median host seconds of one dispatch call, for `batch` live rows at context
+    ctx, back-to-back dispatches; twice: with the step's inputs as host arrays (as the engine passes them: new
+    device buffers every call) and as device arrays made once (the same buffers every call). A dispatch much
+    shorter than the step means the host is free to run ahead; one as long as the step means the executable
+    synchronises with the host (a while / conditional). A dispatch that is much cheaper with resident inputs means
+    the call's cost follows the input buffers' addresses (e.g. command buffers updated when they move), not the
+    transfers' size (a few hundred bytes)."""
     ex = engine.executor
     b = min(bk for bk in ex.decode_buckets if bk >= batch)
     pps = engine.pages_per_seq
@@ -63,17 +67,40 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> tuple[float
     for i in range(batch):
         pages[i] = 1 + i * pps + np.arange(pps)
     sp = host_batch([Row() for _ in range(batch)], b)
-    for _ in range(3):
-        out = ex.decode(b, slots, positions, pages, sp)
-    jax.block_until_ready(out.tokens)
+    resident = jax.device_put((slots, positions, pages, sp), ex.rows)
+    out = {}
+    for name, inputs in (("", (slots, positions, pages, sp)), ("resident ", resident)):
+        for _ in range(3):
+            o = ex.decode(b, *inputs)
+        jax.block_until_ready(o.tokens)
+        calls = []
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            t = time.perf_counter()
+            o = ex.decode(b, *inputs)
+            calls.append(time.perf_counter() - t)
+        jax.block_until_ready(o.tokens)
+        out[name + "step"] = (time.perf_counter() - t0) / iters
+        out[name + "dispatch"] = float(np.median(calls))
+    return out
+
+
+def empty_dispatch(engine: Engine, iters: int = 50) -> float:
+    """Median host seconds of one call of an executable that takes the decode step's arguments (weights, donated
+    state, host inputs of batch 1) and does nothing (outputs alias the donated state): the per-call cost of the
+    argument list alone."""
+    ex = engine.executor
+    args = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, engine.pages_per_seq), np.int32),
+            host_batch([Row()], 1))
+    f = jax.jit(lambda w, s, ss, *inputs: (s, ss), donate_argnums=(1, 2))
+    exe = f.lower(ex.weights, ex.state, ex.sstate, *args).compile()
     calls = []
-    t0 = time.perf_counter()
-    for _ in range(iters):
+    for i in range(iters):
         t = time.perf_counter()
-        out = ex.decode(b, slots, positions, pages, sp)
+        ex.state, ex.sstate = exe(ex.weights, ex.state, ex.sstate, *args)
         calls.append(time.perf_counter() - t)
-    jax.block_until_ready(out.tokens)
-    return (time.perf_counter() - t0) / iters, float(np.median(calls))
+    jax.block_until_ready(ex.state)
+    return float(np.median(calls[5:]))
 
 
 def main():
@@ -121,16 +148,20 @@ def main():
     print(f"precompile {n_exe} executables: {'cold' if cold_cache else 'pre-filled cache'} {cold:.1f}s, "
           f"warm cache {warm:.1f}s", flush=True)
 
+    empty = empty_dispatch(engine)
+    print(f"empty dispatch (the decode step's arguments, no work): {empty * 1e3:.2f} ms")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
     ctx = args.prompt_len + args.output_len // 2
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
-        dt, dispatch = time_decode(engine, b, ctx, args.iters)
-        dt /= args.decode_steps
+        t = time_decode(engine, b, ctx, args.iters)
+        dt = t["step"] / args.decode_steps
         floor_bytes = sum(decode_floor_bytes(cfg, weights, engine.executor.state, b, ctx).values())
         floor = floor_bytes / bw
         rows.append({"batch": b, "step ms": f"{dt * 1e3:.2f}", "floor ms": f"{floor * 1e3:.2f}",
-                     "step / floor": f"{dt / floor:.2f}", "dispatch ms": f"{dispatch * 1e3:.2f}",
+                     "step / floor": f"{dt / floor:.2f}", "dispatch ms": f"{t['dispatch'] * 1e3:.2f}",
+                     "resident: step ms": f"{t['resident step'] / args.decode_steps * 1e3:.2f}",
+                     "resident: dispatch ms": f"{t['resident dispatch'] * 1e3:.2f}",
                      "tok/s": f"{b / dt:.0f}",
                      "bytes/step GB": f"{floor_bytes / 1e9:.1f}"})
         print(rows[-1])
@@ -162,7 +193,9 @@ def main():
             f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
             f"(`qwen35_jax.profile.decode_floor_bytes`). 'dispatch ms': median host time of one dispatch call (much "
-            f"less than the step: the host runs ahead of the device).\n\n"
+            f"less than the step: the host runs ahead of the device); 'resident:' the same with the step's inputs "
+            f"put on the device once and passed again every call (the engine passes new host arrays each step). "
+            f"An executable that takes the same arguments and does no work dispatches in {empty * 1e3:.2f} ms.\n\n"
             f"Precompile sweep ({n_exe} executables, {eargs.precompile_threads or 'default'} threads): "
             f"{'cold (empty persistent cache)' if cold_cache else 'first start (cache not empty)'} {cold:.1f} s, "
             f"warm persistent cache {warm:.1f} s.\n\n"
