@@ -3,7 +3,8 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kdecode gemm sampler throughput throughput_mm serving servinglite profile profiletp tp9b tpflags tp27b.
+# Sections: attention kernels kdecode gemm sampler throughput throughput_mm throughput_staged serving servinglite profile
+#   profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -49,6 +50,8 @@ for s in $sections; do
                   --compilation-cache-dir $xla/engine ;;
     throughput_mm) QWEN35_DECODE_MATMUL=kernel CUDA_VISIBLE_DEVICES=0 run throughput_mm 300 python3 bench/throughput.py \
                      --record --compilation-cache-dir $xla/engine_mm ;;     # the opt-in Pallas decode matmul
+    throughput_staged) QWEN35_STEP_INPUTS=staged CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 \
+                         python3 bench/throughput.py --record --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \
                --config bench/configs/qwen3.5-9b.json --num-prompts 32 --input-len 1024 --output-len 256 \
                --max-concurrency 16 --ignore-eos --result-file "$work/serving.json" --record -- \

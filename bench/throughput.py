@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.executor import pack_rows  # noqa: E402
 from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
-from qwen35_jax.sampler import host_batch  # noqa: E402
+from qwen35_jax.sampler import host_batch, needs_full_vocab  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
@@ -51,8 +52,8 @@ class Row:   # what host_batch reads from a request
 
 def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, float]:
     """Seconds per decode step and the median host seconds of one dispatch call, for `batch` live rows at context
-    ctx, back-to-back dispatches; twice: with the step's inputs as host arrays (as the engine passes them: new
-    device buffers every call) and as device arrays made once (the same buffers every call). A dispatch much
+    ctx, back-to-back dispatches; twice: with the step's inputs as host arrays (as the engine passes them: a new
+    device buffer every call) and packed into a device array made once (the same buffer every call). A dispatch much
     shorter than the step means the host is free to run ahead; one as long as the step means the executable
     synchronises with the host (a while / conditional). A dispatch that is much cheaper with resident inputs means
     the call's cost follows the input buffers' addresses (e.g. command buffers updated when they move), not the
@@ -67,37 +68,39 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
     for i in range(batch):
         pages[i] = 1 + i * pps + np.arange(pps)
     sp = host_batch([Row() for _ in range(batch)], b)
-    resident = jax.device_put((slots, positions, pages, sp), ex.rows)
+    key = ("decode", b, needs_full_vocab(sp))
+    resident = jax.device_put(pack_rows((slots, positions, pages, sp))[0], ex.rows)
+    calls = {"": lambda: ex.decode(b, slots, positions, pages, sp), "resident ": lambda: ex.call(key, resident)}
     out = {}
-    for name, inputs in (("", (slots, positions, pages, sp)), ("resident ", resident)):
+    for name, call in calls.items():
         for _ in range(3):
-            o = ex.decode(b, *inputs)
+            o = call()
         jax.block_until_ready(o.tokens)
-        calls = []
+        times = []
         t0 = time.perf_counter()
         for _ in range(iters):
             t = time.perf_counter()
-            o = ex.decode(b, *inputs)
-            calls.append(time.perf_counter() - t)
+            o = call()
+            times.append(time.perf_counter() - t)
         jax.block_until_ready(o.tokens)
         out[name + "step"] = (time.perf_counter() - t0) / iters
-        out[name + "dispatch"] = float(np.median(calls))
+        out[name + "dispatch"] = float(np.median(times))
     return out
 
 
 def empty_dispatch(engine: Engine, iters: int = 50) -> float:
     """Median host seconds of one call of an executable that takes the decode step's arguments (weights, donated
-    state, host inputs of batch 1) and does nothing (outputs alias the donated state): the per-call cost of the
+    state, packed host inputs of batch 1) and does nothing (outputs alias the donated state): the per-call cost of the
     argument list alone."""
     ex = engine.executor
-    args = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, engine.pages_per_seq), np.int32),
-            host_batch([Row()], 1))
-    f = jax.jit(lambda w, s, ss, *inputs: (s, ss), donate_argnums=(1, 2))
-    exe = f.lower(ex.weights, ex.state, ex.sstate, *args).compile()
+    packed = pack_rows((np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, engine.pages_per_seq), np.int32),
+                        host_batch([Row()], 1)))[0]
+    f = jax.jit(lambda w, s, ss, x: (s, ss), donate_argnums=(1, 2))
+    exe = f.lower(ex.weights, ex.state, ex.sstate, packed).compile()
     calls = []
     for i in range(iters):
         t = time.perf_counter()
-        ex.state, ex.sstate = exe(ex.weights, ex.state, ex.sstate, *args)
+        ex.state, ex.sstate = exe(ex.weights, ex.state, ex.sstate, packed)
         calls.append(time.perf_counter() - t)
     jax.block_until_ready(ex.state)
     return float(np.median(calls[5:]))

@@ -28,8 +28,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import BATCH_SPEC, Batch, Kernels, forward
-from qwen35_jax.sampler import MAX_LOGPROBS, SamplerState, SamplingBatch, needs_full_vocab, sample
+from qwen35_jax.model import Batch, Kernels, forward
+from qwen35_jax.sampler import (MAX_LOGPROBS, SamplerState, SamplingBatch, host_batch_rows, needs_full_vocab,
+                                sample)
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
@@ -64,6 +65,29 @@ def _full_logits(logits):
 def _gather_rows(out: StepOutput, axis: int) -> StepOutput:
     """Rows of every dp replica, so the host reads one replicated array."""
     return jax.tree.map(lambda x: jax.lax.all_gather(x, DP, axis=axis, tiled=True), out)
+
+
+def pack_rows(tree) -> tuple[np.ndarray, tuple]:
+    """A step's host inputs (numpy arrays with a leading row axis: 32-bit or bool) -> one int32 [rows, width] array
+    (one host-to-device transfer per step instead of one per array) and the static layout `unpack_rows` reads."""
+    leaves, treedef = jax.tree.flatten(tree)
+    rows = leaves[0].shape[0]
+    cols = [(x.view(np.int32) if x.dtype.itemsize == 4 else x.astype(np.int32)).reshape(rows, -1)
+            for x in map(np.ascontiguousarray, leaves)]
+    return np.concatenate(cols, axis=1), (treedef, tuple((x.shape[1:], x.dtype.str) for x in leaves))
+
+
+def unpack_rows(x, layout):
+    """pack_rows' inverse on the device (any row slice of the packed array: a dp shard)."""
+    treedef, specs = layout
+    leaves, col = [], 0
+    for shape, dtype in specs:
+        n, dtype = int(np.prod(shape)), np.dtype(dtype)
+        v = x[:, col:col + n].reshape(x.shape[0], *shape)
+        col += n
+        leaves.append(v != 0 if dtype == np.bool_ else v if dtype == np.int32 else
+                      jax.lax.bitcast_convert_type(v, dtype))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, batch: Batch, finishing,
@@ -218,22 +242,34 @@ class Executor:
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
         sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
-        sp_specs = SamplingBatch(*(P(DP) for _ in dataclasses.fields(SamplingBatch)))
         out_specs = StepOutput(*(P() for _ in dataclasses.fields(StepOutput)))
-        prefill = jax.shard_map(
-            lambda *a: prefill_step(cfg, layout, kernels, *a), mesh=mesh, check_vma=False,
-            in_specs=(weight_specs, state_specs, sampler_specs, BATCH_SPEC, P(DP), sp_specs),
-            out_specs=(state_specs, sampler_specs, out_specs))
-        decode = lambda full_vocab: jax.shard_map(
-            lambda *a: decode_step(cfg, layout, kernels, decode_steps, full_vocab, *a), mesh=mesh, check_vma=False,
-            in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP), P(DP), sp_specs),
-            out_specs=(state_specs, sampler_specs, out_specs))
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         outs = (shardings(state), shardings(sstate), self.replicated)
-        self._prefill = jax.jit(prefill, donate_argnums=(1, 2), out_shardings=outs)
-        self._decode = {full: jax.jit(decode(full), donate_argnums=(1, 2), out_shardings=outs)
-                        for full in (False, True)}
+
+        @functools.lru_cache(maxsize=None)
+        def step_fn(kind: str, full_vocab: bool, rows_layout: tuple):
+            """The jitted step reading its host inputs from one packed int32 array (pack_rows)."""
+            if kind == "decode":
+                body = lambda w, s, ss, x: decode_step(cfg, layout, kernels, decode_steps, full_vocab, w, s, ss,
+                                                       *unpack_rows(x, rows_layout))
+            else:
+                body = lambda w, s, ss, x: prefill_step(cfg, layout, kernels, w, s, ss, *unpack_rows(x, rows_layout))
+            step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                 in_specs=(weight_specs, state_specs, sampler_specs, P(DP)),
+                                 out_specs=(state_specs, sampler_specs, out_specs))
+            return jax.jit(step, donate_argnums=(1, 2), out_shardings=outs)
+
+        self._step_fn = step_fn
+        # QWEN35_STEP_INPUTS=staged: each step's packed inputs are first copied (a one-op executable) into a
+        # device buffer that stays at one address, so the step's command buffers (CUDA graphs) see unchanged input
+        # addresses from call to call; XLA re-records the commands whose buffers moved (CommandBufferThunk).
+        inputs_mode = os.environ.get("QWEN35_STEP_INPUTS", "host")
+        if inputs_mode not in ("host", "staged"):
+            raise ValueError(f"QWEN35_STEP_INPUTS must be 'host' or 'staged', not {inputs_mode!r}")
+        self.staged = inputs_mode == "staged"
+        self._stagers: dict[tuple, jax.stages.Compiled] = {}
+        self._input_bufs: dict[tuple, jax.Array] = {}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.exe_cache = exe_cache if jax.process_count() == 1 else None
         self.cache_tag = cache_tag
@@ -242,29 +278,29 @@ class Executor:
         self.on_dispatch = None    # called with (kind, key, host inputs) before each dispatch (multi-host leader)
 
     # -- abstract inputs -----------------------------------------------------------------------------------------
-    def _spec(self, shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.rows)
+    def _example_inputs(self, key):
+        """Zero host inputs of the bucket's shapes (what `pack_rows` lays out for it)."""
+        kind, *shape = key
+        z = lambda *sh, dtype=np.int32: np.zeros(sh, dtype)
+        if kind == "decode":
+            b = self.dp * shape[0]
+            return (z(b), z(b), z(b, self.pages_per_seq), host_batch_rows([None] * b))
+        n, t = self.dp * shape[0], shape[1]
+        batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
+        return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n))
 
-    def _sampling_spec(self, b):
-        f, i = (lambda: self._spec((b,), jnp.float32)), (lambda: self._spec((b,), jnp.int32))
-        return SamplingBatch(temperature=f(), top_k=i(), top_p=f(), min_p=f(), presence=f(), frequency=f(),
-                             repetition=f(), seed=self._spec((b,), jnp.uint32), step=i(),
-                             logprobs=self._spec((b,), jnp.bool_))
+    @functools.lru_cache(maxsize=None)
+    def _rows_layout(self, key) -> tuple:
+        return pack_rows(self._example_inputs(key))[1]
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _lower(self, key):
-        kind, *shape = key
+        packed, rows_layout = pack_rows(self._example_inputs(key))
+        fn = self._step_fn(key[0], key[0] == "decode" and key[2], rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
-        i32 = lambda *sh: self._spec(sh, jnp.int32)
-        if kind == "decode":
-            b = self.dp * shape[0]
-            return self._decode[shape[1]].lower(w, s, ss, i32(b), i32(b), i32(b, self.pages_per_seq),
-                                                self._sampling_spec(b))
-        n, t = self.dp * shape[0], shape[1]
-        batch = Batch(tokens=i32(n, t), start=i32(n), lens=i32(n), slots=i32(n), pages=i32(n, self.pages_per_seq))
-        return self._prefill.lower(w, s, ss, batch, self._spec((n,), jnp.bool_), self._sampling_spec(n))
+        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(packed.shape, jnp.int32, sharding=self.rows))
 
     def keys(self):
         """Decode buckets come twice: sampling from the top sampler.CANDIDATES tokens, and over the sorted
@@ -315,6 +351,13 @@ class Executor:
             exe = self._lower(key).compile()
             if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
                 self.exe_cache.store(ckey, exe)
+        if self.staged:
+            shape = pack_rows(self._example_inputs(key))[0].shape
+            if shape not in self._stagers:
+                stage = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0, 0)), donate_argnums=0,
+                                out_shardings=self.rows)      # in place: the output keeps the buffer's address
+                spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows)
+                self._stagers[shape] = stage.lower(spec, spec).compile()
         return exe
 
     def _exe(self, key):
@@ -338,17 +381,34 @@ class Executor:
         inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("prefill", shape, inputs)
-        exe = self._exe(("prefill", *shape))
-        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, *self._put(inputs))
-        return out
+        return self._run(("prefill", *shape), inputs)
 
     def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> StepOutput:
         """bucket = rows per replica; arrays hold dp * bucket rows."""
         inputs = (slots, positions, pages, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
-        exe = self._exe(("decode", bucket, needs_full_vocab(sp)))
-        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, *self._put(inputs))
+        return self._run(("decode", bucket, needs_full_vocab(sp)), inputs)
+
+    def _run(self, key, inputs) -> StepOutput:
+        self._exe(key)                          # compiles it (and its stager) first when lazy
+        packed, rows_layout = pack_rows(inputs)
+        if rows_layout != self._rows_layout(key):
+            raise ValueError(f"inputs for bucket {key} do not match its shapes and dtypes: {rows_layout[1]} != "
+                             f"{self._rows_layout(key)[1]}")
+        if self.staged:
+            buf = self._input_bufs.get(key)
+            if buf is None:
+                zeros = np.zeros_like(packed)
+                buf = self._put(zeros) if self.multiprocess else jax.device_put(zeros, self.rows)
+            buf = self._input_bufs[key] = self._stagers[packed.shape](buf, self._put(packed))
+            return self.call(key, buf)
+        return self.call(key, self._put(packed))
+
+    def call(self, key, packed) -> StepOutput:
+        """Run bucket `key` on packed inputs (pack_rows: host or device array)."""
+        exe = self._exe(key)
+        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed)
         return out
 
 
@@ -358,4 +418,5 @@ def fetch(out: StepOutput) -> StepOutput:
                         (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
 
 
-__all__ = ["Executor", "ExecutableCache", "StepOutput", "fetch", "pow2_buckets", "MAX_LOGPROBS"]
+__all__ = ["Executor", "ExecutableCache", "StepOutput", "fetch", "pack_rows", "pow2_buckets", "unpack_rows",
+           "MAX_LOGPROBS"]

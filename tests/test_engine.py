@@ -215,3 +215,43 @@ def test_warm_start_loads_serialized_executables(tmp_path):
         assert tokens(third) == want
         third.shutdown()
         assert open(broken, "rb").read(4) != b"not "                   # compiled and written again
+
+
+def test_packed_step_inputs_round_trip():
+    """A step's host inputs travel as one int32 array: every dtype the engine sends comes back bit for bit."""
+    from qwen35_jax.executor import pack_rows, unpack_rows
+    rng = np.random.default_rng(3)
+    tree = (rng.integers(-2**31, 2**31 - 1, size=(4, 3), dtype=np.int32),
+            np.array([0.5, -0.0, np.nan, np.inf], np.float32), np.array([0, 1, 2**32 - 1, 7], np.uint32),
+            np.array([True, False, True, False]), rng.integers(0, 9, size=4).astype(np.int32))
+    packed, layout = pack_rows(tree)
+    assert packed.dtype == np.int32 and packed.shape == (4, 3 + 4)
+    back = jax.jit(lambda x: unpack_rows(x, layout))(packed)
+    for want, got in zip(tree, back):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_staged_step_inputs(monkeypatch):
+    """QWEN35_STEP_INPUTS=staged: the inputs are copied into one device buffer per bucket that keeps its address
+    from step to step; the tokens (greedy and seeded) equal the default path's."""
+    ps = prompts(3, seed=61)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    params = [GREEDY, seeded, GREEDY]
+    lazy = lambda: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    default = lazy()
+    want = [o.outputs[0].token_ids for o in default.generate(ps, params)]
+    default.shutdown()
+    monkeypatch.setenv("QWEN35_STEP_INPUTS", "staged")
+    model = lazy()         # the same step executables (persistent-cache hits) plus one stager per bucket
+    ex = model.engine.executor
+    assert ex.staged
+    assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want
+    addresses = {k: b.unsafe_buffer_pointer() for k, b in ex._input_bufs.items()}
+    assert any(k[0] == "decode" for k in addresses) and any(k[0] == "prefill" for k in addresses)
+    assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want       # the buckets used again
+    assert {k: ex._input_bufs[k].unsafe_buffer_pointer() for k in addresses} == addresses
+    model.shutdown()
+    monkeypatch.setenv("QWEN35_STEP_INPUTS", "pinned")
+    with pytest.raises(ValueError, match="QWEN35_STEP_INPUTS"):
+        lazy()
