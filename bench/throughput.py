@@ -98,7 +98,7 @@ def empty_dispatch(engine: Engine, iters: int = 50) -> float:
     f = jax.jit(lambda w, s, ss, x: (s, ss), donate_argnums=(1, 2))
     exe = f.lower(ex.weights, ex.state, ex.sstate, packed).compile()
     calls = []
-    for i in range(iters):
+    for _ in range(iters):
         t = time.perf_counter()
         ex.state, ex.sstate = exe(ex.weights, ex.state, ex.sstate, packed)
         calls.append(time.perf_counter() - t)

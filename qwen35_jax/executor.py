@@ -290,17 +290,19 @@ class Executor:
         return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n))
 
     @functools.lru_cache(maxsize=None)
-    def _rows_layout(self, key) -> tuple:
-        return pack_rows(self._example_inputs(key))[1]
+    def _packing(self, key) -> tuple[tuple, tuple]:
+        """(packed shape, rows layout) of the bucket's step inputs."""
+        packed, rows_layout = pack_rows(self._example_inputs(key))
+        return packed.shape, rows_layout
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
     def _lower(self, key):
-        packed, rows_layout = pack_rows(self._example_inputs(key))
+        shape, rows_layout = self._packing(key)
         fn = self._step_fn(key[0], key[0] == "decode" and key[2], rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
-        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(packed.shape, jnp.int32, sharding=self.rows))
+        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows))
 
     def keys(self):
         """Decode buckets come twice: sampling from the top sampler.CANDIDATES tokens, and over the sorted
@@ -352,7 +354,7 @@ class Executor:
             if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
                 self.exe_cache.store(ckey, exe)
         if self.staged:
-            shape = pack_rows(self._example_inputs(key))[0].shape
+            shape = self._packing(key)[0]
             if shape not in self._stagers:
                 stage = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0, 0)), donate_argnums=0,
                                 out_shardings=self.rows)      # in place: the output keeps the buffer's address
@@ -391,23 +393,27 @@ class Executor:
         return self._run(("decode", bucket, needs_full_vocab(sp)), inputs)
 
     def _run(self, key, inputs) -> StepOutput:
-        self._exe(key)                          # compiles it (and its stager) first when lazy
+        exe = self._exe(key)                    # compiles it (and its stager) first when lazy
         packed, rows_layout = pack_rows(inputs)
-        if rows_layout != self._rows_layout(key):
+        want = self._packing(key)[1]
+        if rows_layout != want:
             raise ValueError(f"inputs for bucket {key} do not match its shapes and dtypes: {rows_layout[1]} != "
-                             f"{self._rows_layout(key)[1]}")
+                             f"{want[1]}")
         if self.staged:
             buf = self._input_bufs.get(key)
             if buf is None:
                 zeros = np.zeros_like(packed)
                 buf = self._put(zeros) if self.multiprocess else jax.device_put(zeros, self.rows)
-            buf = self._input_bufs[key] = self._stagers[packed.shape](buf, self._put(packed))
-            return self.call(key, buf)
-        return self.call(key, self._put(packed))
+            x = self._input_bufs[key] = self._stagers[packed.shape](buf, self._put(packed))
+        else:
+            x = self._put(packed)
+        return self._call(exe, x)
 
     def call(self, key, packed) -> StepOutput:
         """Run bucket `key` on packed inputs (pack_rows: host or device array)."""
-        exe = self._exe(key)
+        return self._call(self._exe(key), packed)
+
+    def _call(self, exe, packed) -> StepOutput:
         self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed)
         return out
 
