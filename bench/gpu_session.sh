@@ -4,7 +4,7 @@
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kdecode gemm sampler throughput throughput_mm throughput_staged serving servinglite profile
-#   profiletp tp9b tpflags tp27b.
+#   profile64 profile64pick profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -38,7 +38,8 @@ engine_flags="--max-model-len 1536 --max-num-seqs 64 --max-num-batched-tokens 20
 lite_flags="--max-model-len 1536 --max-num-seqs 16 --max-num-batched-tokens 1024 --max-prefill-rows 1"
 for s in $sections; do
   case $s in
-    attention) CUDA_VISIBLE_DEVICES=0 run attention 90 python3 bench/attention.py --record ;;
+    attention) CUDA_VISIBLE_DEVICES=0 run attention 200 python3 bench/attention.py --record --batches 16,64 \
+                 --contexts 1024,4096 --pick $work/pick.txt ;;       # the pick feeds profile64pick
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
@@ -65,6 +66,13 @@ for s in $sections; do
                --compilation-cache-dir $xla/profile --top-unattributed 25
              # trace, HLO and metadata come back too: qwen35_jax.profile.load_report(session dir) re-reads them
              tar czf "$out/prof.tgz" -C /tmp prof ;;
+    profile64|profile64pick)     # the 9B step at batch 64; profile64pick with the attention variant `attention` picked
+             pick=$( [ $s = profile64pick ] && [ -f $work/pick.txt ] && cat $work/pick.txt )
+             if [ $s = profile64pick ] && [ -z "$pick" ]; then echo "=== $s skipped (no pick)"; continue; fi
+             CUDA_VISIBLE_DEVICES=0 run $s 110 env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
+               python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
+               --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
+               --top-unattributed 5 ;;
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25

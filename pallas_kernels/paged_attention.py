@@ -33,10 +33,14 @@ class DecodeAttentionConfig:
     max_splits: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    flat: bool = False            # gather keys row by row from a [pages * page_size, D] view (one 2-D load, no
+                                  # reshape between the load and the dot: the form Triton's pipeliner recognises)
+    prefetch: bool = False        # load the next block's K/V before this block's math (register double buffer)
 
     @property
     def name(self):
-        return f"ppb{self.pages_per_block}_t{self.target_programs}_w{self.num_warps}_s{self.num_stages}"
+        return (f"ppb{self.pages_per_block}_t{self.target_programs}_w{self.num_warps}_s{self.num_stages}"
+                + ("_flat" if self.flat else "") + ("_pf" if self.prefetch else ""))
 
 
 # Two pages per step, four stages: the H200 sweep's fastest at batch 64, context 1024 (119 vs 169 us for the
@@ -48,16 +52,25 @@ DEFAULT = DecodeAttentionConfig(pages_per_block=2, num_stages=4)
 def config_sweep():
     """Variants bench/kernels.py times and triton_compile_check.py compiles (the first is DEFAULT)."""
     c = DecodeAttentionConfig
-    return [DEFAULT, c(), c(pages_per_block=8), c(pages_per_block=2), c(num_warps=8), c(num_stages=3),
-            c(target_programs=528), c(pages_per_block=2, num_warps=8), c(pages_per_block=2, target_programs=528),
-            c(num_warps=8, target_programs=528), c(pages_per_block=1, num_stages=4),
-            c(pages_per_block=2, num_warps=8, target_programs=528)]
+    return [DEFAULT, c(), c(pages_per_block=2), c(pages_per_block=2, target_programs=528),
+            c(pages_per_block=1, num_stages=4),
+            # flat gathers (PyPI Triton 3.9 for sm_90: 86-146 registers against 126-248 page-wise, so 3-5
+            # programs per SM instead of 2; K and V both become asynchronous copies)
+            c(pages_per_block=1, num_stages=4, flat=True), c(pages_per_block=2, num_stages=4, flat=True),
+            c(pages_per_block=2, num_stages=3, flat=True), c(pages_per_block=4, num_stages=2, flat=True),
+            c(pages_per_block=4, num_stages=3, flat=True), c(pages_per_block=4, num_stages=4, flat=True),
+            c(pages_per_block=8, num_stages=2, flat=True), c(pages_per_block=4, num_stages=2, flat=True,
+                                                             target_programs=132),
+            c(pages_per_block=2, num_stages=4, num_warps=8, flat=True),
+            # register double buffer instead of the pipeliner (no asynchronous copies; spills at 4 pages)
+            c(pages_per_block=2, num_stages=1, flat=True, prefetch=True)]
 
 
 def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_block,
-            splits):
+            splits, flat, prefetch):
     """Refs (BlockSpecs): ctx [N] (whole), q [R, D] (this row and KV head), k/v [num_pages, ps, D] (this KV
-    head), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row, KV head)."""
+    head; [num_pages * ps, D] when flat), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row,
+    KV head)."""
     n, s = pl.program_id(0), pl.program_id(2)
     ctx = ctx_ref[n]
     # Splits share the row's real pages, not its page table (sized for max_model_len): a short row in a long
@@ -71,15 +84,19 @@ def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, pag
     q = q_ref[...]
     rows, d = q.shape
     keys = pages_per_block * page_size
+    key = jnp.arange(keys, dtype=jnp.int32)
 
-    def body(i, carry):
-        acc, m, l = carry
+    def load(i):
         p0 = first + i * pages_per_block
+        if flat:    # key j of the block: row pages[p0 + j // ps] * ps + j % ps of the flat view
+            at = pages_ref[p0 + key // page_size] * page_size + key % page_size
+            return k_ref[at], v_ref[at]
         ids = pages_ref[pl.ds(p0, pages_per_block)]
-        k = k_ref[ids].reshape(keys, d)
-        v = v_ref[ids].reshape(keys, d)
+        return k_ref[ids].reshape(keys, d), v_ref[ids].reshape(keys, d)
+
+    def update(i, k, v, acc, m, l):
         s_ = pltriton.dot(q, k, trans_b=True)                                   # [R, keys] fp32 (scaled q)
-        pos = p0 * page_size + jnp.arange(keys, dtype=jnp.int32)
+        pos = (first + i * pages_per_block) * page_size + key
         s_ = jnp.where((pos < ctx)[None, :], s_, NEG)
         m_new = jnp.maximum(m, jnp.max(s_, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -89,7 +106,14 @@ def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, pag
         return acc, m_new, l
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+    if prefetch:    # block i + 1's loads are issued before block i's math (the last step reloads its own block)
+        def body(i, carry):
+            acc, m, l, k, v = carry
+            k_next, v_next = load(jnp.minimum(i + 1, steps - 1))
+            return (*update(i, k, v, acc, m, l), k_next, v_next)
+        acc, m, l, _, _ = jax.lax.fori_loop(0, steps, body, (*init, *load(0)))
+    else:
+        acc, m, l = jax.lax.fori_loop(0, steps, lambda i, c: update(i, *load(i), *c), init)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -126,14 +150,20 @@ def paged_decode_attention(q, k_pages, v_pages, pages, ctx_lens, *, config: Deco
     pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, splits * per_split - pages.shape[1])))
     qg = (q.astype(jnp.float32) * d ** -0.5).astype(q.dtype).reshape(n, hkv, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    if config.flat:
+        k_pages = k_pages.reshape(hkv, -1, d)            # [Hkv, num_pages * ps, D]: a free view of the pool
+        v_pages = v_pages.reshape(hkv, -1, d)
+        kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0))
+    else:
+        kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0, 0))
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits),
+        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits,
+                          flat=config.flat, prefetch=config.prefetch),
         grid=(n, hkv, splits),
         in_specs=[pl.BlockSpec((n,), lambda i, h, s: (0,)),
                   pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),
-                  pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0, 0)),
-                  pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, h, s: (h, 0, 0, 0)),
+                  kv_spec, kv_spec,
                   pl.BlockSpec((None, pages.shape[1]), lambda i, h, s: (i, 0))],
         out_specs=[pl.BlockSpec((None, None, None, rows, d), lambda i, h, s: (s, i, h, 0, 0)),
                    pl.BlockSpec((None, None, None, rows), lambda i, h, s: (s, i, h, 0)),

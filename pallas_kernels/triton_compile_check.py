@@ -5,7 +5,8 @@ further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.dec
 paged_attention.config_sweep() at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
-memory, registers, local-memory spills, programs per SM and the tensor-core path of the dots. jaxlib bundles its
+memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots and how many loads
+became asynchronous copies (the software pipeliner's work). jaxlib bundles its
 own Triton, so PyPI Triton's passes are a close proxy, not the exact compiler the GPU run uses.
 
   python pallas_kernels/triton_compile_check.py dump /tmp/ttir              # the project's venv (jax)
@@ -101,8 +102,11 @@ def compile_all(paths):
             ttgir = k.asm["ttgir"]
             wgmma = len(re.findall(r"ttng\.warp_group_dot ", ttgir))
             other = len(re.findall(r"= tt\.dot ", ttgir))
+            # loads the software pipeliner turned into asynchronous global -> shared copies (cp.async / TMA)
+            async_copies = len(re.findall(r"async_copy_global_to_local|async_tma_copy_global_to_local", ttgir))
             print(f"{os.path.basename(path)[:-5]:60s} warps={nw} stages={ns} smem={smem:6d} regs={reg:3d} "
-                  f"spill={local} programs/SM={per_sm} wgmma={wgmma} other_dots={other}", flush=True)
+                  f"spill={local} programs/SM={per_sm} wgmma={wgmma} other_dots={other} async_copies={async_copies}",
+                  flush=True)
         except Exception as e:  # noqa: BLE001
             failed += 1
             print(os.path.basename(path), "FAILED", repr(e)[:3000], flush=True)
