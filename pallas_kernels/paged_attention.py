@@ -43,20 +43,20 @@ class DecodeAttentionConfig:
                 + ("_flat" if self.flat else "") + ("_pf" if self.prefetch else ""))
 
 
-# Two pages per step, four stages: the H200 sweep's fastest at batch 64, context 1024 (119 vs 169 us for the
-# dataclass defaults), and in the 9B decode step's profile at 4432dd6 1.22 vs 1.57 ms of attention per step at
-# batch 64 (0.235 vs 0.241 at batch 16).
-DEFAULT = DecodeAttentionConfig(pages_per_block=2, num_stages=4)
+# Flat gathers, two pages per step, four stages: the H200 sweep at 7030540 (bench/RESULTS.md, "Paged decode
+# attention") timed 77.2 vs 130.1 us for the page-wise gathers at batch 64, context 1024 (0.85 of the copy
+# bandwidth), 29.5 vs 51.8 us at batch 16; the 9B step at batch 64 went 8.983 -> 8.427 ms untraced.
+DEFAULT = DecodeAttentionConfig(pages_per_block=2, num_stages=4, flat=True)
 
 
 def config_sweep():
     """Variants bench/kernels.py times and triton_compile_check.py compiles (the first is DEFAULT)."""
     c = DecodeAttentionConfig
-    return [DEFAULT, c(), c(pages_per_block=2), c(pages_per_block=2, target_programs=528),
+    return [DEFAULT, c(pages_per_block=2, num_stages=4), c(), c(pages_per_block=2), c(pages_per_block=2, target_programs=528),
             c(pages_per_block=1, num_stages=4),
             # flat gathers (PyPI Triton 3.9 for sm_90: 86-146 registers against 126-248 page-wise, so 3-5
             # programs per SM instead of 2; K and V both become asynchronous copies)
-            c(pages_per_block=1, num_stages=4, flat=True), c(pages_per_block=2, num_stages=4, flat=True),
+            c(pages_per_block=1, num_stages=4, flat=True),
             c(pages_per_block=2, num_stages=3, flat=True), c(pages_per_block=4, num_stages=2, flat=True),
             c(pages_per_block=4, num_stages=3, flat=True), c(pages_per_block=4, num_stages=4, flat=True),
             c(pages_per_block=8, num_stages=2, flat=True), c(pages_per_block=4, num_stages=2, flat=True,
