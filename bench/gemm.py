@@ -5,7 +5,9 @@
 
 At the 9B decode projections (K x N of in_proj, qkv_proj, out_proj / o_proj, gate_up, down_proj, lm_head) and
 M = 1, 16, 64 rows: checks every configuration against XLA's dot, then times each and reports the weight bytes
-read per second against the copy bandwidth measured in the same run. GPU time, host dispatch excluded: a
+read per second against the copy bandwidth measured in the same run. XLA's dot runs twice: on the weight as the
+model stores it ([K, N]) and on its transpose ([N, K], the checkpoint's and PyTorch's layout, where each output
+column's K values are contiguous). GPU time, host dispatch excluded: a
 program makes many calls back to back over copies of the weight that together exceed the L2 (see per_call_us);
 per call = slope over two call counts. --pick writes the fastest configuration per (shape, rows) as JSON.
 """
@@ -54,11 +56,12 @@ def main():
     ap.add_argument("--scale", type=int, default=1, help="divide K and N (CPU smoke runs)")
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--xla-only", action="store_true", help="time XLA's dot alone (both weight layouts)")
     ap.add_argument("--pick", help="write the fastest configuration per (K x N, rows) here (JSON)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     bw = None if args.interpret else copy_bandwidth()
-    configs = mm.config_sweep()
+    configs = [] if args.xla_only else mm.config_sweep()
     lines, picks, checks = [], {}, []
     for name in args.shapes.split(","):
         k, n = (d // args.scale for d in SHAPES[name])
@@ -66,10 +69,17 @@ def main():
         ws = tuple((jax.random.normal(jax.random.key(i), (k, n), jnp.float32) * 0.02).astype(jnp.bfloat16)
                    for i in range(copies))
         w = ws[0]
+        wts = tuple(jnp.asarray(v.T) for v in ws)                  # [N, K] copies
+        nk = lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                                              ).astype(x.dtype)
         for m in rows:
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
             ref = mm.reference(x, w, out_dtype=jnp.float32)
+            err = float(jnp.max(jnp.abs(nk(x, wts[0]).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+            if err > 1e-2:
+                raise SystemExit(f"[N, K] dot at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
             row = {"XLA dot": per_call_us(lambda x, w: mm.reference(x, w), x, ws)}
+            t_nk = per_call_us(nk, x, wts)
             for c in configs:
                 if not mm.fits(m, k, n, c):
                     continue
@@ -80,24 +90,35 @@ def main():
                     raise SystemExit(f"{c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
                 row[c.name] = per_call_us(lambda x, w, c=c: mm.matmul(x, w, config=c, interpret=args.interpret),
                                           x, ws)
-            best = min((t, c) for c, t in row.items() if c != "XLA dot")
-            picks.setdefault(f"{k}x{n}", {})[m] = best[1]
             frac = (lambda t: f"{k * n * 2 / (t * 1e-6) / bw:.2f}") if bw else (lambda t: "-")
-            lines.append(f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {best[1]} | "
-                         f"{best[0]:.1f} | {frac(best[0])} | {row['XLA dot'] / best[0]:.2f}× | {row[configs[0].name]:.1f} |")
+            cells = f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {t_nk:.1f} | {frac(t_nk)} |"
+            timed = [(t, c) for c, t in row.items() if c != "XLA dot"]
+            if configs and not timed:          # no configuration fits this shape
+                cells += " — | — | — | — | — |"
+            elif configs:
+                best = min(timed)
+                picks.setdefault(f"{k}x{n}", {})[m] = best[1]
+                cells += (f" {best[1]} | {best[0]:.1f} | {frac(best[0])} | {row['XLA dot'] / best[0]:.2f}× | "
+                          f"{row[configs[0].name]:.1f} |")
+            lines.append(cells)
             print(lines[-1], flush=True)
             print("   " + "  ".join(f"{c}={t:.1f}" for c, t in row.items()), flush=True)
-    body = ((f"Copy bandwidth in this run {bw / 1e3:.2f} TB/s. " if bw else "")
-            + f"{len(configs)} configurations, every one checked against XLA's dot (max error relative to the "
-            f"largest output {max(checks):.1e}). 'x bw': weight bytes read per second over the copy bandwidth.\n\n"
-            "| matmul | K x N | rows | XLA us | XLA x bw | best Pallas | us | x bw | XLA / best | default us |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+    head = "| matmul | K x N | rows | XLA us | XLA x bw | XLA [N, K] us | x bw |"
+    if configs:
+        head += " best Pallas | us | x bw | XLA / best | default us |"
+    body = ((f"Copy bandwidth in this run {bw / 1e12:.2f} TB/s. " if bw else "")
+            + (f"{len(configs)} Pallas configurations, every one checked against XLA's dot (max error relative to "
+               f"the largest output {max(checks, default=0):.1e}). " if configs else "")
+            + "'x bw': weight bytes read per second over the copy bandwidth. 'XLA [N, K]': XLA's dot on the "
+            "transposed weight.\n\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
     print(body)
     if args.pick:
         with open(args.pick, "w") as f:
             json.dump(picks, f, indent=1)
     if args.record:
-        results.record("Decode matmuls: Pallas vs XLA (bench/gemm.py)", body)
+        flags = os.environ.get("XLA_FLAGS", "")
+        results.record("Decode matmuls: Pallas vs XLA (bench/gemm.py)" + (f" XLA_FLAGS={flags}" if flags else "")
+                       + (" (XLA only)" if args.xla_only else ""), body)
 
 
 if __name__ == "__main__":

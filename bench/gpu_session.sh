@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kdecode gemm sampler throughput throughput_mm throughput_staged serving servinglite profile
+# Sections: attention kernels kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
 #   profile64 profile64pick profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -45,6 +45,9 @@ for s in $sections; do
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
     gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \
             --shapes "gdn in_proj,attn qkv_proj,out_proj / o_proj,mlp gate_up,mlp down_proj" ;;
+    gemmlayout) for f in "" "--xla_gpu_enable_cublaslt=true"; do      # XLA's dot on [K, N] vs [N, K] weights
+                  XLA_FLAGS="$f" CUDA_VISIBLE_DEVICES=0 run gemmlayout${f:+_lt} 200 python3 bench/gemm.py --record \
+                    --xla-only --rows 1,16,64; done ;;
     sampler) old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
              CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
