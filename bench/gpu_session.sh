@@ -4,7 +4,7 @@
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
-#   profile64 profile64pick profiletp tp9b tpflags tp27b; any of them + "nk" (e.g. profilenk) with QWEN35_WEIGHT_LAYOUT=nk.
+#   profile64 profile64pick profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -28,18 +28,15 @@ run() {   # name share_seconds command...
   local name=$1 share=$2; shift 2
   local budget=$(( $(left) < share ? $(left) : share ))
   if [ "$budget" -lt 30 ]; then echo "=== $name skipped (no time left)"; return; fi
-  echo "=== $name$tag (limit ${budget}s) at +$(( $(date +%s) - start ))s"
-  timeout --signal=TERM --kill-after=10 "$budget" "$@" > "$work/$name$tag.log" 2>&1
+  echo "=== $name (limit ${budget}s) at +$(( $(date +%s) - start ))s"
+  timeout --signal=TERM --kill-after=10 "$budget" "$@" > "$work/$name.log" 2>&1
   echo "--- $name rc=$? after $(( $(date +%s) - start ))s"
-  grep -v "precompiling\|loading weights\|^W1\|^I1" "$work/$name$tag.log" | tail -n 22
+  grep -v "precompiling\|loading weights\|^W1\|^I1" "$work/$name.log" | tail -n 22
   pack
 }
 engine_flags="--max-model-len 1536 --max-num-seqs 64 --max-num-batched-tokens 2048 --max-prefill-rows 2"
 lite_flags="--max-model-len 1536 --max-num-seqs 16 --max-num-batched-tokens 1024 --max-prefill-rows 1"
 for s in $sections; do
-  # A section name ending in "nk" runs that section with the weights stored [out, in] (QWEN35_WEIGHT_LAYOUT=nk).
-  tag=""; unset QWEN35_WEIGHT_LAYOUT
-  case $s in *nk) tag=nk; s=${s%nk}; export QWEN35_WEIGHT_LAYOUT=nk ;; esac
   case $s in
     attention) CUDA_VISIBLE_DEVICES=0 run attention 200 python3 bench/attention.py --record --batches 16,64 \
                  --contexts 1024,4096 --pick $work/pick.txt ;;       # the pick feeds profile64pick

@@ -26,7 +26,6 @@ import jax
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
-from qwen35_jax.weights import linear_layout
 
 log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_interpret")
@@ -75,8 +74,6 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
     if projections not in ("kernel", "xla"):
         raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
-    if projections == "kernel" and linear_layout() != "kn":
-        raise ValueError("QWEN35_DECODE_MATMUL=kernel reads weights stored [in, out]: it needs QWEN35_WEIGHT_LAYOUT=kn")
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -90,9 +87,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s (weights %s)",
-             prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, linear_layout())
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
+             pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],

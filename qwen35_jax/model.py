@@ -20,7 +20,7 @@ from qwen35_jax import attention as attn_ops
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
-from qwen35_jax.weights import Attention, GatedDeltaNet, Weights, linear_layout
+from qwen35_jax.weights import Attention, GatedDeltaNet, Weights
 
 
 @jax.tree_util.register_dataclass
@@ -47,21 +47,14 @@ class Kernels:
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
 
 
-def matmul(x, w, nk: bool):
-    """x [..., K] times a weight stored [K, N] (nk False) or [N, K] (nk True) -> [..., N] fp32."""
-    dims = (((x.ndim - 1,), (1 if nk else 0,)), ((), ()))
-    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-
-
 def project(kernels: Kernels, x, w, out_dtype=None):
-    """x [N, T, K] @ w (stored as weights.linear_layout says) with fp32 accumulation, rounded once to out_dtype
-    (default x.dtype). Decode steps (T = 1) run the backend's matmul kernel where it has one: those GEMMs read the
-    whole weight for a few rows."""
+    """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Decode steps (T = 1)
+    run the backend's matmul kernel where it has one: those GEMMs read the whole weight for a few rows."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
     if t == 1 and kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
-    return matmul(x, w, linear_layout() == "nk").astype(out_dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -200,13 +193,10 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
         x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
         if not all_logits:
             x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
-        tied = weights.lm_head is None                                  # the embedding table is [V', H]
-        head_nk = tied or linear_layout() == "nk"
-        head = weights.embed if tied else weights.lm_head
-        logits = matmul(x, head, head_nk)
+        head = weights.lm_head if weights.lm_head is not None else weights.embed.T
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
         # Vocab padding (rows added so tp divides the vocab) must never be sampled.
-        cols = head.shape[0 if head_nk else 1]
-        col = jax.lax.axis_index(TP) * cols + jnp.arange(cols)
+        col = jax.lax.axis_index(TP) * head.shape[1] + jnp.arange(head.shape[1])
         logits = jnp.where(col < cfg.vocab_size, logits, -jnp.inf)
     return logits, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
 

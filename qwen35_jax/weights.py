@@ -1,8 +1,8 @@
 """Weights as pytrees of small dataclasses, their abstract description, and per-rank loading from HF checkpoints.
 
 Every leaf of the abstract tree is a `Param`: global shape, dtype, logical sharding axes, and where its values come
-from in the checkpoint. Tensor-parallel re-layout happens here, once: matrices are stored [in, out] for `x @ w`
-(or, with QWEN35_WEIGHT_LAYOUT=nk, [out, in] as in the checkpoint, for `x @ w.T`), and column-parallel projections are re-stitched so that rank r's contiguous block holds exactly its own heads
+from in the checkpoint. Tensor-parallel re-layout happens here, once: matrices are stored [in, out] for `x @ w`,
+and column-parallel projections are re-stitched so that rank r's contiguous block holds exactly its own heads
 (e.g. the GDN input projection becomes [q_r | k_r | v_r | z_r | b_r | a_r] per rank, the conv weight
 [q_r | k_r | v_r]). Loading builds each device's shard from only the bytes it needs
 (`jax.make_array_from_callback`), so host memory stays bounded by one slice at a time.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import jax
@@ -60,7 +59,6 @@ def _leaf(x):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MLP:
-    # Matrices are shown [in, out] ("kn"); as "nk" (linear_layout) they are stored transposed.
     gate_up: Any     # [H, 2*I] as [gate_r | up_r] per rank
     down: Any        # [I, H]
 
@@ -100,39 +98,24 @@ class Weights:
     embed: Any               # [V', H] vocab-sharded
     layers: list
     final_norm: Any          # [H]
-    lm_head: Any = None      # [H, V'] ([V', H] as "nk") vocab-sharded; None when tied to the embedding
+    lm_head: Any = None      # [H, V'] vocab-sharded; None when tied to the embedding
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The abstract tree
 
 
-def linear_layout() -> str:
-    """How the projection weights (and an untied lm_head) are stored: "kn" = [in, out] (x @ w) or "nk" = [out, in],
-    the checkpoint's and PyTorch's layout (x @ w.T: each output's inputs contiguous). $QWEN35_WEIGHT_LAYOUT picks
-    (default "kn"); the weights and the model's matmuls both read it, so one process uses one layout."""
-    value = os.environ.get("QWEN35_WEIGHT_LAYOUT", "kn")
-    if value not in ("kn", "nk"):
-        raise ValueError(f"QWEN35_WEIGHT_LAYOUT={value!r}: expected 'kn' or 'nk'")
-    return value
-
-
 def _linear(key_runs, in_dim, out_axis, dtype, expect, in_axis="embed"):
-    """Column-parallel linear from checkpoint [out, in] rows: stored [in, sum(lengths)] (or [sum, in] as "nk")."""
+    """Column-parallel linear from checkpoint [out, in] rows: stored [in, sum(lengths)]."""
     out = sum(r.length for r in key_runs)
-    if linear_layout() == "nk":
-        return Param((out, in_dim), dtype, (out_axis, in_axis), tuple(key_runs), hf_axis=0, expect=tuple(expect))
     return Param((in_dim, out), dtype, (in_axis, out_axis), tuple(key_runs), hf_axis=0, transpose=True,
                  expect=tuple(expect))
 
 
 def _row_parallel(key, in_dim, out_dim, in_axis, dtype):
-    """Row-parallel linear from checkpoint [out, in]: stored [in, out] (or [out, in] as "nk"), sharded on `in`."""
-    expect = ((key, (out_dim, in_dim)),)
-    if linear_layout() == "nk":
-        return Param((out_dim, in_dim), dtype, ("embed", in_axis), (Run(key, 0, in_dim),), hf_axis=1, expect=expect)
+    """Row-parallel linear from checkpoint [out, in]: stored [in, out], sharded on `in`."""
     return Param((in_dim, out_dim), dtype, (in_axis, "embed"), (Run(key, 0, in_dim),), hf_axis=1, transpose=True,
-                 expect=expect)
+                 expect=((key, (out_dim, in_dim)),))
 
 
 def _vector(key, n, axis, init, dtype=jnp.float32):
@@ -196,10 +179,8 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> We
     lm_head = None
     if not cfg.tie_word_embeddings:
         head_runs = (Run("lm_head.weight", 0, v),) + vocab_runs[1:]
-        expect = (("lm_head.weight", (v, h)),)
-        lm_head = (Param((vp, h), dtype, ("vocab", "embed"), head_runs, hf_axis=0, expect=expect)
-                   if linear_layout() == "nk" else
-                   Param((h, vp), dtype, ("embed", "vocab"), head_runs, hf_axis=0, transpose=True, expect=expect))
+        lm_head = Param((h, vp), dtype, ("embed", "vocab"), head_runs, hf_axis=0, transpose=True,
+                        expect=(("lm_head.weight", (v, h)),))
     return Weights(embed=embed, layers=layers, final_norm=norm("norm.weight"), lm_head=lm_head)
 
 

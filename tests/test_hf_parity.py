@@ -79,31 +79,3 @@ def test_wrong_norm_convention_would_fail():
         model._runner.weights = weights
     assert np.abs(good - ref["logits_7"]).max() <= 1e-3
     assert np.abs(bad - ref["logits_7"]).max() > 1e-1
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", ["mm_tied_r2_g2", "text_untied_r1_g6"])
-def test_weights_in_checkpoint_layout_match_hf(monkeypatch, case, tp):
-    """QWEN35_WEIGHT_LAYOUT=nk keeps the projections (and an untied lm_head) [out, in]: the same logits and greedy
-    tokens as HF, prefill and decode."""
-    monkeypatch.setenv("QWEN35_WEIGHT_LAYOUT", "nk")
-    ref = reference(case)
-    m = LLM(fixture_dir(case), tensor_parallel_size=tp, skip_tokenizer_init=True,
-            **engine_args(dtype="float32", max_model_len=512, precompile=False))
-    mlp = m.engine.executor.weights.layers[0].mlp
-    assert mlp.gate_up.shape == (2 * m.cfg.intermediate_size, m.cfg.hidden_size)       # [out, in]
-    for n in prompt_lens(ref):
-        err = np.abs(m.logits(ref[f"prompt_{n}"]) - ref[f"logits_{n}"]).max()
-        assert err <= 1e-3, f"{case} tp={tp} len={n}: max |dlogit| {err:.2e}"
-    out = m.generate([ref["prompt_7"].tolist()], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == ref["greedy_7"].tolist()
-
-
-def test_weight_layout_value_is_checked(monkeypatch):
-    from qwen35_jax import backends
-    monkeypatch.setenv("QWEN35_WEIGHT_LAYOUT", "kN")
-    with pytest.raises(ValueError, match="QWEN35_WEIGHT_LAYOUT"):
-        LLM(fixture_dir("mm_tied_r2_g2"), skip_tokenizer_init=True, **engine_args(precompile=False))
-    monkeypatch.setenv("QWEN35_WEIGHT_LAYOUT", "nk")
-    with pytest.raises(ValueError, match="QWEN35_WEIGHT_LAYOUT=kn"):
-        backends.pallas_kernels(interpret=True, projections="kernel")
