@@ -150,7 +150,7 @@ def _decode_kernel(slot_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref, *, bc,
     n, cb = pl.program_id(0), pl.program_id(1)
     slot = slot_ref[n]
     cols = pl.ds(cb * bc, bc)
-    cmask = cb * bc + jnp.arange(bc, dtype=jnp.int32) < x_ref.shape[-1]
+    cmask = cb * bc + jnp.arange(bc, dtype=jnp.int32) < w_ref.shape[-1]          # x may have more columns
     st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask, other=0) for m in range(taps - 1)]
     x = pltriton.load(x_ref.at[n, cols], mask=cmask, other=0)
     ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
@@ -162,13 +162,16 @@ def _decode_kernel(slot_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref, *, bc,
 
 
 def conv_decode(x, w, pool, slots, *, config: ConvConfig = ConvConfig(), interpret=False):
-    """One token per row: x [N, C]; the slot's state is shifted in place. Padded rows use the null slot 0."""
-    n, c = x.shape
-    taps = w.shape[0]
+    """One token per row: the channels are x's first C = w.shape[1] columns (x [N, >= C]: the model passes the
+    whole input projection, read in place); y [N, C]. The slot's state is shifted in place. Padded rows use the
+    null slot 0."""
+    (n, width), (taps, c) = x.shape, w.shape
+    if width < c:
+        raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     bc = min(config.decode_bc, pl.next_power_of_2(c))
     y, pool = pl.pallas_call(
         functools.partial(_decode_kernel, bc=bc, taps=taps),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((n, c), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(c, bc)),
         input_output_aliases={3: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.decode_warps, num_stages=1),

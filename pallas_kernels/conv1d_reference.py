@@ -27,7 +27,7 @@ def conv_prefill(x, w, pool, slots, lens, use_state):
 
 
 def conv_decode(x, w, pool, slots):
-    """One token per row: x [N, C]."""
+    """One token per row: the channels are x's first C = w.shape[1] columns (x [N, >= C])."""
     n = x.shape[0]
-    y, pool = conv_prefill(x[:, None], w, pool, slots, jnp.ones(n, jnp.int32), jnp.ones(n, bool))
+    y, pool = conv_prefill(x[:, None, :w.shape[1]], w, pool, slots, jnp.ones(n, jnp.int32), jnp.ones(n, bool))
     return y[:, 0], pool

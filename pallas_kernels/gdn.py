@@ -839,50 +839,50 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
 
 
 def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, pool_ref, o_ref, pool_out_ref,
-                   *, ratio, bv, group, vblocks, vfirst):
+                   *, ratio, bv, group, vblocks, vfirst, cols):
     """Grid (row, value head, V-block group of `vblocks`), or with group=True (row, key head, V-block group) doing
-    its `ratio` value heads; vfirst reverses the grid's axes."""
+    its `ratio` value heads; vfirst reverses the grid's axes. q/k/v/a/b are [N, columns] refs: head h of q starts at
+    column cols[0] + h * dk (k, v, a, b likewise at cols[1..4]), so they may all be views of one packed array."""
     n, h, vb = (pl.program_id(2), pl.program_id(1), pl.program_id(0)) if vfirst else \
         (pl.program_id(0), pl.program_id(1), pl.program_id(2))
     kh = h if group else h // ratio
     slot = slot_ref[n]
-    dk = q_ref.shape[-1]
-    q = _l2norm(q_ref[n, kh, :].astype(jnp.float32)) * (dk ** -0.5)
-    k = _l2norm(k_ref[n, kh, :].astype(jnp.float32))
+    dk = pool_ref.shape[-1]
+    q0, k0, v0, a0, b0 = cols
+    q = _l2norm(q_ref[n, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
+    k = _l2norm(k_ref[n, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
     qk = jnp.sum(q * k)
     for hv in ([kh * ratio + r for r in range(ratio)] if group else [h]):
-        g, beta = _gates(a_ref[n, hv], b_ref[n, hv], alog_ref[hv], dtb_ref[hv])
+        g, beta = _gates(a_ref[n, a0 + hv], b_ref[n, b0 + hv], alog_ref[hv], dtb_ref[hv])
         alpha = jnp.exp(g)
 
-        cols = lambda j: pl.ds((vb * vblocks + j) * bv, bv)
+        vcols = lambda j: pl.ds((vb * vblocks + j) * bv, bv)
 
         def block(j, s, hv=hv, beta=beta, alpha=alpha):
             """V-block j given its state s [BV, dk] (fp32, contiguous dk); returns block j + 1's state, whose
             load is issued before this block's math and store (the loop's software pipelining)."""
-            nxt = pool_ref[slot, hv, cols(jnp.minimum(j + 1, vblocks - 1)), :] if vblocks > 1 else s
-            v = v_ref[n, hv, cols(j)].astype(jnp.float32)
+            nxt = pool_ref[slot, hv, vcols(jnp.minimum(j + 1, vblocks - 1)), :] if vblocks > 1 else s
+            v = v_ref[n, pl.ds(v0 + hv * pool_ref.shape[2] + (vb * vblocks + j) * bv, bv)].astype(jnp.float32)
             r_k = jnp.sum(s * k[None, :], axis=1)
             r_q = jnp.sum(s * q[None, :], axis=1)
             u = beta * (v - alpha * r_k)
             o = alpha * r_q + qk * u
-            pool_out_ref[slot, hv, cols(j), :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
-            o_ref[n, hv, cols(j)] = o.astype(o_ref.dtype)
+            pool_out_ref[slot, hv, vcols(j), :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
+            o_ref[n, hv, vcols(j)] = o.astype(o_ref.dtype)
             return nxt
 
-        first = pool_ref[slot, hv, cols(0), :]
+        first = pool_ref[slot, hv, vcols(0), :]
         if vblocks == 1:
             block(0, first)
         else:
             jax.lax.fori_loop(0, vblocks, block, first)
 
 
-def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig | None = None,
-               interpret=False):
-    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0.
-    config None = DEFAULT_DECODE."""
+def _decode_call(q, k, v, a, b, A_log, dt_bias, pool, slots, cols, hk, config, interpret):
+    """The decode kernel on [N, columns] operands (see _decode_kernel's cols); returns (o [N, Hv, dv], pool)."""
     config = DEFAULT_DECODE if config is None else config
-    n, hk, dk = k.shape
-    hv, dv = v.shape[-2:]
+    n = q.shape[0]
+    hv, dv, dk = pool.shape[1:]
     _check_dims(dk, dv, hk, hv)
     if pool.dtype != jnp.float32:
         raise ValueError(f"the GDN state pool must be float32, got {pool.dtype}")
@@ -895,7 +895,7 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConf
     grid = (n, hk if config.group else hv, dv // bv // vblocks)
     o, pool = pl.pallas_call(
         functools.partial(_decode_kernel, ratio=hv // hk, bv=bv, group=config.group, vblocks=vblocks,
-                          vfirst=config.vfirst),
+                          vfirst=config.vfirst, cols=cols),
         out_shape=(jax.ShapeDtypeStruct((n, hv, dv), v.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=grid[::-1] if config.vfirst else grid,
         input_output_aliases={8: 1},
@@ -904,3 +904,29 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConf
     )(jnp.asarray(slots).astype(jnp.int32), q, k, v, a, b, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32),
       pool)
     return o, pool
+
+
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig | None = None,
+               interpret=False):
+    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0.
+    config None = DEFAULT_DECODE."""
+    n, hk, dk = k.shape
+    if v.shape[1:] != pool.shape[1:3] or dk != pool.shape[3]:
+        raise ValueError(f"v {v.shape} and k {k.shape} do not match the state pool {pool.shape}")
+    flat = lambda x: x.reshape(n, -1)
+    return _decode_call(flat(q), flat(k), flat(v), a, b, A_log, dt_bias, pool, slots, (0, 0, 0, 0, 0), hk, config,
+                        interpret)
+
+
+def gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots, *, config: DecodeConfig | None = None,
+                      interpret=False):
+    """gdn_decode reading the layer's packed activations in place, so no slice of them is materialised first:
+    qkv [N, 2*Hk*dk + Hv*dv] = [q | k | v] (the conv output) and proj [N, P] (the input projection) ending in
+    [b | a], Hv columns each. Shapes come from the pool [S, Hv, dv, dk]."""
+    hv, dv, dk = pool.shape[1:]
+    hk, rem = divmod(qkv.shape[1] - hv * dv, 2 * dk)
+    gate_col = proj.shape[1] - 2 * hv
+    if rem or hk < 1 or gate_col < 0:
+        raise ValueError(f"qkv {qkv.shape} / proj {proj.shape} do not match the state pool {pool.shape}")
+    return _decode_call(qkv, qkv, qkv, proj, proj, A_log, dt_bias, pool, slots,
+                        (0, hk * dk, 2 * hk * dk, gate_col + hv, gate_col), hk, config, interpret)

@@ -145,3 +145,16 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots):
     o = alpha * r_q + jnp.sum(qf * kf, axis=-1, keepdims=True) * u
     s = alpha[..., None] * s + u[..., :, None] * kf[..., None, :]
     return o.astype(v.dtype), pool.at[slots].set(s)
+
+
+def gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots):
+    """gdn_decode on packed activations (the kernels' contract, pallas_kernels.gdn.gdn_decode_packed): qkv
+    [N, 2*Hk*dk + Hv*dv] = [q | k | v]; proj ends in [b | a], Hv columns each."""
+    n = qkv.shape[0]
+    hv, dv, dk = pool.shape[1:]
+    gate_col = proj.shape[1] - 2 * hv
+    kl = (qkv.shape[1] - hv * dv) // 2
+    q, k, v = qkv[:, :kl], qkv[:, kl:2 * kl], qkv[:, 2 * kl:]
+    b, a = proj[:, gate_col:gate_col + hv], proj[:, gate_col + hv:gate_col + 2 * hv]
+    return gdn_decode(q.reshape(n, -1, dk), k.reshape(n, -1, dk), v.reshape(n, hv, dv), a, b, A_log, dt_bias, pool,
+                      slots)

@@ -40,7 +40,7 @@ def decode_variants() -> dict:
 
 
 def reference_kernels() -> Kernels:
-    return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode,
+    return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode_packed,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
                    attention_decode=decode_attention)
 
@@ -90,7 +90,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
              pv[prefill].name, decode, dv[decode].name,
              paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
-    return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode, config=dv[decode]),
+    return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=decode_matmul(interpret) if projections == "kernel" else None)

@@ -38,7 +38,8 @@ class Kernels:
     """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.backends).
     Contracts: pallas_kernels/gdn_reference.py, conv1d_reference.py and attention.decode_attention. Prefill rows
     starting at position 0 begin from zero state (use_state False), so a recycled slot never leaks its previous
-    request's state."""
+    request's state. Decode reads the layer's packed activations in place (gdn_decode_packed, and conv_decode on
+    the whole input projection): slicing them first would cost a kernel launch per slice and layer."""
     gdn_prefill: Callable
     gdn_decode: Callable
     conv_prefill: Callable
@@ -131,23 +132,22 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj)
-        mixed, z, b, a = jnp.split(proj, [2 * kl + vl, 2 * kl + 2 * vl, 2 * kl + 2 * vl + hv], axis=-1)
-    decode = t == 1
-    with jax.named_scope("conv1d"):
-        if decode:
-            y, conv_pool = kernels.conv_decode(mixed[:, 0], w.conv, conv_pool, batch.slots)
-            y = y[:, None]
-        else:
-            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
-    q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
-    q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
-    with jax.named_scope("gated_delta_rule"):
-        if decode:
-            o, rec_pool = kernels.gdn_decode(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], w.A_log, w.dt_bias,
-                                             rec_pool, batch.slots)
+        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
+    z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
+    if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
+        with jax.named_scope("conv1d"):
+            y, conv_pool = kernels.conv_decode(proj[:, 0], w.conv, conv_pool, batch.slots)
+        with jax.named_scope("gated_delta_rule"):
+            o, rec_pool = kernels.gdn_decode(y, proj[:, 0], w.A_log, w.dt_bias, rec_pool, batch.slots)
             o = o[:, None]
-        else:
+    else:
+        mixed, b, a = (proj[..., :2 * kl + vl], proj[..., 2 * kl + 2 * vl:2 * kl + 2 * vl + hv],
+                       proj[..., 2 * kl + 2 * vl + hv:])
+        with jax.named_scope("conv1d"):
+            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
+        q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
+        q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
+        with jax.named_scope("gated_delta_rule"):
             o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,
                                               batch.start > 0)
     with jax.named_scope("gated_norm"):
@@ -158,8 +158,9 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
-        gate, up = jnp.split(project(kernels, x, w.gate_up), 2, axis=-1)
-        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        # fp32 straight from the dot into SiLU: rounding it to x.dtype first took a kernel of its own per layer
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32), 2, axis=-1)
+        h = (jax.nn.silu(gate) * up).astype(x.dtype)
     with jax.named_scope("down_proj"):
         return row_parallel(kernels, h, w.down)
 

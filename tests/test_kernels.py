@@ -150,6 +150,32 @@ def test_gdn_decode_in_place(ratio, config):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("config", [gdn.DEFAULT_DECODE, gdn.DecodeConfig(bv=8, num_warps=1, group=True, vblocks=2)],
+                         ids=["default", "group-loop2"])
+def test_gdn_decode_packed_reads_the_layer_arrays_in_place(config):
+    """The model's decode contract: q | k | v from the conv output and b, a from the end of the input projection
+    ([.. | z | b | a]), read where they lie: bit-exact with gdn_decode on the slices, and the reference agrees."""
+    n, hk, ratio, dk, dv = 5, 2, 3, 32, 16
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(31, n, 1, hk, hk * ratio, dk, dv)
+    q, k, v, a, b = (x[:, 0] for x in (q, k, v, a, b))
+    qkv = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=1)
+    z = jax.random.normal(jax.random.key(5), (n, hk * ratio * dv))
+    proj = jnp.concatenate([qkv + 1.0, z, b, a], axis=1)        # leading columns differ from qkv on purpose
+    slots = jnp.array([4, 1, 0, 7, 0])
+    packed = jax.jit(functools.partial(gdn.gdn_decode_packed, config=config, interpret=True))
+    split = jax.jit(functools.partial(gdn.gdn_decode, config=config, interpret=True))
+    o, new = packed(qkv, proj, A_log, dt_bias, pool, slots)
+    o_s, new_s = split(q, k, v, a, b, A_log, dt_bias, pool, slots)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_s))
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(new_s))
+    o_r, new_r = gdn_reference.gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots)
+    o_rs, new_rs = gdn_reference.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)
+    np.testing.assert_array_equal(np.asarray(o_r), np.asarray(o_rs))
+    np.testing.assert_array_equal(np.asarray(new_r), np.asarray(new_rs))
+    with pytest.raises(ValueError, match="do not match the state pool"):
+        gdn.gdn_decode_packed(qkv[:, 1:], proj, A_log, dt_bias, pool, slots, interpret=True)
+
+
 def test_conv_prefill_and_decode_exact():
     n, c = 8, 160                                        # channels not a power of two (ratio-3 layout)
     lens = jnp.array([1, 2, 3, 63, 64, 65, 200, 0])
@@ -177,6 +203,15 @@ def test_conv_prefill_and_decode_exact():
                                   np.asarray(newd_ref[jnp.array([6, 10])], np.float32))
     rest = np.setdiff1d(np.arange(12), [0, 6, 10])
     np.testing.assert_array_equal(np.asarray(newd[rest], np.float32), np.asarray(pool[rest], np.float32))
+    # the model passes the whole input projection: only its first C columns are the conv's channels
+    wide = jnp.concatenate([xd, jnp.full((4, 37), 9.0, xd.dtype)], axis=1)
+    yw, neww = jax.jit(functools.partial(conv1d.conv_decode, interpret=True))(wide, w, pool, dslots)
+    np.testing.assert_array_equal(np.asarray(yw, np.float32), np.asarray(yd, np.float32))
+    np.testing.assert_array_equal(np.asarray(neww, np.float32), np.asarray(newd, np.float32))
+    yw_ref, _ = conv1d_reference.conv_decode(wide, w, pool, dslots)
+    np.testing.assert_array_equal(np.asarray(yw_ref, np.float32), np.asarray(yd_ref, np.float32))
+    with pytest.raises(ValueError, match="fewer than"):
+        conv1d.conv_decode(xd[:, :-1], w, pool, dslots, interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -352,7 +387,7 @@ def test_decode_step_has_no_host_synchronisation():
     # Each kernel is lowered once (backends jit-wraps them) and called from every layer of its kind.
     assert text.count("__gpu$xla.gpu.triton") == 3                        # GDN decode, conv decode, attention
     gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
-    assert text.count("call @gdn_decode(") == text.count("call @conv_decode(") == gdn_layers
+    assert text.count("call @gdn_decode_packed(") == text.count("call @conv_decode(") == gdn_layers
     assert text.count("call @paged_decode_attention(") == len(cfg.layer_types) - gdn_layers
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in text, f"{op} in the decode step: a host round trip per step on GPU"
