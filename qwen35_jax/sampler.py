@@ -84,28 +84,28 @@ def apply_penalties(logits, p: SamplingBatch, counts, prompt_mask):
     return jnp.where(seen & (rep != 1.0), penalized, logits)
 
 
-def top_k_desc(x, k: int, blocks: tuple[int, ...] = (16, 8)):
+def top_k_desc(x, k: int, blocks: tuple[int, ...] = (16, 8, 8)):
     """Exact top k of each row of x [B, V]: (values descending, indices). XLA:GPU takes a top k with k > 16 by
     sorting the whole row (~1 ms at [16, 248320] on the H200, bench/RESULTS.md), and its sort costs grow fast
     with the row. Here only maxima are sorted, level by level: every entry of the top k lies in a block whose
     maximum is among the k largest block maxima (otherwise k blocks would each hold a larger entry), so the top k
-    of those k blocks is the top k of the row, and the same holds one level up for the block maxima themselves.
-    With blocks (16, 8) a row of 248320 sorts 1940 super-block maxima, then k x 8 block maxima, then k x 16
-    entries."""
+    of those k blocks is the top k of the row, and the same holds one level up for the block maxima themselves
+    (a level with at most k blocks keeps them all). With blocks (16, 8, 8) a row of 248320 sorts 243 maxima, then
+    k x 8 maxima twice, then k x 16 entries; (16, 8) sorted 1940 maxima first, the slowest sort of the step."""
     b, v = x.shape
     top = int(np.prod(blocks))                                               # entries under one coarsest maximum
-    if -(-v // top) < 4 * k:
+    if v <= 4 * k:
         return jax.lax.top_k(x, k)
     x = jnp.pad(x, ((0, 0), (0, -(-v // top) * top - v)), constant_values=-jnp.inf)
     maxima = [x]                                                             # the entries, then each level's maxima
     for blk in blocks:
         maxima.append(maxima[-1].reshape(b, -1, blk).max(-1))
-    # top k of the coarsest maxima, then descend: at each level the candidates are the k chosen blocks' children
-    _, idx = jax.lax.top_k(maxima[-1], k)                                    # [B, k] indices into level L
+    # top k of the coarsest maxima, then descend: at each level the candidates are the chosen blocks' children
+    _, idx = jax.lax.top_k(maxima[-1], min(k, maxima[-1].shape[1]))         # [B, <= k] indices into level L
     for level in range(len(blocks) - 1, -1, -1):
         blk = blocks[level]
-        child = (idx[:, :, None] * blk + jnp.arange(blk)).reshape(b, k * blk)  # indices into level `level`
-        vals, pos = jax.lax.top_k(jnp.take_along_axis(maxima[level], child, axis=-1), k)
+        child = (idx[:, :, None] * blk + jnp.arange(blk)).reshape(b, -1)    # indices into level `level`
+        vals, pos = jax.lax.top_k(jnp.take_along_axis(maxima[level], child, axis=-1), min(k, child.shape[1]))
         idx = jnp.take_along_axis(child, pos, axis=-1)
     return vals, idx
 

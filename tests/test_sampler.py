@@ -82,15 +82,16 @@ def test_sampling_distribution_follows_temperature():
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.2], atol=0.04)
 
 
-def test_top_k_desc_two_stage_is_exact():
+def test_top_k_desc_by_levels_is_exact():
     from qwen35_jax.sampler import top_k_desc
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 70001)).astype(np.float32)  # 547 blocks of 128, the last one partial
     x[1, 69990:] = -np.inf                                  # padding columns, as in the model's logits
     x[2, [7, 4000, 70000]] = 9.0                            # ties at the top, in different blocks
     x[3, 256:384] = 5.0 + np.arange(128) / 1e3              # the whole top 128 in one block
-    for k in (1, 20, 128):
-        vals, idx = top_k_desc(jnp.asarray(x), k)
+    for k, blocks in [(1, (16, 8, 8)), (20, (16, 8, 8)), (128, (16, 8, 8)), (128, (16, 8)), (20, (16, 16, 8)),
+                      (128, (8, 8, 8, 4))]:         # coarsest levels of more and of fewer than k blocks
+        vals, idx = top_k_desc(jnp.asarray(x), k, blocks)
         want = -np.sort(-x, axis=-1)[:, :k]
         np.testing.assert_array_equal(np.asarray(vals), want)
         np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(idx), axis=-1), want)
