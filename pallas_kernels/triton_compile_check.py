@@ -53,7 +53,9 @@ def dump(out_dir, only=()):
                S((1,), i32), S((1,), jnp.bool_))
     decode = (S((64, hk, dk), bf), S((64, hk, dk), bf), S((64, hv, dv), bf), S((64, hv), bf), S((64, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((64,), i32))
-    jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in gdn.prefill_sweep()]
+    sweep = gdn.prefill_sweep()
+    sweep += [] if gdn.DEFAULT_PREFILL in sweep else [gdn.DEFAULT_PREFILL]
+    jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in sweep]
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
              for c in (gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
