@@ -9,8 +9,12 @@ row's own context length, so the cost still follows real lengths) and the step h
 Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order.
 Grid (row, KV head, split): a program takes the G query heads of one KV head (padded to 16 rows, the smallest
 tensor-core tile) and one contiguous, equal share of the row's real pages (its context length, not its page table),
-`pages_per_block` pages per loop step, with an online softmax in fp32. Splits (flash-decoding) give small batches enough programs; their partial results are
-merged outside the kernel.
+`pages_per_block` pages per loop step, with an online softmax in fp32. Splits (flash-decoding) give small batches
+enough programs; their partial results are merged outside the kernel. By default (`flat`) a block's keys are
+gathered row by row from the pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps +
+j % ps), one 2-D load feeding the dot with no reshape between, which Triton pipelines into asynchronous copies
+of K and V; the page-wise gather ([ppb, ps, D] reshaped) reached 0.55 of the copy bandwidth on the H200 where
+this one reaches 0.85 (bench/RESULTS.md).
 """
 from __future__ import annotations
 
