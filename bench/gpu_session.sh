@@ -48,7 +48,9 @@ for s in $sections; do
     gemmlayout) for f in "" "--xla_gpu_enable_cublaslt=true"; do      # XLA's dot on [K, N] vs [N, K] weights
                   XLA_FLAGS="$f" CUDA_VISIBLE_DEVICES=0 run gemmlayout${f:+_lt} 200 python3 bench/gemm.py --record \
                     --xla-only --rows 1,16,64; done ;;
-    sampler) old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
+    sampler) # an earlier sampler to time beside this one, left untracked (it travels with the tree), e.g.
+             #   git show <commit>:qwen35_jax/sampler.py > bench/_old_sampler.py
+             old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
              CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;

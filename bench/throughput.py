@@ -22,6 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
+from bench.timing import slope_us  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.executor import pack_rows  # noqa: E402
@@ -36,7 +37,6 @@ def copy_bandwidth(gib: float = 1.0, calls: tuple[int, int] = (2, 12), reps: int
     """Bytes read + written per second by a large elementwise copy (the memory roofline XLA can reach), from device
     time alone: the slope over two counts of chained copies in one program (bench/timing.slope_us), so neither host
     dispatch nor a slow first pass lowers it (one host-timed loop of 10 calls read 3.91-4.18 TB/s across runs)."""
-    from bench.timing import slope_us
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
 
     def make_prog(c):

@@ -39,12 +39,11 @@ class DecodeAttentionConfig:
     num_stages: int = 2
     flat: bool = False            # gather keys row by row from a [pages * page_size, D] view (one 2-D load, no
                                   # reshape between the load and the dot: the form Triton's pipeliner recognises)
-    prefetch: bool = False        # load the next block's K/V before this block's math (register double buffer)
 
     @property
     def name(self):
         return (f"ppb{self.pages_per_block}_t{self.target_programs}_w{self.num_warps}_s{self.num_stages}"
-                + ("_flat" if self.flat else "") + ("_pf" if self.prefetch else ""))
+                + ("_flat" if self.flat else ""))
 
 
 # Flat gathers, two pages per step, four stages: the H200 sweep at 7030540 (bench/RESULTS.md, "Paged decode
@@ -56,8 +55,10 @@ DEFAULT = DecodeAttentionConfig(pages_per_block=2, num_stages=4, flat=True)
 def config_sweep():
     """Variants bench/kernels.py times and triton_compile_check.py compiles (the first is DEFAULT)."""
     c = DecodeAttentionConfig
-    return [DEFAULT, c(pages_per_block=2, num_stages=4), c(), c(pages_per_block=2), c(pages_per_block=2, target_programs=528),
-            c(pages_per_block=1, num_stages=4),
+    # A register double buffer in place of the pipeliner (next block's loads issued before this block's math) timed
+    # 108.5 vs 77.2 us at batch 64, context 1k (7030540) and was removed.
+    return [DEFAULT, c(pages_per_block=2, num_stages=4), c(), c(pages_per_block=2),
+            c(pages_per_block=2, target_programs=528), c(pages_per_block=1, num_stages=4),
             # flat gathers (PyPI Triton 3.9 for sm_90: 86-146 registers against 126-248 page-wise, so 3-5
             # programs per SM instead of 2; K and V both become asynchronous copies)
             c(pages_per_block=1, num_stages=4, flat=True),
@@ -65,13 +66,11 @@ def config_sweep():
             c(pages_per_block=4, num_stages=3, flat=True), c(pages_per_block=4, num_stages=4, flat=True),
             c(pages_per_block=8, num_stages=2, flat=True), c(pages_per_block=4, num_stages=2, flat=True,
                                                              target_programs=132),
-            c(pages_per_block=2, num_stages=4, num_warps=8, flat=True),
-            # register double buffer instead of the pipeliner (no asynchronous copies; spills at 4 pages)
-            c(pages_per_block=2, num_stages=1, flat=True, prefetch=True)]
+            c(pages_per_block=2, num_stages=4, num_warps=8, flat=True)]
 
 
 def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_block,
-            splits, flat, prefetch):
+            splits, flat):
     """Refs (BlockSpecs): ctx [N] (whole), q [R, D] (this row and KV head), k/v [num_pages, ps, D] (this KV
     head; [num_pages * ps, D] when flat), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row,
     KV head)."""
@@ -110,14 +109,7 @@ def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, pag
         return acc, m_new, l
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    if prefetch:    # block i + 1's loads are issued before block i's math (the last step reloads its own block)
-        def body(i, carry):
-            acc, m, l, k, v = carry
-            k_next, v_next = load(jnp.minimum(i + 1, steps - 1))
-            return (*update(i, k, v, acc, m, l), k_next, v_next)
-        acc, m, l, _, _ = jax.lax.fori_loop(0, steps, body, (*init, *load(0)))
-    else:
-        acc, m, l = jax.lax.fori_loop(0, steps, lambda i, c: update(i, *load(i), *c), init)
+    acc, m, l = jax.lax.fori_loop(0, steps, lambda i, c: update(i, *load(i), *c), init)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -163,7 +155,7 @@ def paged_decode_attention(q, k_pages, v_pages, pages, ctx_lens, *, config: Deco
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
         functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits,
-                          flat=config.flat, prefetch=config.prefetch),
+                          flat=config.flat),
         grid=(n, hkv, splits),
         in_specs=[pl.BlockSpec((n,), lambda i, h, s: (0,)),
                   pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),

@@ -239,11 +239,11 @@ def attention_inputs(seed, n, hq, hkv, d, page_size, pages_per_seq, ctx, dtype):
     (4, 4, None), (8, 4, None), (6, 2, paged_attention.DecodeAttentionConfig(pages_per_block=2, target_programs=64)),
     (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1)),
     (6, 2, paged_attention.DecodeAttentionConfig(pages_per_block=2, target_programs=64, flat=True)),
-    (8, 4, paged_attention.DecodeAttentionConfig(pages_per_block=4, prefetch=True)),
-    (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1, flat=True, prefetch=True))])
+    (8, 4, paged_attention.DecodeAttentionConfig(pages_per_block=4, flat=True)),
+    (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1, flat=True))])
 def test_paged_decode_attention_matches_reference(hq, hkv, config):
     """G = 1, 2, 3, 6 query heads per KV head (padded to 16 rows); contexts empty (padded row), one token, page
-    boundaries, long; several splits and one; page-wise and flat key gathers, with and without prefetch."""
+    boundaries, long; several splits and one; page-wise and flat key gathers."""
     ctx = [0, 1, 15, 16, 17, 64, 200, 127]
     args = attention_inputs(0, len(ctx), hq, hkv, 32, 8, 32, ctx, jnp.float32)
     ref = decode_attention(*args)
