@@ -109,13 +109,16 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
+    solve_diag: str = "subst"     # inverses of T's 16x16 diagonal blocks: "subst" | "product" (_inv_unit_lower)
+    solve_prec: str = "ieee"      # their product-form dots and the merges: "ieee" (exact fp32) | "tf32x3"
 
     @property
     def name(self):
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
+        inv = "" if (self.solve_diag, self.solve_prec) == ("subst", "ieee") else f"_{self.solve_diag}_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
-                + (f"{self.solve_warps}" if self.prep_mode == "solve" else "")
+                + (f"{self.solve_warps}" if self.prep_mode == "solve" else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -173,6 +176,11 @@ def prefill_sweep():
 # WYConfig overrides of the prep variants bench/kernels.py times alone
 PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", prep_warps=2),
                  dict(prep_mode="solve", solve_warps=1), dict(prep_mode="solve", solve_warps=2),
+                 dict(prep_mode="solve", solve_warps=1, solve_diag="subst", solve_prec="tf32x3"),
+                 dict(prep_mode="solve", solve_warps=1, solve_diag="product", solve_prec="ieee"),
+                 dict(prep_mode="solve", solve_warps=1, solve_diag="product", solve_prec="tf32x3"),
+                 dict(prep_mode="solve", solve_warps=2, solve_diag="product", solve_prec="tf32x3"),
+                 dict(prep_mode="solve", solve_warps=4, solve_diag="product", solve_prec="tf32x3"),
                  dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
 
 
@@ -238,9 +246,25 @@ def _load(ref, mask, other=0.0):
     return pltriton.load(ref, mask=mask, other=other)
 
 
-def _inv_unit_lower(blocks):
-    """(I + a)^-1 for each strictly lower [16,16] fp32 block a, by forward substitution (exact fp32, like fla);
-    one loop over rows updates all blocks (independent chains)."""
+def _inv_unit_lower(blocks, mode="subst", prec="ieee", interpret=False):
+    """(I + a)^-1 for each strictly lower [16,16] fp32 block a.
+    mode "subst": forward substitution (exact fp32, like fla), one loop over rows updating all blocks (independent
+    chains; each row costs two cross-thread reductions per block).
+    mode "product": the product form (I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) (a^16 = 0): six dependent
+    16x16 dots in `prec` per block, no row loop."""
+    if mode == "product":
+        mm = functools.partial(_mm, contract=(1, 0), prec=prec, interpret=interpret)
+        eye = jnp.eye(blocks[0].shape[0], dtype=jnp.float32)
+        out = []
+        for a in blocks:
+            m, p = eye - a, a
+            for _ in range(3):
+                p = mm(p, p)
+                m = m + mm(m, p)
+            out.append(m)
+        return out
+    if mode != "subst":
+        raise ValueError(f"unknown diagonal-block inverse {mode!r}")
     n = blocks[0].shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols1 = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
@@ -263,7 +287,8 @@ def _inv_unit_lower(blocks):
 # Kernel 1: T = (I + A)^-1 per (chunk, value head).
 
 
-def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret):
+def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
+                  diag="subst", inv_prec="ieee"):
     c, kh = pl.program_id(0), pl.program_id(1)
     nvalid = nvalid_ref[c]
 
@@ -278,7 +303,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r
             gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
-            inv = _unit_lower_inverse(kk, gam, betas, interpret)
+            inv = _unit_lower_inverse(kk, gam, betas, interpret, diag, inv_prec)
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
@@ -412,11 +437,11 @@ def _a_blocks(kk, gam, betas):
     return blocks
 
 
-def _merge_inverse(blocks, diag, interpret):
+def _merge_inverse(blocks, diag, interpret, prec="ieee"):
     """T = (I + A)^-1 as blocks {(i, j): block, j <= i} from A's blocks and the inverses of its diagonal blocks,
-    by the exact fp32 merge T_ij = -T_ii sum_m A_im T_mj (fla's scheme)."""
+    by the merge T_ij = -T_ii sum_m A_im T_mj (fla's scheme) in `prec` ("ieee": exact fp32)."""
     nb = len(diag)
-    exact = functools.partial(_mm, contract=(1, 0), prec="ieee", interpret=interpret)
+    exact = functools.partial(_mm, contract=(1, 0), prec=prec, interpret=interpret)
     inv = {(i, i): diag[i] for i in range(nb)}
     for d in range(1, nb):
         for j in range(nb - d):
@@ -428,10 +453,12 @@ def _merge_inverse(blocks, diag, interpret):
     return inv
 
 
-def _unit_lower_inverse(kk, gam, betas, interpret):
-    """T = (I + A)^-1 as 16x16 blocks: diagonal blocks by forward substitution, the others by the exact merge."""
+def _unit_lower_inverse(kk, gam, betas, interpret, diag="subst", prec="ieee"):
+    """T = (I + A)^-1 as 16x16 blocks: diagonal blocks by `_inv_unit_lower` (diag mode), the others by the merge;
+    prec: the precision of the product-form and merge dots."""
     blocks = _a_blocks(kk, gam, betas)
-    return _merge_inverse(blocks, _inv_unit_lower([blocks[i, i] for i in range(len(gam))]), interpret)
+    inv = _inv_unit_lower([blocks[i, i] for i in range(len(gam))], diag, prec, interpret)
+    return _merge_inverse(blocks, inv, interpret, prec)
 
 
 def _hcat(a, b):
@@ -680,25 +707,34 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
     return bv
 
 
+def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, diag="subst", inv_prec="ieee",
+             interpret=False):
+    """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
+    the key head's value heads in a loop; few warps: its 16x16 row loops and reductions stay within one or two)."""
+    hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
+    return pl.pallas_call(
+        functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, diag=diag, inv_prec=inv_prec),
+        out_shape=jax.ShapeDtypeStruct((row0.shape[0], hv, CHUNK, CHUNK), f32),
+        grid=(row0.shape[0], hk),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="gdn_solve",
+    )(row0, nvalid, k, a, b, A_log.astype(f32), dt_bias.astype(f32))
+
+
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, interpret=False):
+            solve_warps=2, solve_diag="subst", solve_prec="ieee", t=None, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
-    mode "solve": T first, by `_solve_kernel` on `solve_warps` warps (its 16x16 row loops reduce within fewer
-    warps), then the "tile" kernel from T."""
+    mode "solve": T first, by `wy_solve` (solve_warps, solve_diag, solve_prec) unless given as t, then the "tile"
+    kernel from T."""
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
     f32 = jnp.float32
     extra = ()
     if mode == "solve":
-        extra = (pl.pallas_call(
-            functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32),
-            grid=(mc, hk),
-            compiler_params=pltriton.CompilerParams(num_warps=solve_warps, num_stages=1),
-            interpret=interpret, name="gdn_solve",
-        )(row0, nvalid, k, a, b, A_log.astype(f32), dt_bias.astype(f32)),)
+        extra = (wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prec, num_warps=solve_warps, diag=solve_diag,
+                          inv_prec=solve_prec, interpret=interpret) if t is None else t,)
     kernel = {"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
               "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True)}
     return pl.pallas_call(
@@ -739,6 +775,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
+                         solve_diag=config.solve_diag, solve_prec=config.solve_prec,
                          interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                    precs=(h_prec, o_prec, s_prec), interpret=interpret)

@@ -1,0 +1,167 @@
+"""Where the GDN prefill's time goes at 1x8k (9B shapes, H200): each kernel of the default pipeline alone, the T
+solve's variants, and ablations of the scan.
+
+    python3 bench/prefill_parts.py --record
+
+Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls over rotating input sets):
+- solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk and value head) in each configuration of SOLVES, each checked
+  against the default configuration's T (rel-L2) on the same inputs;
+- tile: `gdn.wy_prep` given T (W, U, P, f);
+- scan: `gdn.wy_scan` (the default), and ablations of it (ABLATIONS: the same loop with parts removed, one
+  sequence of whole chunks, plain loads), which tell whether the sequential chain's latency (chunk c + 1 waits
+  for chunk c's state) or the per-chunk traffic and work bound it.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import kernels as kb  # noqa: E402
+from bench import results  # noqa: E402
+from pallas_kernels import gdn  # noqa: E402
+
+# (warps, diagonal-block inverse, precision of its dots and the merges); the first is the default's
+SOLVES = [(1, "subst", "ieee"), (2, "subst", "ieee"), (1, "subst", "tf32x3"), (2, "subst", "tf32x3"),
+          (1, "product", "tf32x3"), (2, "product", "tf32x3"), (1, "product", "ieee")]
+ABLATIONS = {
+    "full": "the default scan's loop (all four dots, o stored)",
+    "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
+    "nochain": "all four dots and o, but H never changes (the update accumulates into a separate tile)",
+    "loads": "the loads of every tile, reduced to a scalar (no dots)",
+}
+
+
+def _ablation_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, f_ref, h0_ref, o_ref, h_ref, *, ratio, bv, nch, mode,
+                     interpret):
+    hv, vb = pl.program_id(0), pl.program_id(1)
+    kh = hv // ratio
+    vcols = pl.ds(vb * bv, bv)
+    mm = functools.partial(gdn._mm, interpret=interpret)
+    h0 = h0_ref[hv, vcols, :].T
+
+    def body(c, carry):
+        h, acc = carry
+        rows = pl.ds(c * gdn.CHUNK, gdn.CHUNK)
+        qr, kr, w, u, p = q_ref[rows, kh, :], k_ref[rows, kh, :], w_ref[c, hv], u_ref[c, hv, :, vcols], p_ref[c, hv]
+        fq, fk, fd = f_ref[c, hv, 0, :], f_ref[c, hv, 1, :], f_ref[c, hv, 2, :]
+        if mode == "loads":
+            s = (jnp.sum(qr.astype(jnp.float32)) + jnp.sum(kr.astype(jnp.float32)) + jnp.sum(w.astype(jnp.float32))
+                 + jnp.sum(u) + jnp.sum(p) + jnp.sum(fq) + jnp.sum(fk) + jnp.sum(fd))
+            return h, acc + s
+        vnew = u - mm(w, h, (1, 0), "bf16")
+        upd = mm(kr, vnew * fk[:, None], (0, 0), "bf16x2")
+        if mode == "nochain":
+            h_new, acc = h, jnp.max(fd) * acc + upd
+        else:
+            h_new = jnp.max(fd) * h + upd
+        if mode != "chain":
+            o = fq[:, None] * mm(qr, h, (1, 0), "bf16") + mm(p, vnew, (1, 0), "tf32")
+            o_ref[rows, hv, vcols] = o.astype(o_ref.dtype)
+        return h_new, acc
+
+    h, acc = jax.lax.fori_loop(0, nch, body, (h0, jnp.zeros_like(h0)))
+    h_ref[hv, vcols, :] = (h + acc).T
+
+
+def scan_ablation(q, k, w, u, p, f, h0, *, mode, bv=32, num_warps=4, num_stages=2, interpret=False):
+    """The ablated scan over the whole chunks of one sequence (rows [0, total // 64 * 64))."""
+    total, hk, dk = q.shape
+    hv, dv = u.shape[1], u.shape[-1]
+    return pl.pallas_call(
+        functools.partial(_ablation_kernel, ratio=hv // hk, bv=min(bv, dv), nch=total // gdn.CHUNK, mode=mode,
+                          interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)),
+        grid=(hv, dv // bv),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name=f"scan_ablation_{mode}",
+    )(q, k, w, u, p, f, h0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
+    args = ap.parse_args()
+    kb.RES["ceilings"] = {}
+    pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
+    _, row0, nvalid = gdn.chunk_map(pr.starts, pr.lens_a, pr.mc)
+    d = gdn.DEFAULT_PREFILL
+    lines = [f"Case {args.case} ({pr.total} tokens, {pr.n} sequence(s)), 9B shapes; default `{d.name}`.", ""]
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    # --- the T solve
+    solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
+                                                   num_warps=cfg[0], diag=cfg[1], inv_prec=cfg[2],
+                                                   **kb.kernel_kw())
+    q0, k0, v0, a0, b0, _ = pr.sets[0]
+    used = jnp.nonzero(nvalid > 0)[0]                  # chunk ids past the last chunk stay unwritten
+    t_ref = jax.jit(functools.partial(solve, SOLVES[0]))(k0, a0, b0, pr.dt_bias)
+    # the hard case for a product-form inverse: every key of the sequence equal, beta ~ 1, no decay (A's strictly
+    # lower entries all ~1: its powers grow binomially while T stays small)
+    hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
+    t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
+    log("| solve (warps, diagonal blocks, dots) | T rel-L2 vs the first | same, repeated keys | us |")
+    log("|---|---|---|---|")
+    for cfg in SOLVES:
+        try:
+            t = jax.jit(functools.partial(solve, cfg))(k0, a0, b0, pr.dt_bias)
+            err = kb.rel(t[used], t_ref[used])
+            err_hard = kb.rel(jax.jit(functools.partial(solve, cfg))(*hard)[used], t_hard[used])
+
+            def call(c, q, k, v, a, b, slots, cfg=cfg):
+                return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0])[0, 0, 0, :1]
+            us, _ = kb.time_calls(call, jnp.zeros((1,), jnp.float32), pr.sets, calls=(2, 10))
+            log(f"| {cfg} | {err:.1e} | {err_hard:.1e} | {us:.1f} |")
+        except Exception as e:  # noqa: BLE001
+            log(f"| {cfg} | failed: {repr(e)[:200]} | | |")
+
+    # --- the tile kernel given T
+    precs = d.precisions(jnp.bfloat16)
+    ts = [jax.jit(functools.partial(solve, SOLVES[0]))(k, a, b, pr.dt_bias) for q, k, v, a, b, _ in pr.sets]
+    sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
+
+    def tile_call(c, q, k, v, a, b, t):
+        outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
+                           prec=precs[3], num_warps=d.prep_warps, mode="solve", t=t, **kb.kernel_kw())
+        return c + 0.0 * outs[3][0, 0, 0, :1]
+    us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
+    log("")
+    log(f"tile kernel given T (W, U, P, f): {us:.1f} us")
+    del ts, sets_t
+
+    # --- the scan and its ablations
+    preps = pr.prep_outputs(d)
+    log(f"scan (`gdn.wy_scan`, default): {pr.scan_us(d, preps):.1f} us")
+    if pr.n == 1:
+        h0 = pr.pool()[1]
+        sets_s = [(s[0], s[1], *pp) for s, pp in zip(pr.sets, preps)]
+        log("")
+        log("| scan ablation | what runs | us |")
+        log("|---|---|---|")
+        for mode, what in ABLATIONS.items():
+            try:
+                def call(c, q, k, w, u, p, f, mode=mode):
+                    _, h = scan_ablation(q, k, w, u, p, f, h0 + c[0], mode=mode, bv=d.bv or 32,
+                                         num_warps=d.num_warps, num_stages=d.num_stages, **kb.kernel_kw())
+                    return c + 0.0 * h[0, 0, :1]
+                us, _ = kb.time_calls(call, jnp.zeros((1,), jnp.float32), sets_s, calls=(2, 10))
+                log(f"| {mode} | {what} | {us:.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {mode} | failed: {repr(e)[:200]} | |")
+    if args.record:
+        results.record(f"GDN prefill by part at {args.case} (bench/prefill_parts.py)", "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
