@@ -5,15 +5,16 @@ solve's variants, and ablations of the scan.
 
 Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls over rotating input sets):
 - solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk and value head) in each configuration of SOLVES, each checked
-  against the default configuration's T (rel-L2) on the same inputs;
-- tile: `gdn.wy_prep` given T (W, U, P, f);
-- scan: `gdn.wy_scan` (the default), and ablations of it (ABLATIONS: the same loop with parts removed, one
-  sequence of whole chunks, plain loads), which tell whether the sequential chain's latency (chunk c + 1 waits
-  for chunk c's state) or the per-chunk traffic and work bound it.
+  against the first one's T (rel-L2) on the same inputs and on repeated keys;
+- tile: `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES;
+- scan: `gdn.wy_scan` in each configuration of SCANS, and ablations of the default (ABLATIONS: the same loop with
+  parts removed, one sequence of whole chunks, plain loads), which tell whether the sequential chain's latency
+  (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -28,9 +29,10 @@ from bench import kernels as kb  # noqa: E402
 from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 
-# (warps, diagonal-block inverse, precision of its dots and the merges); the first is the default's
-SOLVES = [(1, "subst", "ieee"), (2, "subst", "ieee"), (1, "subst", "tf32x3"), (2, "subst", "tf32x3"),
-          (1, "product", "tf32x3"), (2, "product", "tf32x3"), (1, "product", "ieee")]
+# (warps, precision of the merge dots)
+SOLVES = [(1, "ieee"), (1, "tf32x3"), (2, "tf32x3")]
+TILES = [("solve", 4), ("solve", 8), ("solve", 2), ("solve2", 4), ("solve2", 8)]     # (prep_mode, prep_warps)
+SCANS = [dict(), dict(overlap=True), dict(overlap=True, num_warps=8), dict(overlap=True, bv=16)]  # on the default
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
@@ -102,7 +104,7 @@ def main():
 
     # --- the T solve
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
-                                                   num_warps=cfg[0], diag=cfg[1], inv_prec=cfg[2],
+                                                   num_warps=cfg[0], inv_prec=cfg[1],
                                                    **kb.kernel_kw())
     q0, k0, v0, a0, b0, _ = pr.sets[0]
     used = jnp.nonzero(nvalid > 0)[0]                  # chunk ids past the last chunk stay unwritten
@@ -111,7 +113,7 @@ def main():
     # lower entries all ~1: its powers grow binomially while T stays small)
     hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
     t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
-    log("| solve (warps, diagonal blocks, dots) | T rel-L2 vs the first | same, repeated keys | us |")
+    log("| solve (warps, merge dots) | T rel-L2 vs the first | same, repeated keys | us |")
     log("|---|---|---|---|")
     for cfg in SOLVES:
         try:
@@ -131,18 +133,32 @@ def main():
     ts = [jax.jit(functools.partial(solve, SOLVES[0]))(k, a, b, pr.dt_bias) for q, k, v, a, b, _ in pr.sets]
     sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
 
-    def tile_call(c, q, k, v, a, b, t):
-        outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                           prec=precs[3], num_warps=d.prep_warps, mode="solve", t=t, **kb.kernel_kw())
-        return c + 0.0 * outs[3][0, 0, 0, :1]
-    us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
     log("")
-    log(f"tile kernel given T (W, U, P, f): {us:.1f} us")
+    log("| tile kernel given T (mode, warps) | us |")
+    log("|---|---|")
+    for mode, warps in TILES:
+        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
+            outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
+                               prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
+            return c + 0.0 * outs[3][0, 0, 0, :1]
+        try:
+            us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
+            log(f"| {mode}, {warps} | {us:.1f} |")
+        except Exception as e:  # noqa: BLE001
+            log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
     del ts, sets_t
 
     # --- the scan and its ablations
     preps = pr.prep_outputs(d)
-    log(f"scan (`gdn.wy_scan`, default): {pr.scan_us(d, preps):.1f} us")
+    log("")
+    log("| scan configuration | us |")
+    log("|---|---|")
+    for kw in SCANS:
+        c = dataclasses.replace(d, **kw)
+        try:
+            log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
+        except Exception as e:  # noqa: BLE001
+            log(f"| {c.name} | failed: {repr(e)[:200]} |")
     if pr.n == 1:
         h0 = pr.pool()[1]
         sets_s = [(s[0], s[1], *pp) for s, pp in zip(pr.sets, preps)]

@@ -97,7 +97,9 @@ class WYConfig:
                "blocks": everything in 16-row blocks, heads in a loop (no assembly; the fallback);
                "solve": T by the v1 solve kernel on `solve_warps` warps, then the "tile" kernel given T (the
                solve's row loops and 16x16 reductions stay within one or two warps; T costs 2 x 16 KB of
-               traffic per chunk and head)."""
+               traffic per chunk and head);
+               "solve2": the same with the value heads of a key head in one program given T (q, k and Q K^T
+               once per key head)."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int = 1
@@ -109,16 +111,19 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
-    solve_diag: str = "subst"     # inverses of T's 16x16 diagonal blocks: "subst" | "product" (_inv_unit_lower)
-    solve_prec: str = "ieee"      # their product-form dots and the merges: "ieee" (exact fp32) | "tf32x3"
+    overlap: bool = False         # scan: X = W H and Y = q H issued together, then the update and P Vnew together
+                                  # (two waits on the tensor cores per chunk instead of five); f a chunk ahead
+    solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
+                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
     @property
     def name(self):
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
-        inv = "" if (self.solve_diag, self.solve_prec) == ("subst", "ieee") else f"_{self.solve_diag}_{self.solve_prec}"
+        inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
+                + ("_ov" if self.overlap else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
-                + (f"{self.solve_warps}" if self.prep_mode == "solve" else "") + inv
+                + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -168,6 +173,8 @@ def prefill_sweep():
     return [WYConfig(),                                                   # bv auto, 4 warps, 1 stage, prefetch
             nopf(bv=16), nopf(bv=32, num_warps=8), nopf(bv=16, num_warps=8), nopf(bv=64, num_warps=8),
             nopf(bv=16, num_stages=2), nopf(bv=32, num_stages=2), nopf(bv=32, num_warps=8, num_stages=2),
+            nopf(bv=32, num_stages=2, overlap=True), nopf(bv=32, num_stages=2, overlap=True, num_warps=8),
+            nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
             PrefillConfig()]
@@ -176,11 +183,9 @@ def prefill_sweep():
 # WYConfig overrides of the prep variants bench/kernels.py times alone
 PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", prep_warps=2),
                  dict(prep_mode="solve", solve_warps=1), dict(prep_mode="solve", solve_warps=2),
-                 dict(prep_mode="solve", solve_warps=1, solve_diag="subst", solve_prec="tf32x3"),
-                 dict(prep_mode="solve", solve_warps=1, solve_diag="product", solve_prec="ieee"),
-                 dict(prep_mode="solve", solve_warps=1, solve_diag="product", solve_prec="tf32x3"),
-                 dict(prep_mode="solve", solve_warps=2, solve_diag="product", solve_prec="tf32x3"),
-                 dict(prep_mode="solve", solve_warps=4, solve_diag="product", solve_prec="tf32x3"),
+                 dict(prep_mode="solve", solve_warps=1, solve_prec="ieee"),
+                 dict(prep_mode="solve", solve_warps=1, prep_warps=8), dict(prep_mode="solve", solve_warps=1, prep_warps=2),
+                 dict(prep_mode="solve2", solve_warps=1, prep_warps=4), dict(prep_mode="solve2", solve_warps=1, prep_warps=8),
                  dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
 
 
@@ -246,25 +251,11 @@ def _load(ref, mask, other=0.0):
     return pltriton.load(ref, mask=mask, other=other)
 
 
-def _inv_unit_lower(blocks, mode="subst", prec="ieee", interpret=False):
-    """(I + a)^-1 for each strictly lower [16,16] fp32 block a.
-    mode "subst": forward substitution (exact fp32, like fla), one loop over rows updating all blocks (independent
-    chains; each row costs two cross-thread reductions per block).
-    mode "product": the product form (I + a)^-1 = (I - a)(I + a^2)(I + a^4)(I + a^8) (a^16 = 0): six dependent
-    16x16 dots in `prec` per block, no row loop."""
-    if mode == "product":
-        mm = functools.partial(_mm, contract=(1, 0), prec=prec, interpret=interpret)
-        eye = jnp.eye(blocks[0].shape[0], dtype=jnp.float32)
-        out = []
-        for a in blocks:
-            m, p = eye - a, a
-            for _ in range(3):
-                p = mm(p, p)
-                m = m + mm(m, p)
-            out.append(m)
-        return out
-    if mode != "subst":
-        raise ValueError(f"unknown diagonal-block inverse {mode!r}")
+def _inv_unit_lower(blocks):
+    """(I + a)^-1 for each strictly lower [16,16] fp32 block a, by forward substitution (exact fp32, like fla);
+    one loop over rows updates all blocks (independent chains). (The product form (I - a)(I + a^2)(I + a^4)
+    (I + a^8) timed slower on the H200, 190.6 vs 102.3 us for the 1x8k solve, and lost up to 1.5e-4 of T on
+    repeated keys: bench/prefill_parts.py.)"""
     n = blocks[0].shape[0]
     rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
     cols1 = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
@@ -288,7 +279,7 @@ def _inv_unit_lower(blocks, mode="subst", prec="ieee", interpret=False):
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
-                  diag="subst", inv_prec="ieee"):
+                  inv_prec="ieee"):
     c, kh = pl.program_id(0), pl.program_id(1)
     nvalid = nvalid_ref[c]
 
@@ -303,7 +294,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         def per_head(r, carry):                              # the value heads sharing this key head
             hv = kh * ratio + r
             gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
-            inv = _unit_lower_inverse(kk, gam, betas, interpret, diag, inv_prec)
+            inv = _unit_lower_inverse(kk, gam, betas, interpret, inv_prec)
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
@@ -453,12 +444,10 @@ def _merge_inverse(blocks, diag, interpret, prec="ieee"):
     return inv
 
 
-def _unit_lower_inverse(kk, gam, betas, interpret, diag="subst", prec="ieee"):
-    """T = (I + A)^-1 as 16x16 blocks: diagonal blocks by `_inv_unit_lower` (diag mode), the others by the merge;
-    prec: the precision of the product-form and merge dots."""
+def _unit_lower_inverse(kk, gam, betas, interpret, prec="ieee"):
+    """T = (I + A)^-1 as 16x16 blocks: diagonal blocks by forward substitution, the others by the merge in prec."""
     blocks = _a_blocks(kk, gam, betas)
-    inv = _inv_unit_lower([blocks[i, i] for i in range(len(gam))], diag, prec, interpret)
-    return _merge_inverse(blocks, inv, interpret, prec)
+    return _merge_inverse(blocks, _inv_unit_lower([blocks[i, i] for i in range(len(gam))]), interpret, prec)
 
 
 def _hcat(a, b):
@@ -624,7 +613,7 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
 
 
 def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
-                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, interpret):
+                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret):
     """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
     h_prec, o_prec, s_prec = precs
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -652,15 +641,32 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
 
     def step(c, h, tiles):
         qr, kr, w, u, p, fq, fk, fd = tiles
-        vnew = u - mm(w, h, (1, 0), h_prec)                  # [C, BV] the true per-token deltas
-        wgt = vnew * fk[:, None]                             # decay to the chunk end and |k|^-1, on Vnew's rows
-        h_new = jnp.max(fd) * h + mm(kr, wgt, (0, 0), s_prec)
-        o = fq[:, None] * mm(qr, h, (1, 0), h_prec) + mm(p, vnew, (1, 0), o_prec)
+        if overlap:                                          # both products of H issued before either is used
+            x, y = mm(w, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
+            vnew = u - x
+            pv = mm(p, vnew, (1, 0), o_prec)                 # issued before the update's (two-dot) sum
+            upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
+            h_new, o = fd * h + upd, fq[:, None] * y + pv
+        else:
+            vnew = u - mm(w, h, (1, 0), h_prec)              # [C, BV] the true per-token deltas
+            wgt = vnew * fk[:, None]                         # decay to the chunk end and |k|^-1, on Vnew's rows
+            h_new = jnp.max(fd) * h + mm(kr, wgt, (0, 0), s_prec)
+            o = fq[:, None] * mm(qr, h, (1, 0), h_prec) + mm(p, vnew, (1, 0), o_prec)
         ostore = jnp.broadcast_to((rows < span - c * CHUNK)[:, None], (CHUNK, bv))
         pltriton.store(o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols], o.astype(o_ref.dtype), mask=ostore)
         return h_new
 
-    if prefetch:
+    if overlap:
+        def factors(c):                                      # the row factors and the chunk's decay, a scalar
+            cc = jnp.minimum(coff + jnp.minimum(c, nch - 1), last_chunk)
+            return f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, 0]
+
+        def body(c, carry):                                  # they are loaded a chunk ahead (plain loads: the
+            h, fs = carry                                    # pipeliner leaves them synchronous)
+            nxt = factors(c + 1)
+            return step(c, h, fetch(c)[:5] + fs), nxt
+        h, _ = jax.lax.fori_loop(0, nch, body, (h, factors(0)))
+    elif prefetch:
         def body(c, carry):
             h, tiles = carry
             nxt = fetch(jnp.minimum(c + 1, nch - 1))        # issued before this chunk's products: overlaps them
@@ -707,13 +713,12 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
     return bv
 
 
-def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, diag="subst", inv_prec="ieee",
-             interpret=False):
+def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
     the key head's value heads in a loop; few warps: its 16x16 row loops and reductions stay within one or two)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
     return pl.pallas_call(
-        functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, diag=diag, inv_prec=inv_prec),
+        functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec),
         out_shape=jax.ShapeDtypeStruct((row0.shape[0], hv, CHUNK, CHUNK), f32),
         grid=(row0.shape[0], hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -722,26 +727,27 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, diag="
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_diag="subst", solve_prec="ieee", t=None, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
-    mode "solve": T first, by `wy_solve` (solve_warps, solve_diag, solve_prec) unless given as t, then the "tile"
-    kernel from T."""
+    mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
+    the "tile" kernel from T (per value head / per key head)."""
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
     f32 = jnp.float32
     extra = ()
-    if mode == "solve":
-        extra = (wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prec, num_warps=solve_warps, diag=solve_diag,
+    if mode in ("solve", "solve2"):
+        extra = (wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prec, num_warps=solve_warps,
                           inv_prec=solve_prec, interpret=interpret) if t is None else t,)
     kernel = {"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
-              "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True)}
+              "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True),
+              "solve2": functools.partial(_prep_kernel, solved=True)}
     return pl.pallas_call(
         functools.partial(kernel[mode], ratio=hv // hk, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
-        grid=(mc, hk if mode in ("tile2", "blocks") else hv),
+        grid=(mc, hk if mode in ("tile2", "blocks", "solve2") else hv),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_wy_prep",
     )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32), *extra)
@@ -759,7 +765,7 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
         raise ValueError(f"V-block {bv} must divide dv={dv} and be >= 16")
     return pl.pallas_call(
         functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs), prefetch=config.prefetch,
-                          interpret=interpret),
+                          overlap=config.overlap, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},
@@ -775,7 +781,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
-                         solve_diag=config.solve_diag, solve_prec=config.solve_prec,
+                         solve_prec=config.solve_prec,
                          interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                    precs=(h_prec, o_prec, s_prec), interpret=interpret)

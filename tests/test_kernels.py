@@ -81,6 +81,9 @@ BF16_CASES = {
                                               prep_mode="tile2"), [130, 1, 0], 1.5e-3),
     "v1": (V1, [200, 63, 0], 1.5e-3),
     "wy-tile-prep": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False), [130, 1, 0], 1.5e-3),
+    "wy-overlap-solve2-exact-merges": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False, overlap=True,
+                                                    prep_mode="solve2", solve_warps=1, solve_prec="ieee"),
+                                       [130, 1, 0], 1.5e-3),
 }
 
 
@@ -293,7 +296,7 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
     resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
-    kernels = sum(2 + (getattr(c, "prep_mode", "") == "solve") for c in resolved)   # prep/solve, scan (+ T solve)
+    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2")) for c in resolved)   # prep, scan (+ T)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
