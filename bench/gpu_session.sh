@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels parts kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
+# Sections: attention kernels kheadline parts kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
 #   profile64 profile64pick profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -41,6 +41,8 @@ for s in $sections; do
     attention) CUDA_VISIBLE_DEVICES=0 run attention 200 python3 bench/attention.py --record --batches 16,64 \
                  --contexts 1024,4096 --pick $work/pick.txt ;;       # the pick feeds profile64pick
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
+    kheadline) OUT=$work/kheadline CUDA_VISIBLE_DEVICES=0 run kheadline 330 python3 bench/kernels.py --time-limit 290 \
+                 --no-model --only correct_defaults headline prefill_cases ;;
     parts) OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts 240 python3 bench/prefill_parts.py --record ;;
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;

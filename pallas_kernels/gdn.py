@@ -154,8 +154,10 @@ class DecodeConfig:
 
 # The fastest configuration of the H200 sweeps (bench/RESULTS.md): at 8d3cb55 the scan alone took 401 us at 1x8k
 # against 900 us for the register-prefetching WYConfig() (whole prefill 1019 vs 1564 us); at 1652ce8 the "solve"
-# prep on one warp took 417 us against 615 us for the one-kernel prep (whole prefill 838 us).
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False, prep_mode="solve", solve_warps=1)
+# prep on one warp took 417 us against 615 us for the one-kernel prep (whole prefill 838 us). At fa696dc, by part
+# (bench/prefill_parts.py): the solve with tf32x3 merges 92.2 us against 152.6 with exact ones, the tile kernel
+# given T 263.6 us, the scan with overlap 359.4 us against 380.7 without.
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True)
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
 DEFAULT_DECODE = DecodeConfig(vfirst=True)
