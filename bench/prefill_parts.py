@@ -31,8 +31,8 @@ from pallas_kernels import gdn  # noqa: E402
 
 # (warps, precision of the merge dots)
 SOLVES = [(1, "ieee"), (1, "tf32x3"), (2, "tf32x3")]
-TILES = [("solve", 4), ("solve", 8), ("solve", 2), ("solve2", 4), ("solve2", 8)]     # (prep_mode, prep_warps)
-SCANS = [dict(), dict(overlap=True), dict(overlap=True, num_warps=8), dict(overlap=True, bv=16)]  # on the default
+TILES = [("solve", 4, 1), ("solve", 4, 2), ("solve", 4, 4), ("solve", 8, 4), ("solve", 4, 16)]  # mode, warps, loop
+SCANS = [dict(), dict(overlap=False)]                                                            # on the default
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
@@ -91,6 +91,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
+    ap.add_argument("--ablations", action="store_true", help="also time the scan ablations")
     args = ap.parse_args()
     kb.RES["ceilings"] = {}
     pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
@@ -134,18 +135,18 @@ def main():
     sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
 
     log("")
-    log("| tile kernel given T (mode, warps) | us |")
+    log("| tile kernel given T (mode, warps, chunks per program) | us |")
     log("|---|---|")
-    for mode, warps in TILES:
-        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
+    for mode, warps, loop in TILES:
+        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps, loop=loop):
             outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                               prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
+                               prec=precs[3], num_warps=warps, mode=mode, t=t, loop=loop, **kb.kernel_kw())
             return c + 0.0 * outs[3][0, 0, 0, :1]
         try:
             us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
-            log(f"| {mode}, {warps} | {us:.1f} |")
+            log(f"| {mode}, {warps}, {loop} | {us:.1f} |")
         except Exception as e:  # noqa: BLE001
-            log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
+            log(f"| {mode}, {warps}, {loop} | failed: {repr(e)[:200]} |")
     del ts, sets_t
 
     # --- the scan and its ablations
@@ -159,7 +160,7 @@ def main():
             log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
         except Exception as e:  # noqa: BLE001
             log(f"| {c.name} | failed: {repr(e)[:200]} |")
-    if pr.n == 1:
+    if args.ablations and pr.n == 1:
         h0 = pr.pool()[1]
         sets_s = [(s[0], s[1], *pp) for s, pp in zip(pr.sets, preps)]
         log("")
