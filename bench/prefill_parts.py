@@ -31,7 +31,7 @@ from pallas_kernels import gdn  # noqa: E402
 
 # (warps, precision of the merge dots)
 SOLVES = [(1, "ieee"), (1, "tf32x3"), (2, "tf32x3")]
-TILES = [("solve", 4, 1), ("solve", 4, 2), ("solve", 4, 4), ("solve", 8, 4), ("solve", 4, 16)]  # mode, warps, loop
+TILES = [("solve", 4), ("solve", 8), ("solve2", 4)]                                     # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]                                                            # on the default
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",
@@ -135,18 +135,18 @@ def main():
     sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
 
     log("")
-    log("| tile kernel given T (mode, warps, chunks per program) | us |")
+    log("| tile kernel given T (mode, warps) | us |")
     log("|---|---|")
-    for mode, warps, loop in TILES:
-        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps, loop=loop):
+    for mode, warps in TILES:
+        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
             outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                               prec=precs[3], num_warps=warps, mode=mode, t=t, loop=loop, **kb.kernel_kw())
+                               prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
             return c + 0.0 * outs[3][0, 0, 0, :1]
         try:
             us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
-            log(f"| {mode}, {warps}, {loop} | {us:.1f} |")
+            log(f"| {mode}, {warps} | {us:.1f} |")
         except Exception as e:  # noqa: BLE001
-            log(f"| {mode}, {warps}, {loop} | failed: {repr(e)[:200]} |")
+            log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
     del ts, sets_t
 
     # --- the scan and its ablations

@@ -111,7 +111,6 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
-    prep_loop: int = 1            # chunks per prep program, in a software-pipelined loop (wy_prep's loop)
     overlap: bool = False         # scan: X = W H and Y = q H issued together, then the update and P Vnew together
                                   # (two waits on the tensor cores per chunk instead of five); f a chunk ahead
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
@@ -125,7 +124,6 @@ class WYConfig:
                 + ("_ov" if self.overlap else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
-                + (f"_pl{self.prep_loop}" if self.prep_loop > 1 else "")
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -189,8 +187,7 @@ PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", pr
                  dict(prep_mode="solve", solve_warps=1), dict(prep_mode="solve", solve_warps=2),
                  dict(prep_mode="solve", solve_warps=1, solve_prec="ieee"),
                  dict(prep_mode="solve", solve_warps=1, prep_warps=8), dict(prep_mode="solve", solve_warps=1, prep_warps=2),
-                 dict(prep_mode="solve", solve_warps=1, prep_loop=4), dict(prep_mode="solve", solve_warps=1, prep_loop=2),
-                 dict(prep_mode="solve", solve_warps=1, prep_loop=4, prep_warps=8),
+                 dict(prep_mode="solve2", solve_warps=1, prep_warps=4), dict(prep_mode="solve2", solve_warps=1, prep_warps=8),
                  dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
 
 
@@ -482,7 +479,7 @@ def _assemble(blocks, nb):
 
 
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs, ratio, prec,
-                 interpret, per_value_head=False, solved=False, loop=1):
+                 interpret, per_value_head=False, solved=False):
     """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
     (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
@@ -490,11 +487,12 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
     solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead."""
     t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
-    pid0, pid1 = pl.program_id(0), pl.program_id(1)
+    c, pid1 = pl.program_id(0), pl.program_id(1)
     kh = pid1 // ratio if per_value_head else pid1
+    nvalid = nvalid_ref[c]
 
-    def _prep_chunk(c):
-        nvalid = nvalid_ref[c]
+    @pl.when(nvalid > 0)
+    def _():
         row0 = row0_ref[c]
         dk = k_ref.shape[-1]
         scale = dk ** -0.5
@@ -546,12 +544,6 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
                 for cols in (pl.ds(0, half), pl.ds(half, half)):
                     x = _load(src.at[pl.ds(row0, CHUNK), hd, cols], jnp.broadcast_to(valid64[:, None], (CHUNK, half)))
                     ref[c, hv, :, cols] = mm(t, coef * x.astype(jnp.float32), (1, 0), prec).astype(ref.dtype)
-
-    if loop > 1:                # chunks pid0 * loop + i in a loop (software-pipelined loads); unused ids are written
-        last = row0_ref.shape[0] - 1                         # too (masked loads: never read by the scan)
-        jax.lax.fori_loop(0, loop, lambda i, carry: _prep_chunk(jnp.minimum(pid0 * loop + i, last)) or carry, 0)
-    else:
-        pl.when(nvalid_ref[pid0] > 0)(lambda: _prep_chunk(pid0))
 
 
 def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
@@ -737,13 +729,11 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, loop=1, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
-    the "tile" kernel from T (per value head / per key head).
-    loop > 1 ("tile", "tile2", "solve", "solve2"): each program does `loop` consecutive chunks in a loop whose
-    loads Triton software-pipelines (num_stages=2) instead of one chunk in straight-line code."""
+    the "tile" kernel from T (per value head / per key head)."""
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
@@ -755,15 +745,12 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     kernel = {"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
               "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True),
               "solve2": functools.partial(_prep_kernel, solved=True)}
-    if loop > 1 and mode == "blocks":
-        raise ValueError("prep_mode 'blocks' has no looped form")
-    extra_kw = {"loop": loop} if loop > 1 else {}
     return pl.pallas_call(
-        functools.partial(kernel[mode], ratio=hv // hk, prec=prec, interpret=interpret, **extra_kw),
+        functools.partial(kernel[mode], ratio=hv // hk, prec=prec, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, dk), w_dtype), jax.ShapeDtypeStruct((mc, hv, CHUNK, dv), f32),
                    jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 3, CHUNK), f32)),
-        grid=(-(-mc // loop), hk if mode in ("tile2", "blocks", "solve2") else hv),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2 if loop > 1 else 1),
+        grid=(mc, hk if mode in ("tile2", "blocks", "solve2") else hv),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_wy_prep",
     )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32), *extra)
 
@@ -796,7 +783,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
-                         solve_prec=config.solve_prec, loop=config.prep_loop,
+                         solve_prec=config.solve_prec,
                          interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                    precs=(h_prec, o_prec, s_prec), interpret=interpret)
