@@ -6,10 +6,11 @@ solve's variants, and ablations of the scan.
 Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls over rotating input sets):
 - solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk and value head) in each configuration of SOLVES, each checked
   against the first one's T (rel-L2) on the same inputs and on repeated keys;
-- tile: `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES;
+- tile: `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES; the T-form's prep (P, f only);
 - scan: `gdn.wy_scan` in each configuration of SCANS, and ablations of the default (ABLATIONS: the same loop with
   parts removed, one sequence of whole chunks, plain loads), which tell whether the sequential chain's latency
-  (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it.
+  (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
+- whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE.
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 
 # (warps, precision of the merge dots)
-SOLVES = [(1, "ieee"), (1, "tf32x3"), (2, "tf32x3")]
-TILES = [("solve", 4), ("solve", 8), ("solve2", 4)]                                     # (prep_mode, prep_warps)
+SOLVES = [(1, "ieee"), (1, "tf32x3")]
+TILES = [("solve", 4)]                                     # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]                                                            # on the default
+WHOLE = [dict(), dict(tform=True), dict(tform=True, bv=64, num_warps=8)]     # whole prefill, on the default
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
@@ -158,6 +160,22 @@ def main():
         c = dataclasses.replace(d, **kw)
         try:
             log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
+        except Exception as e:  # noqa: BLE001
+            log(f"| {c.name} | failed: {repr(e)[:200]} |")
+    def pf_call(c, q, k, v, a, b, slots):
+        outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
+                           prec=precs[3], num_warps=d.prep_warps, pf_only=True, **kb.kernel_kw())
+        return c + 0.0 * outs[1][0, 0, 0, :1]
+    us, _ = kb.time_calls(pf_call, jnp.zeros((1,), jnp.float32), pr.sets, calls=(2, 10))
+    log("")
+    log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True)`): {us:.1f} us")
+    log("")
+    log("| whole prefill (`gdn_prefill_packed`) | us |")
+    log("|---|---|")
+    for kw in WHOLE:
+        c = dataclasses.replace(d, **kw)
+        try:
+            log(f"| {c.name} | {pr.full_us(c):.1f} |")
         except Exception as e:  # noqa: BLE001
             log(f"| {c.name} | failed: {repr(e)[:200]} |")
     if args.ablations and pr.n == 1:

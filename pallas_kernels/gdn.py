@@ -111,6 +111,8 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
+    tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
+                                  # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
     overlap: bool = False         # scan: X = W H and Y = q H issued together, then the update and P Vnew together
                                   # (two waits on the tensor cores per chunk instead of five); f a chunk ahead
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
@@ -121,7 +123,7 @@ class WYConfig:
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
         inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
-                + ("_ov" if self.overlap else "")
+                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -177,6 +179,8 @@ def prefill_sweep():
             nopf(bv=16, num_stages=2), nopf(bv=32, num_stages=2), nopf(bv=32, num_warps=8, num_stages=2),
             nopf(bv=32, num_stages=2, overlap=True), nopf(bv=32, num_stages=2, overlap=True, num_warps=8),
             nopf(bv=16, num_stages=2, overlap=True),
+            nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
+            nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
             PrefillConfig()]
@@ -479,14 +483,17 @@ def _assemble(blocks, nb):
 
 
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs, ratio, prec,
-                 interpret, per_value_head=False, solved=False):
+                 interpret, per_value_head=False, solved=False, pf_only=False):
     """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
     (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
     solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead."""
-    t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
+    if pf_only:                  # tform: P and f only (the scan applies T itself)
+        (p_ref, f_ref), t_in_ref = refs, None
+    else:
+        t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
     c, pid1 = pl.program_id(0), pl.program_id(1)
     kh = pid1 // ratio if per_value_head else pid1
     nvalid = nvalid_ref[c]
@@ -525,6 +532,11 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
             f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
             f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
             f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
+            if pf_only:
+                f_ref[c, hv, 3, :] = beta * jnp.exp(gam) * rk
+                f_ref[c, hv, 4, :] = beta
+        if pf_only:
+            return
 
         if solved:
             ts = [t_in_ref[c, hv, :, :] for hv in heads]
@@ -615,7 +627,8 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
 
 
 def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
-                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret):
+                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
+                    tform=False, t_prec="tf32"):
     """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
     h_prec, o_prec, s_prec = precs
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -633,17 +646,28 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
     nch = (length + CHUNK - 1) // CHUNK
 
     def fetch(c):
-        """Chunk c's tiles; only the state-independent inputs (prefetchable)."""
+        """Chunk c's tiles; only the state-independent inputs (prefetchable). tform: (w, u) slots hold (T, V)."""
         row0 = start + c * CHUNK
-        vk = jnp.broadcast_to((rows < length - c * CHUNK)[:, None], (CHUNK, dk))
+        valid = (rows < length - c * CHUNK)[:, None]
+        vk = jnp.broadcast_to(valid, (CHUNK, dk))
         cc = jnp.minimum(coff + c, last_chunk)               # in bounds even for an empty sequence's fetch
-        return (_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk), _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk),
-                w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols], p_ref[cc, hv, :, :],
-                f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
+        qk = (_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk), _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk))
+        if tform:
+            wu = (w_ref[cc, hv, :, :], _load(u_ref.at[pl.ds(row0, CHUNK), hv, vcols], jnp.broadcast_to(valid, (CHUNK, bv))))
+        else:
+            wu = (w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols])
+        return qk + wu + (p_ref[cc, hv, :, :], f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
 
     def step(c, h, tiles):
-        qr, kr, w, u, p, fq, fk, fd = tiles
-        if overlap:                                          # both products of H issued before either is used
+        qr, kr, w, u, p, fq, fk, fd = tiles[:8]
+        if tform:                                            # Vnew = T (beta V - beta e^gamma |k|^-1 K H)
+            t, fw, beta = w, *tiles[8:]
+            z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
+            vnew = mm(t, beta[:, None] * u.astype(jnp.float32) - fw[:, None] * z, (1, 0), t_prec)
+            pv = mm(p, vnew, (1, 0), o_prec)
+            upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
+            h_new, o = fd * h + upd, fq[:, None] * y + pv
+        elif overlap:                                        # both products of H issued before either is used
             x, y = mm(w, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
             vnew = u - x
             pv = mm(p, vnew, (1, 0), o_prec)                 # issued before the update's (two-dot) sum
@@ -658,10 +682,11 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         pltriton.store(o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols], o.astype(o_ref.dtype), mask=ostore)
         return h_new
 
-    if overlap:
+    if overlap or tform:
         def factors(c):                                      # the row factors and the chunk's decay, a scalar
             cc = jnp.minimum(coff + jnp.minimum(c, nch - 1), last_chunk)
-            return f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, 0]
+            extra = (f_ref[cc, hv, 3, :], f_ref[cc, hv, 4, :]) if tform else ()
+            return (f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, 0]) + extra
 
         def body(c, carry):                                  # they are loaded a chunk ahead (plain loads: the
             h, fs = carry                                    # pipeliner leaves them synchronous)
@@ -729,11 +754,24 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
-    the "tile" kernel from T (per value head / per key head)."""
+    the "tile" kernel from T (per value head / per key head).
+    pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
+    |k|^-1 and beta; no T, W or U (grid (chunk, value head))."""
+    if pf_only:
+        hk, hv = k.shape[1], v.shape[1]
+        mc, f32 = row0.shape[0], jnp.float32
+        return pl.pallas_call(
+            functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=True,
+                              pf_only=True),
+            out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
+            grid=(mc, hv),
+            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret, name="gdn_wy_prep_pf",
+        )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
@@ -757,7 +795,9 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
 
 def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, config: WYConfig,
             precs, interpret=False):
-    """The WY scan kernel given the prep outputs (wy_prep). precs = (h_prec, o_prec, s_prec).
+    """The WY scan kernel given the prep outputs (wy_prep). precs = (h_prec, o_prec, s_prec[, t_prec]).
+    config.tform: w = T [chunks, Hv, 64, 64] fp32, u = v [total, Hv, dv] (raw), f with 5 rows (wy_prep pf_only);
+    t_prec: the precision of T (beta V - ...).
     Returns (o [total, Hv, dv] in q.dtype, pool)."""
     total, hk, dk = k.shape
     hv, dv = u.shape[1], u.shape[-1]
@@ -766,8 +806,9 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
     if dv % bv or bv < 16:
         raise ValueError(f"V-block {bv} must divide dv={dv} and be >= 16")
     return pl.pallas_call(
-        functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs), prefetch=config.prefetch,
-                          overlap=config.overlap, interpret=interpret),
+        functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs[:3]), prefetch=config.prefetch,
+                          overlap=config.overlap, interpret=interpret, tform=config.tform,
+                          t_prec=precs[3] if len(precs) > 3 else "tf32"),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},
@@ -781,6 +822,15 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
+    if config.tform:
+        if config.prep_mode != "solve":
+            raise ValueError("tform needs prep_mode 'solve' (T from wy_solve)")
+        t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
+                     inv_prec=config.solve_prec, interpret=interpret)
+        p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
+                       num_warps=config.prep_warps, pf_only=True, interpret=interpret)
+        return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
+                       precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
                          solve_prec=config.solve_prec,
