@@ -34,7 +34,12 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee"), (1, "tf32x3")]
 TILES = [("solve", 4)]                                     # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]                                                            # on the default
-WHOLE = [dict(), dict(tform=True), dict(tform=True, bv=64, num_warps=8)]     # whole prefill, on the default
+# whole prefill, on the default: the T-form at several (V-block, warps, stages): bv 16 at one stage leaves room for
+# two or three programs per SM; fewer than four warps run mma.sync instead of wgmma
+TF = dict(tform=True)
+WHOLE = [dict(), TF, dict(TF, bv=16, num_stages=1), dict(TF, bv=16, num_warps=2, num_stages=1),
+         dict(TF, bv=32, num_warps=2), dict(TF, bv=32, num_stages=1), dict(TF, bv=16)]
+DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
@@ -93,7 +98,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
-    ap.add_argument("--ablations", action="store_true", help="also time the scan ablations")
+    ap.add_argument("--parts", default=DEFAULT_PARTS,
+                    help="comma-separated subset of solve, tile, scan, pf, whole, ablations")
     args = ap.parse_args()
     kb.RES["ceilings"] = {}
     pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
@@ -105,83 +111,89 @@ def main():
         print(s, flush=True)
         lines.append(s)
 
-    # --- the T solve
-    solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
-                                                   num_warps=cfg[0], inv_prec=cfg[1],
-                                                   **kb.kernel_kw())
-    q0, k0, v0, a0, b0, _ = pr.sets[0]
-    used = jnp.nonzero(nvalid > 0)[0]                  # chunk ids past the last chunk stay unwritten
-    t_ref = jax.jit(functools.partial(solve, SOLVES[0]))(k0, a0, b0, pr.dt_bias)
-    # the hard case for a product-form inverse: every key of the sequence equal, beta ~ 1, no decay (A's strictly
-    # lower entries all ~1: its powers grow binomially while T stays small)
-    hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
-    t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
-    log("| solve (warps, merge dots) | T rel-L2 vs the first | same, repeated keys | us |")
-    log("|---|---|---|---|")
-    for cfg in SOLVES:
-        try:
-            t = jax.jit(functools.partial(solve, cfg))(k0, a0, b0, pr.dt_bias)
-            err = kb.rel(t[used], t_ref[used])
-            err_hard = kb.rel(jax.jit(functools.partial(solve, cfg))(*hard)[used], t_hard[used])
-
-            def call(c, q, k, v, a, b, slots, cfg=cfg):
-                return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0])[0, 0, 0, :1]
-            us, _ = kb.time_calls(call, jnp.zeros((1,), jnp.float32), pr.sets, calls=(2, 10))
-            log(f"| {cfg} | {err:.1e} | {err_hard:.1e} | {us:.1f} |")
-        except Exception as e:  # noqa: BLE001
-            log(f"| {cfg} | failed: {repr(e)[:200]} | | |")
-
-    # --- the tile kernel given T
+    parts = set(args.parts.split(","))
     precs = d.precisions(jnp.bfloat16)
-    ts = [jax.jit(functools.partial(solve, SOLVES[0]))(k, a, b, pr.dt_bias) for q, k, v, a, b, _ in pr.sets]
-    sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
+    solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
+                                                   num_warps=cfg[0], inv_prec=cfg[1], **kb.kernel_kw())
+    zero = jnp.zeros((1,), jnp.float32)
 
-    log("")
-    log("| tile kernel given T (mode, warps) | us |")
-    log("|---|---|")
-    for mode, warps in TILES:
-        def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
+    if "solve" in parts:                      # the T solve
+        q0, k0, v0, a0, b0, _ = pr.sets[0]
+        used = jnp.nonzero(nvalid > 0)[0]              # chunk ids past the last chunk stay unwritten
+        t_ref = jax.jit(functools.partial(solve, SOLVES[0]))(k0, a0, b0, pr.dt_bias)
+        # a hard case for a product-form inverse: every key of the sequence equal, beta ~ 1, no decay (A's strictly
+        # lower entries all ~1: its powers grow binomially while T stays small)
+        hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
+        t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
+        log("| solve (warps, merge dots) | T rel-L2 vs the first | same, repeated keys | us |")
+        log("|---|---|---|---|")
+        for cfg in SOLVES:
+            try:
+                t = jax.jit(functools.partial(solve, cfg))(k0, a0, b0, pr.dt_bias)
+                err = kb.rel(t[used], t_ref[used])
+                err_hard = kb.rel(jax.jit(functools.partial(solve, cfg))(*hard)[used], t_hard[used])
+
+                def call(c, q, k, v, a, b, slots, cfg=cfg):
+                    return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0])[0, 0, 0, :1]
+                us, _ = kb.time_calls(call, zero, pr.sets, calls=(2, 10))
+                log(f"| {cfg} | {err:.1e} | {err_hard:.1e} | {us:.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {cfg} | failed: {repr(e)[:200]} | | |")
+        log("")
+
+    if "tile" in parts:                       # the tile kernel given T
+        ts = [jax.jit(functools.partial(solve, SOLVES[-1]))(k, a, b, pr.dt_bias) for q, k, v, a, b, _ in pr.sets]
+        sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
+        log("| tile kernel given T (mode, warps) | us |")
+        log("|---|---|")
+        for mode, warps in TILES:
+            def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
+                outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
+                                   prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
+                return c + 0.0 * outs[3][0, 0, 0, :1]
+            try:
+                us, _ = kb.time_calls(tile_call, zero, sets_t, calls=(2, 10))
+                log(f"| {mode}, {warps} | {us:.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
+        log("")
+        del ts, sets_t
+
+    preps = pr.prep_outputs(d) if parts & {"scan", "ablations"} else None
+    if "scan" in parts:
+        log("| scan configuration | us |")
+        log("|---|---|")
+        for kw in SCANS:
+            c = dataclasses.replace(d, **kw)
+            try:
+                log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {c.name} | failed: {repr(e)[:200]} |")
+        log("")
+
+    if "pf" in parts:
+        def pf_call(c, q, k, v, a, b, slots):
             outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                               prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
-            return c + 0.0 * outs[3][0, 0, 0, :1]
-        try:
-            us, _ = kb.time_calls(tile_call, jnp.zeros((1,), jnp.float32), sets_t, calls=(2, 10))
-            log(f"| {mode}, {warps} | {us:.1f} |")
-        except Exception as e:  # noqa: BLE001
-            log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
-    del ts, sets_t
+                               prec=precs[3], num_warps=d.prep_warps, pf_only=True, **kb.kernel_kw())
+            return c + 0.0 * outs[1][0, 0, 0, :1]
+        us, _ = kb.time_calls(pf_call, zero, pr.sets, calls=(2, 10))
+        log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True)`): {us:.1f} us")
+        log("")
 
-    # --- the scan and its ablations
-    preps = pr.prep_outputs(d)
-    log("")
-    log("| scan configuration | us |")
-    log("|---|---|")
-    for kw in SCANS:
-        c = dataclasses.replace(d, **kw)
-        try:
-            log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
-        except Exception as e:  # noqa: BLE001
-            log(f"| {c.name} | failed: {repr(e)[:200]} |")
-    def pf_call(c, q, k, v, a, b, slots):
-        outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                           prec=precs[3], num_warps=d.prep_warps, pf_only=True, **kb.kernel_kw())
-        return c + 0.0 * outs[1][0, 0, 0, :1]
-    us, _ = kb.time_calls(pf_call, jnp.zeros((1,), jnp.float32), pr.sets, calls=(2, 10))
-    log("")
-    log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True)`): {us:.1f} us")
-    log("")
-    log("| whole prefill (`gdn_prefill_packed`) | us |")
-    log("|---|---|")
-    for kw in WHOLE:
-        c = dataclasses.replace(d, **kw)
-        try:
-            log(f"| {c.name} | {pr.full_us(c):.1f} |")
-        except Exception as e:  # noqa: BLE001
-            log(f"| {c.name} | failed: {repr(e)[:200]} |")
-    if args.ablations and pr.n == 1:
+    if "whole" in parts:
+        log("| whole prefill (`gdn_prefill_packed`) | us |")
+        log("|---|---|")
+        for kw in WHOLE:
+            c = dataclasses.replace(d, **kw)
+            try:
+                log(f"| {c.name} | {pr.full_us(c):.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {c.name} | failed: {repr(e)[:200]} |")
+        log("")
+
+    if "ablations" in parts and pr.n == 1:
         h0 = pr.pool()[1]
         sets_s = [(s[0], s[1], *pp) for s, pp in zip(pr.sets, preps)]
-        log("")
         log("| scan ablation | what runs | us |")
         log("|---|---|---|")
         for mode, what in ABLATIONS.items():
@@ -190,12 +202,14 @@ def main():
                     _, h = scan_ablation(q, k, w, u, p, f, h0 + c[0], mode=mode, bv=d.bv or 32,
                                          num_warps=d.num_warps, num_stages=d.num_stages, **kb.kernel_kw())
                     return c + 0.0 * h[0, 0, :1]
-                us, _ = kb.time_calls(call, jnp.zeros((1,), jnp.float32), sets_s, calls=(2, 10))
+                us, _ = kb.time_calls(call, zero, sets_s, calls=(2, 10))
                 log(f"| {mode} | {what} | {us:.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {mode} | failed: {repr(e)[:200]} | |")
     if args.record:
-        results.record(f"GDN prefill by part at {args.case} (bench/prefill_parts.py)", "\n".join(lines) + "\n")
+        which = "" if args.parts == DEFAULT_PARTS else f", parts {args.parts}"
+        results.record(f"GDN prefill by part at {args.case} (bench/prefill_parts.py{which})",
+                       "\n".join(lines).rstrip() + "\n")
 
 
 if __name__ == "__main__":
