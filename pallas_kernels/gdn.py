@@ -28,6 +28,16 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    777 tokens, fast and slow decays): rounding H or W to bf16 costs <= 7e-4 of o; rounding U, P, Vnew or T to bf16
    costs ~1.7e-3 each (fla rounds all of them: 2.5-3.4e-3 o, 2.2-3.1e-3 state). With the choice above the emulated
    errors are o <= 8e-4, state <= 3e-4.
+3. The T-form (WYConfig.tform, the default since 0f84710's measurements): three kernels instead of two, and no W
+   or U in memory. `_solve_kernel` (one warp per (chunk, key head), tf32x3 merges) writes T; `_prep_kernel` with
+   pf_only writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
+     Z = k H, Y = q H                      (raw bf16 k, q; bf16 H operand)
+     Vnew = T (beta V - fw * Z)            (TF32; the same products as U - W H, without rounding W to bf16)
+   then o and the state update as above: one more dot per chunk (T is on the sequential path), but the prep's
+   traffic drops from ~145 KB to ~50 KB per (chunk, value head): 584 vs 719 us for the whole 1x8k prefill on the
+   H200 (bench/prefill_parts.py). Dots on the tensor cores are waited for one at a time by Triton (a wait right
+   after each wgmma), so each dot in the chunk loop costs its full latency: the scan is bound by that, not by the
+   state dependency (a scan whose state never changes took 355 vs 381 us).
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
@@ -102,7 +112,8 @@ class WYConfig:
                once per key head)."""
     bv: int | None = None
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int | None = 1    # None: 2 while the scan's programs fit in one wave on the SMs, else 1 (smaller
+                                  # buffers, two programs per SM): pick_stages
     prefetch: bool = True
     prep_warps: int = 4
     prep_mode: str = "tile"
@@ -122,7 +133,8 @@ class WYConfig:
     def name(self):
         p = "_".join(x or "a" for x in (self.h_prec, self.o_prec, self.s_prec, self.prep_prec))
         inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
-        return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages}{'_pf' if self.prefetch else ''}"
+        return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
+                + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
@@ -159,7 +171,10 @@ class DecodeConfig:
 # prep on one warp took 417 us against 615 us for the one-kernel prep (whole prefill 838 us). At fa696dc, by part
 # (bench/prefill_parts.py): the solve with tf32x3 merges 92.2 us against 152.6 with exact ones, the tile kernel
 # given T 263.6 us, the scan with overlap 359.4 us against 380.7 without.
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=2, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True)
+# At 0f84710 (bench/prefill_parts.py, whole prefill): the T-form 584.0 us against 719.0 at 1x8k (bv 16 598.5, one
+# stage 719.9), and at 8x2k 1228.8 us at one stage, 1323.0 at two, 1569.7 for the W-form.
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
+                           tform=True)
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
 DEFAULT_DECODE = DecodeConfig(vfirst=True)
@@ -732,6 +747,13 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return min(bv, dv)
 
 
+def pick_stages(programs, cores=132):
+    """Scan pipeline depth for num_stages=None: two stages while every program has an SM to itself (one long
+    sequence: the deeper pipeline wins), one when there are more programs than SMs (smaller buffers let two
+    programs share an SM)."""
+    return 2 if programs <= cores else 1
+
+
 def pick_bv_wy(n_seq, hv, dv, cores=132):
     """WY scan: the largest V-block in 16..64 that still gives two programs per SM."""
     bv = min(64, dv)
@@ -812,7 +834,8 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                                num_stages=config.num_stages or pick_stages(n * hv * (dv // bv))),
         interpret=interpret, name="gdn_wy_scan",
     )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool)
 
