@@ -34,11 +34,9 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee"), (1, "tf32x3")]
 TILES = [("solve", 4)]                                     # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]                                                            # on the default
-# whole prefill, on the default: the T-form at several (V-block, warps, stages): bv 16 at one stage leaves room for
-# two or three programs per SM; fewer than four warps run mma.sync instead of wgmma
-TF = dict(tform=True)
-WHOLE = [dict(), TF, dict(TF, bv=16, num_stages=1), dict(TF, bv=16, num_warps=2, num_stages=1),
-         dict(TF, bv=32, num_warps=2), dict(TF, bv=32, num_stages=1), dict(TF, bv=16)]
+# whole prefill, on the default (the T-form): the W-form, fixed scan stages, bv 16, the P / f prep per key head
+WHOLE = [dict(), dict(tform=False, num_stages=2), dict(num_stages=1), dict(num_stages=2), dict(bv=16),
+         dict(prep_mode="solve2"), dict(prep_mode="solve2", prep_warps=8)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",

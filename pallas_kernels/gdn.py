@@ -195,6 +195,7 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, overlap=True), nopf(bv=32, num_stages=2, overlap=True, num_warps=8),
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
+            nopf(bv=32, num_stages=None, prep_mode="solve2", solve_warps=1, tform=True),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
@@ -782,15 +783,16 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
     the "tile" kernel from T (per value head / per key head).
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
-    |k|^-1 and beta; no T, W or U (grid (chunk, value head))."""
-    if pf_only:
+    |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2")."""
+    if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
+        per_kh = mode == "solve2"
         return pl.pallas_call(
-            functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=True,
+            functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True),
             out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
-            grid=(mc, hv),
+            grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="gdn_wy_prep_pf",
         )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
@@ -846,12 +848,12 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     if config.tform:
-        if config.prep_mode != "solve":
-            raise ValueError("tform needs prep_mode 'solve' (T from wy_solve)")
+        if config.prep_mode not in ("solve", "solve2"):
+            raise ValueError("tform needs prep_mode 'solve' or 'solve2' (T from wy_solve)")
         t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
                      inv_prec=config.solve_prec, interpret=interpret)
         p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                       num_warps=config.prep_warps, pf_only=True, interpret=interpret)
+                       num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
