@@ -28,7 +28,7 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    777 tokens, fast and slow decays): rounding H or W to bf16 costs <= 7e-4 of o; rounding U, P, Vnew or T to bf16
    costs ~1.7e-3 each (fla rounds all of them: 2.5-3.4e-3 o, 2.2-3.1e-3 state). With the choice above the emulated
    errors are o <= 8e-4, state <= 3e-4.
-3. The T-form (WYConfig.tform, the default since 0f84710's measurements): three kernels instead of two, and no W
+3. The T-form (WYConfig.tform, the default since 7ccd469): three kernels instead of two, and no W
    or U in memory. `_solve_kernel` (one warp per (chunk, key head), tf32x3 merges) writes T; `_prep_kernel` with
    pf_only writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
      Z = k H, Y = q H                      (raw bf16 k, q; bf16 H operand)
@@ -124,8 +124,9 @@ class WYConfig:
     solve_warps: int = 2
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
-    overlap: bool = False         # scan: X = W H and Y = q H issued together, then the update and P Vnew together
-                                  # (two waits on the tensor cores per chunk instead of five); f a chunk ahead
+    overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
+                                  # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
+                                  # waits after every dot. The T-form scan always runs this way.
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -206,8 +207,10 @@ def prefill_sweep():
 PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", prep_warps=2),
                  dict(prep_mode="solve", solve_warps=1), dict(prep_mode="solve", solve_warps=2),
                  dict(prep_mode="solve", solve_warps=1, solve_prec="ieee"),
-                 dict(prep_mode="solve", solve_warps=1, prep_warps=8), dict(prep_mode="solve", solve_warps=1, prep_warps=2),
-                 dict(prep_mode="solve2", solve_warps=1, prep_warps=4), dict(prep_mode="solve2", solve_warps=1, prep_warps=8),
+                 dict(prep_mode="solve", solve_warps=1, prep_warps=8),
+                 dict(prep_mode="solve", solve_warps=1, prep_warps=2),
+                 dict(prep_mode="solve2", solve_warps=1, prep_warps=4),
+                 dict(prep_mode="solve2", solve_warps=1, prep_warps=8),
                  dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
 
 
@@ -505,7 +508,8 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
-    solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead."""
+    solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead.
+    pf_only (the T-form): only P and f, with f's rows 3, 4 = beta e^gamma |k|^-1 and beta (refs = (p, f))."""
     if pf_only:                  # tform: P and f only (the scan applies T itself)
         (p_ref, f_ref), t_in_ref = refs, None
     else:
@@ -669,7 +673,8 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         cc = jnp.minimum(coff + c, last_chunk)               # in bounds even for an empty sequence's fetch
         qk = (_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk), _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk))
         if tform:
-            wu = (w_ref[cc, hv, :, :], _load(u_ref.at[pl.ds(row0, CHUNK), hv, vcols], jnp.broadcast_to(valid, (CHUNK, bv))))
+            vmask = jnp.broadcast_to(valid, (CHUNK, bv))
+            wu = (w_ref[cc, hv, :, :], _load(u_ref.at[pl.ds(row0, CHUNK), hv, vcols], vmask))
         else:
             wu = (w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols])
         return qk + wu + (p_ref[cc, hv, :, :], f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
@@ -791,7 +796,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
         return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True),
-            out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32), jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
+            out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32),
+                       jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="gdn_wy_prep_pf",

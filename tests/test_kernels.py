@@ -50,7 +50,8 @@ WY, V1 = gdn.DEFAULT_PREFILL, gdn.PrefillConfig()
 @pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
                                                        (3, 16, 32, V1, [65, 130, 1, 0]),
                                                        (2, 16, 32, gdn.WYConfig(prep_mode="tile"), [70, 130, 1, 0]),
-                                                       (2, 16, 32, dataclasses.replace(WY, tform=False), [70, 130, 1, 0])],
+                                                       (2, 16, 32, dataclasses.replace(WY, tform=False),
+                                                        [70, 130, 1, 0])],
                          ids=["wy-r1", "wy-r3", "v1-r3", "wy-tile-prep-r2", "wy-wform-r2"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
