@@ -34,9 +34,10 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee"), (1, "tf32x3")]
 TILES = [("solve", 4)]                                     # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]                                                            # on the default
-# whole prefill, on the default (the T-form): the W-form, fixed scan stages, bv 16, the P / f prep per key head
-WHOLE = [dict(), dict(tform=False, num_stages=2), dict(num_stages=1), dict(num_stages=2), dict(bv=16),
-         dict(prep_mode="solve2"), dict(prep_mode="solve2", prep_warps=8)]
+# whole prefill, on the default (the T-form): the one-dot state update, the W-form, fixed scan stages, bv 16, the
+# P / f prep per key head
+WHOLE = [dict(), dict(fused_update=True), dict(tform=False, num_stages=2), dict(num_stages=1), dict(num_stages=2),
+         dict(bv=16), dict(prep_mode="solve2"), dict(prep_mode="solve2", prep_warps=8)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the default scan's loop (all four dots, o stored)",

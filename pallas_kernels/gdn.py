@@ -124,6 +124,9 @@ class WYConfig:
     solve_warps: int = 2
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
+    fused_update: bool = False    # T-form with the bf16 hi + lo state update: one dot [k; k]^T [hi; lo] (K = 128)
+                                  # instead of two (K = 64), k's rows gathered twice. Not yet timed on the H200; the
+                                  # sm_90 compile check: 5 wgmma instead of 6, 209 KB shared memory, 177 registers
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
@@ -137,6 +140,7 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
+                + ("_fu" if self.fused_update else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -197,6 +201,7 @@ def prefill_sweep():
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=None, prep_mode="solve2", solve_warps=1, tform=True),
+            dataclasses.replace(DEFAULT_PREFILL, fused_update=True),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
@@ -647,8 +652,8 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
 
 
 def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
-                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
-                    tform=False, t_prec="tf32"):
+                    f_ref, pool_ref, k2_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
+                    tform=False, t_prec="tf32", fused_update=False):
     """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
     h_prec, o_prec, s_prec = precs
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -677,16 +682,27 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
             wu = (w_ref[cc, hv, :, :], _load(u_ref.at[pl.ds(row0, CHUNK), hv, vcols], vmask))
         else:
             wu = (w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols])
-        return qk + wu + (p_ref[cc, hv, :, :], f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
+        rest = (p_ref[cc, hv, :, :], f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
+        if fused_update:        # k's rows twice, [k; k] (a gather from the [total * Hk, dk] view; clamped rows past
+            r2 = jnp.arange(2 * CHUNK, dtype=jnp.int32) % CHUNK      # the end meet zero weights)
+            rest += (k2_ref[jnp.minimum((row0 + r2) * k_ref.shape[1] + kh, k2_ref.shape[0] - 1)],)
+        return qk + wu + rest
 
     def step(c, h, tiles):
         qr, kr, w, u, p, fq, fk, fd = tiles[:8]
         if tform:                                            # Vnew = T (beta V - beta e^gamma |k|^-1 K H)
-            t, fw, beta = w, *tiles[8:]
+            k2, (fw, beta) = (tiles[8], tiles[9:]) if fused_update else (None, tiles[8:])
+            t = w
             z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
             vnew = mm(t, beta[:, None] * u.astype(jnp.float32) - fw[:, None] * z, (1, 0), t_prec)
             pv = mm(p, vnew, (1, 0), o_prec)
-            upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
+            if fused_update:                                 # bf16x2 as one dot: [k; k]^T [hi; lo], K = 128
+                wgt = vnew * fk[:, None]
+                hi = wgt.astype(jnp.bfloat16)
+                lo = (wgt - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+                upd = mm(k2, _vcat(hi, lo), (0, 0), "bf16")
+            else:
+                upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
             h_new, o = fd * h + upd, fq[:, None] * y + pv
         elif overlap:                                        # both products of H issued before either is used
             x, y = mm(w, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
@@ -712,7 +728,8 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         def body(c, carry):                                  # they are loaded a chunk ahead (plain loads: the
             h, fs = carry                                    # pipeliner leaves them synchronous)
             nxt = factors(c + 1)
-            return step(c, h, fetch(c)[:5] + fs), nxt
+            tiles = fetch(c)                                 # (q, k, w, u, p, f rows..., [k; k])
+            return step(c, h, tiles[:5] + fs[:3] + tiles[8:] + fs[3:]), nxt
         h, _ = jax.lax.fori_loop(0, nch, body, (h, factors(0)))
     elif prefetch:
         def body(c, carry):
@@ -838,14 +855,15 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
     return pl.pallas_call(
         functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs[:3]), prefetch=config.prefetch,
                           overlap=config.overlap, interpret=interpret, tform=config.tform,
-                          t_prec=precs[3] if len(precs) > 3 else "tf32"),
+                          t_prec=precs[3] if len(precs) > 3 else "tf32",
+                          fused_update=config.tform and config.fused_update and precs[2] == "bf16x2"),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages or pick_stages(n * hv * (dv // bv))),
         interpret=interpret, name="gdn_wy_scan",
-    )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool)
+    )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool, k.reshape(total * hk, dk))
 
 
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
