@@ -6,10 +6,11 @@ solve's variants, and ablations of the scan.
 Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls over rotating input sets):
 - solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk and value head) in each configuration of SOLVES, each checked
   against the first one's T (rel-L2) on the same inputs and on repeated keys;
-- tile: `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES; the T-form's prep (P, f only);
-- scan: `gdn.wy_scan` in each configuration of SCANS, and ablations of the default (ABLATIONS: the same loop with
-  parts removed, one sequence of whole chunks, plain loads), which tell whether the sequential chain's latency
-  (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
+- tile: the W-form's `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES;
+- scan: the W-form's `gdn.wy_scan` (on precomputed W, U, P, f) in each configuration of SCANS, and ablations of it
+  (ABLATIONS: the same loop with parts removed, one sequence of whole chunks, plain loads), which tell whether the
+  sequential chain's latency (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
+- pf: the T-form's prep (P and f only);
 - whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE.
 """
 from __future__ import annotations
@@ -30,17 +31,16 @@ from bench import kernels as kb  # noqa: E402
 from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 
-# (warps, precision of the merge dots)
-SOLVES = [(1, "ieee"), (1, "tf32x3")]
-TILES = [("solve", 4)]                                     # (prep_mode, prep_warps)
-SCANS = [dict(), dict(overlap=False)]                                                            # on the default
+SOLVES = [(1, "ieee"), (1, "tf32x3")]             # (warps, precision of the merge dots)
+TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
+SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form): the one-dot state update, the W-form, fixed scan stages, bv 16, the
 # P / f prep per key head
 WHOLE = [dict(), dict(fused_update=True), dict(tform=False, num_stages=2), dict(num_stages=1), dict(num_stages=2),
          dict(bv=16), dict(prep_mode="solve2"), dict(prep_mode="solve2", prep_warps=8)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
-    "full": "the default scan's loop (all four dots, o stored)",
+    "full": "the W-form scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
     "nochain": "all four dots and o, but H never changes (the update accumulates into a separate tile)",
     "loads": "the loads of every tile, reduced to a scalar (no dots)",
@@ -114,7 +114,7 @@ def main():
     precs = d.precisions(jnp.bfloat16)
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], **kb.kernel_kw())
-    zero = jnp.zeros((1,), jnp.float32)
+    zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve
         q0, k0, v0, a0, b0, _ = pr.sets[0]
@@ -134,7 +134,7 @@ def main():
 
                 def call(c, q, k, v, a, b, slots, cfg=cfg):
                     return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0])[0, 0, 0, :1]
-                us, _ = kb.time_calls(call, zero, pr.sets, calls=(2, 10))
+                us, _ = kb.time_calls(call, zero(), pr.sets, calls=(2, 10))
                 log(f"| {cfg} | {err:.1e} | {err_hard:.1e} | {us:.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {cfg} | failed: {repr(e)[:200]} | | |")
@@ -151,19 +151,20 @@ def main():
                                    prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
                 return c + 0.0 * outs[3][0, 0, 0, :1]
             try:
-                us, _ = kb.time_calls(tile_call, zero, sets_t, calls=(2, 10))
+                us, _ = kb.time_calls(tile_call, zero(), sets_t, calls=(2, 10))
                 log(f"| {mode}, {warps} | {us:.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
         log("")
         del ts, sets_t
 
-    preps = pr.prep_outputs(d) if parts & {"scan", "ablations"} else None
+    wform = dataclasses.replace(d, tform=False, fused_update=False)
+    preps = pr.prep_outputs(wform) if parts & {"scan", "ablations"} else None
     if "scan" in parts:
         log("| scan configuration | us |")
         log("|---|---|")
         for kw in SCANS:
-            c = dataclasses.replace(d, **kw)
+            c = dataclasses.replace(wform, **kw)
             try:
                 log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
             except Exception as e:  # noqa: BLE001
@@ -175,7 +176,7 @@ def main():
             outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
                                prec=precs[3], num_warps=d.prep_warps, pf_only=True, **kb.kernel_kw())
             return c + 0.0 * outs[1][0, 0, 0, :1]
-        us, _ = kb.time_calls(pf_call, zero, pr.sets, calls=(2, 10))
+        us, _ = kb.time_calls(pf_call, zero(), pr.sets, calls=(2, 10))
         log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True)`): {us:.1f} us")
         log("")
 
@@ -199,9 +200,9 @@ def main():
             try:
                 def call(c, q, k, w, u, p, f, mode=mode):
                     _, h = scan_ablation(q, k, w, u, p, f, h0 + c[0], mode=mode, bv=d.bv or 32,
-                                         num_warps=d.num_warps, num_stages=d.num_stages, **kb.kernel_kw())
+                                         num_warps=d.num_warps, num_stages=d.num_stages or 2, **kb.kernel_kw())
                     return c + 0.0 * h[0, 0, :1]
-                us, _ = kb.time_calls(call, zero, sets_s, calls=(2, 10))
+                us, _ = kb.time_calls(call, zero(), sets_s, calls=(2, 10))
                 log(f"| {mode} | {what} | {us:.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {mode} | failed: {repr(e)[:200]} | |")
