@@ -160,16 +160,19 @@ def main():
 
     wform = dataclasses.replace(d, tform=False, fused_update=False)
     preps = pr.prep_outputs(wform) if parts & {"scan", "ablations"} else None
-    if "scan" in parts:
-        log("| scan configuration | us |")
+    def config_table(title, base, variants, time_us):
+        log(f"| {title} | us |")
         log("|---|---|")
-        for kw in SCANS:
-            c = dataclasses.replace(wform, **kw)
+        for kw in variants:
+            c = dataclasses.replace(base, **kw)
             try:
-                log(f"| {c.name} | {pr.scan_us(c, preps):.1f} |")
+                log(f"| {c.name} | {time_us(c):.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {c.name} | failed: {repr(e)[:200]} |")
         log("")
+
+    if "scan" in parts:
+        config_table("scan configuration", wform, SCANS, lambda c: pr.scan_us(c, preps))
 
     if "pf" in parts:
         def pf_call(c, q, k, v, a, b, slots):
@@ -181,15 +184,7 @@ def main():
         log("")
 
     if "whole" in parts:
-        log("| whole prefill (`gdn_prefill_packed`) | us |")
-        log("|---|---|")
-        for kw in WHOLE:
-            c = dataclasses.replace(d, **kw)
-            try:
-                log(f"| {c.name} | {pr.full_us(c):.1f} |")
-            except Exception as e:  # noqa: BLE001
-                log(f"| {c.name} | failed: {repr(e)[:200]} |")
-        log("")
+        config_table("whole prefill (`gdn_prefill_packed`)", d, WHOLE, pr.full_us)
 
     if "ablations" in parts and pr.n == 1:
         h0 = pr.pool()[1]
