@@ -546,12 +546,17 @@ def main():
         log("ceilings", RES["ceilings"])
 
     # ------------------------------------------------------------------ correctness of every variant
-    prefill_variants = {c.name: c for c in gdn.prefill_sweep()}
+    prefill_variants = {c.name: c for c in [gdn.DEFAULT_PREFILL] + gdn.prefill_sweep()}
+    # the W-form of the default: the prep variants (W, U, P, f) and the scans timed alone on precomputed prep outputs
+    # (the T-form's scan takes T and V instead: T-form configurations are timed whole)
+    wform = dataclasses.replace(gdn.DEFAULT_PREFILL, tform=False, fused_update=False)
     prep_variants = {}                         # label -> WYConfig overrides of the prep variants timed alone
     for kw in gdn.PREP_VARIANTS:               # they also run through the full pipeline here
-        c = dataclasses.replace(gdn.DEFAULT_PREFILL, **kw)
+        c = dataclasses.replace(wform, **kw)
         prefill_variants.setdefault(c.name, c)
-        prep_variants[f"{c.prep_mode}_w{c.prep_warps}" + (f"_s{c.solve_warps}" if c.prep_mode == "solve" else "")] = kw
+        prep_variants[f"{c.prep_mode}_w{c.prep_warps}"
+                      + (f"_s{c.solve_warps}" if c.prep_mode in ("solve", "solve2") else "")
+                      + ("" if c.solve_prec == wform.solve_prec else f"_{c.solve_prec}")] = kw
     decode_variants = {c.name: c for c in gdn.decode_sweep()}
     RES["valid"] = {"prefill": [], "decode": [], "conv_prefill": [], "conv_decode": []}
 
@@ -612,7 +617,7 @@ def main():
             chunk_off, row0, nvalid = gdn.chunk_map(starts, lens, -(-q.shape[0] // gdn.CHUNK) + starts.shape[0])
             outs, preps = {}, {}
             for nm, c in variants.items():
-                if not isinstance(c, gdn.WYConfig):
+                if not isinstance(c, gdn.WYConfig) or c.tform:
                     outs[nm] = run(c, *x)
                     continue
                 precs = c.precisions(v.dtype)
@@ -875,7 +880,7 @@ def main():
         sw = RES["prefill"][SWEEP_CASE].setdefault("sweep", {})
         pr = problem(SWEEP_CASE)
         wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)   # scan variants (default prep)
-              and (c.prep_warps, c.prep_mode) == (gdn.DEFAULT_PREFILL.prep_warps, gdn.DEFAULT_PREFILL.prep_mode)]
+              and not c.tform and (c.prep_warps, c.prep_mode) == (wform.prep_warps, wform.prep_mode)]
         by_prec = {}
         for c in wy:                           # scan configurations (the prep is timed on its own below)
             key_ = c.precisions(jnp.bfloat16)
@@ -892,10 +897,10 @@ def main():
             save()
         by_prec.clear()
         prep = RES["prefill"][SWEEP_CASE].setdefault("prep", {})
-        tile_ok = any(dataclasses.replace(gdn.DEFAULT_PREFILL, **kw).name in RES["valid"]["prefill"]
+        tile_ok = any(dataclasses.replace(wform, **kw).name in RES["valid"]["prefill"]
                       for kw in prep_variants.values() if kw["prep_mode"] != "blocks")
         for label, kw in prep_variants.items():
-            c = dataclasses.replace(gdn.DEFAULT_PREFILL, **kw)
+            c = dataclasses.replace(wform, **kw)
             if c.prep_mode == "blocks" and tile_ok:      # the fallback is timed only when no tile prep compiled
                 continue
             if c.name not in RES["valid"]["prefill"] or not have_time(f"prep {label}", 8):
@@ -906,8 +911,9 @@ def main():
                 RES["errors"][f"prep {label}"] = repr(e)[:400]
             log("prefill prep alone", label, prep.get(label))
             save()
-        for c in valid_prefill().values():     # other configurations of the previous kernels, whole
-            if isinstance(c, gdn.PrefillConfig) and c.name != v1_default.name:
+        for c in valid_prefill().values():     # other configurations of the previous kernels and the T-form, whole
+            if ((isinstance(c, gdn.PrefillConfig) and c.name != v1_default.name)
+                    or (isinstance(c, gdn.WYConfig) and c.tform and c != gdn.DEFAULT_PREFILL)):
                 time_prefill(SWEEP_CASE, c.name, c)
 
     def best_wy():
@@ -1160,10 +1166,12 @@ def report() -> str:
     prep = pf.get(SWEEP_CASE, {}).get("prep")
     if prep:
         L.append(f"WY prep kernel alone {SWEEP_CASE} (µs), mode_warps: " + ", ".join(f"{k} {fmt(v)}" for k, v in prep.items()))
-    others = {k: v for k, v in pf.get(SWEEP_CASE, {}).items()
-              if isinstance(v, dict) and k.startswith("v1_") and v.get("us")}
-    if others:
-        L.append("Previous kernels, other configurations (µs): " + ", ".join(f"{k} {fmt(v['us'])}" for k, v in others.items()))
+    for prefix, what in (("v1_", "Previous kernels"), ("wy_", "T-form")):
+        others = {k: v for k, v in pf.get(SWEEP_CASE, {}).items() if isinstance(v, dict) and k.startswith(prefix)
+                  and v.get("us") and k not in ("wy_default", "wy_best", "wy_best_bvauto")}
+        if others:
+            L.append(f"{what}, other configurations, whole prefill {SWEEP_CASE} (µs): "
+                     + ", ".join(f"{k} {fmt(v['us'])}" for k, v in others.items()))
     L += ["", "### Decode (one token per row, state read + written in place by slot; traffic = 2 x 2 MiB per row)", "",
           "| batch | best µs (config) | TB/s | % of copy | default µs | previous default (bv32_w2) µs | fla (a) µs | fla (b) µs | fla (b) TB/s |",
           "|---|---|---|---|---|---|---|---|---|"]
