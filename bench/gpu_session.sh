@@ -43,7 +43,9 @@ for s in $sections; do
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
     kheadline) OUT=$work/kheadline CUDA_VISIBLE_DEVICES=0 run kheadline 330 python3 bench/kernels.py --time-limit 290 \
                  --no-model --only correct_defaults headline prefill_cases ;;
-    parts) OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts 240 python3 bench/prefill_parts.py --record ${PARTS:+--parts $PARTS} ;;
+    parts) for c in ${PARTS_CASES:-1x8k}; do       # PARTS: which parts; PARTS_CASES: e.g. "1x8k 8x2k"
+             OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts_$c 240 python3 bench/prefill_parts.py --record --case $c \
+               ${PARTS:+--parts $PARTS}; done ;;
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
     gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \

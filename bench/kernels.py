@@ -383,6 +383,13 @@ class PrefillProblem:
         us, _ = time_calls(call, self.carry(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
         return us
 
+    def outputs(self, config):
+        """(o, the sequences' final states) of one call on the first input set, from the first pool."""
+        q, k, v, a, b, slots = self.sets[0]
+        o, pool = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, **kernel_kw()))(
+            q, k, v, a, b, self.A_log, self.dt_bias, self.pool(), self.starts, self.lens_a, slots, self.use)
+        return o, pool[slots]
+
     def prep_outputs(self, config):
         precs = config.precisions(jnp.bfloat16)
         _, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)

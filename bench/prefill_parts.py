@@ -34,10 +34,11 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee"), (1, "tf32x3")]             # (warps, precision of the merge dots)
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form): the one-dot state update, the W-form, fixed scan stages, bv 16, the
-# P / f prep per key head
-WHOLE = [dict(), dict(fused_update=True), dict(tform=False, num_stages=2), dict(num_stages=1), dict(num_stages=2),
-         dict(bv=16), dict(prep_mode="solve2"), dict(prep_mode="solve2", prep_warps=8)]
+# whole prefill, on the default (the T-form): the one-dot state update, k H and q H as one dot, both, both on 8 warps,
+# the W-form, the P / f prep per key head
+WHOLE = [dict(), dict(fused_update=True), dict(merge_qk=True), dict(merge_qk=True, fused_update=True),
+         dict(merge_qk=True, fused_update=True, num_warps=8), dict(tform=False, num_stages=2),
+         dict(prep_mode="solve2")]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",
@@ -183,8 +184,18 @@ def main():
         log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True)`): {us:.1f} us")
         log("")
 
-    if "whole" in parts:
-        config_table("whole prefill (`gdn_prefill_packed`)", d, WHOLE, pr.full_us)
+    if "whole" in parts:          # each configuration's o and final states against the default's, same inputs
+        o_d, s_d = pr.outputs(d)
+        log("| whole prefill (`gdn_prefill_packed`) | o rel-L2 vs default | state rel-L2 vs default | us |")
+        log("|---|---|---|---|")
+        for kw in WHOLE:
+            c = dataclasses.replace(d, **kw)
+            try:
+                o, s = pr.outputs(c)
+                log(f"| {c.name} | {kb.rel(o, o_d):.1e} | {kb.rel(s, s_d):.1e} | {pr.full_us(c):.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {c.name} | failed: {repr(e)[:200]} | | |")
+        log("")
 
     if "ablations" in parts and pr.n == 1:
         h0 = pr.pool()[1]

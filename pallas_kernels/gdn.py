@@ -127,6 +127,8 @@ class WYConfig:
     fused_update: bool = False    # T-form with the bf16 hi + lo state update: one dot [k; k]^T [hi; lo] (K = 128)
                                   # instead of two (K = 64), k's rows gathered twice. Not yet timed on the H200; the
                                   # sm_90 compile check: 5 wgmma instead of 6, 209 KB shared memory, 177 registers
+    merge_qk: bool = False        # T-form: k H and q H as one dot [k; q] H (M = 128) split in registers: one dot
+                                  # latency less per chunk (Triton waits after each)
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
@@ -140,7 +142,7 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
-                + ("_fu" if self.fused_update else "")
+                + ("_fu" if self.fused_update else "") + ("_mq" if self.merge_qk else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -202,6 +204,8 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=None, prep_mode="solve2", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, fused_update=True),
+            dataclasses.replace(DEFAULT_PREFILL, merge_qk=True),
+            dataclasses.replace(DEFAULT_PREFILL, merge_qk=True, fused_update=True),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
@@ -653,7 +657,7 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
 
 def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
                     f_ref, pool_ref, k2_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
-                    tform=False, t_prec="tf32", fused_update=False):
+                    tform=False, t_prec="tf32", fused_update=False, merge_qk=False):
     """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
     h_prec, o_prec, s_prec = precs
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -693,7 +697,10 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         if tform:                                            # Vnew = T (beta V - beta e^gamma |k|^-1 K H)
             k2, (fw, beta) = (tiles[8], tiles[9:]) if fused_update else (None, tiles[8:])
             t = w
-            z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
+            if merge_qk:                                     # one [128, dk] x [dk, BV] dot, split in registers
+                z, y = jnp.split(mm(_vcat(kr, qr), h, (1, 0), h_prec), 2, axis=0)
+            else:
+                z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
             vnew = mm(t, beta[:, None] * u.astype(jnp.float32) - fw[:, None] * z, (1, 0), t_prec)
             pv = mm(p, vnew, (1, 0), o_prec)
             if fused_update:                                 # bf16x2 as one dot: [k; k]^T [hi; lo], K = 128
@@ -856,7 +863,8 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
         functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs[:3]), prefetch=config.prefetch,
                           overlap=config.overlap, interpret=interpret, tform=config.tform,
                           t_prec=precs[3] if len(precs) > 3 else "tf32",
-                          fused_update=config.tform and config.fused_update and precs[2] == "bf16x2"),
+                          fused_update=config.tform and config.fused_update and precs[2] == "bf16x2",
+                          merge_qk=config.tform and config.merge_qk),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},

@@ -86,6 +86,8 @@ BF16_CASES = {
     "wy-tform-pf-per-key-head": (dataclasses.replace(WY, prep_mode="solve2"), [130, 1, 0], 1.5e-3),
     "wy-wform": (dataclasses.replace(WY, tform=False), [130, 1, 0], 1.5e-3),
     "wy-tform-fused-update": (dataclasses.replace(WY, fused_update=True), [130, 1, 0], 1.5e-3),
+    "wy-tform-merged-qk-fused-update": (dataclasses.replace(WY, merge_qk=True, fused_update=True), [130, 1, 0],
+                                        1.5e-3),
     "wy-overlap-solve2-exact-merges": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False, overlap=True,
                                                     prep_mode="solve2", solve_warps=1, solve_prec="ieee"),
                                        [130, 1, 0], 1.5e-3),
