@@ -34,11 +34,9 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee"), (1, "tf32x3")]             # (warps, precision of the merge dots)
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form): the one-dot state update, k H and q H as one dot, both, both on 8 warps,
-# the W-form, the P / f prep per key head
-WHOLE = [dict(), dict(fused_update=True), dict(merge_qk=True), dict(merge_qk=True, fused_update=True),
-         dict(merge_qk=True, fused_update=True, num_warps=8), dict(tform=False, num_stages=2),
-         dict(prep_mode="solve2")]
+# whole prefill, on the default (the T-form): P and f per value head, the one-dot bf16 state update (emulated state
+# error ~1.8e-3: inside the 3e-3, fla's 2.2-3.1e-3), the W-form
+WHOLE = [dict(), dict(prep_mode="solve"), dict(s_prec="bf16"), dict(tform=False, num_stages=2)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

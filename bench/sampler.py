@@ -60,6 +60,7 @@ def variants(b, v, old):
     out = {
         "sample": engine(lambda *a: sampler.sample(*a, full_vocab=False)[0]),
         "sample full vocab": engine(lambda *a: sampler.sample(*a, full_vocab=True)[0]),
+        "sample lean": engine(lambda *a: sampler.sample(*a, full_vocab=False, extras=False)[0]),
         "penalties (argmax)": engine(lambda x, _, c, m: jnp.argmax(sampler.apply_penalties(x, p, c, m), -1)),
         "log-sum-exp": lambda x, _: jax.nn.logsumexp(x, -1).astype(jnp.int32),
         "top 128 (16,8,8)": lambda x, _: sampler.top_k_desc(x, 128)[1][:, -1],
@@ -107,7 +108,8 @@ def main():
              "|---|" + "---|" * len(batches)]
     lines += [f"| {name} | " + " | ".join(f"{t[b]:.1f}" for b in batches) + " |" for name, t in table.items()]
     body = (f"Vocabulary {args.vocab}, fp32 logits, T=0.7 top_p=0.8 top_k=20 with logprobs. 'sample': the decode "
-            "step's sampling pass (candidates executable); the rows below it are its parts alone"
+            "step's sampling pass (candidates executable, with penalties and logprobs; 'sample lean': without, the "
+            "executable of batches that ask for neither); the rows below it are its parts alone"
             + (f"; 'old sample': `{args.old}` with the executor's log-softmax rank" if old else "") + ".\n\n"
             + "\n".join(lines) + "\n")
     print(body)

@@ -30,7 +30,8 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    errors are o <= 8e-4, state <= 3e-4.
 3. The T-form (WYConfig.tform, the default since 7ccd469): three kernels instead of two, and no W
    or U in memory. `_solve_kernel` (one warp per (chunk, key head), tf32x3 merges) writes T; `_prep_kernel` with
-   pf_only writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
+   pf_only (one program per (chunk, key head): q, k and Q K^T once for its value heads) writes only P and the row
+   factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
      Z = k H, Y = q H                      (raw bf16 k, q; bf16 H operand)
      Vnew = T (beta V - fw * Z)            (TF32; the same products as U - W H, without rounding W to bf16)
    then o and the state update as above: one more dot per chunk (T is on the sequential path), but the prep's
@@ -124,11 +125,6 @@ class WYConfig:
     solve_warps: int = 2
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
-    fused_update: bool = False    # T-form with the bf16 hi + lo state update: one dot [k; k]^T [hi; lo] (K = 128)
-                                  # instead of two (K = 64), k's rows gathered twice. Not yet timed on the H200; the
-                                  # sm_90 compile check: 5 wgmma instead of 6, 209 KB shared memory, 177 registers
-    merge_qk: bool = False        # T-form: k H and q H as one dot [k; q] H (M = 128) split in registers: one dot
-                                  # latency less per chunk (Triton waits after each)
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
@@ -142,7 +138,6 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
-                + ("_fu" if self.fused_update else "") + ("_mq" if self.merge_qk else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -180,7 +175,11 @@ class DecodeConfig:
 # given T 263.6 us, the scan with overlap 359.4 us against 380.7 without.
 # At 0f84710 (bench/prefill_parts.py, whole prefill): the T-form 584.0 us against 719.0 at 1x8k (bv 16 598.5, one
 # stage 719.9), and at 8x2k 1228.8 us at one stage, 1323.0 at two, 1569.7 for the W-form.
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
+# At 14b2a2a (one run, bench/prefill_parts.py whole): P and f per key head ("solve2") 557.9 vs 576.1 us at 1x8k and
+# 1187.8 vs 1218.0 at 8x2k; two dot-merging variants of the T-form scan were slower and removed: the state update's
+# bf16 hi + lo pair as one K = 128 dot [k; k]^T [hi; lo] (638.3 us) and k H, q H as one [k; q] H dot split in
+# registers (700.4 us; both 799.3): Triton's joins and splits go through shared memory, and the registers ran out.
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve2", solve_warps=1, overlap=True,
                            tform=True)
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
@@ -203,9 +202,8 @@ def prefill_sweep():
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=None, prep_mode="solve2", solve_warps=1, tform=True),
-            dataclasses.replace(DEFAULT_PREFILL, fused_update=True),
-            dataclasses.replace(DEFAULT_PREFILL, merge_qk=True),
-            dataclasses.replace(DEFAULT_PREFILL, merge_qk=True, fused_update=True),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve"),
+            dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
             nopf(bv=32, num_stages=2, s_prec="tf32"),
@@ -656,8 +654,8 @@ def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref,
 
 
 def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_ref, k_ref, w_ref, u_ref, p_ref,
-                    f_ref, pool_ref, k2_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
-                    tform=False, t_prec="tf32", fused_update=False, merge_qk=False):
+                    f_ref, pool_ref, o_ref, pool_out_ref, *, ratio, bv, precs, prefetch, overlap, interpret,
+                    tform=False, t_prec="tf32"):
     """Grid (sequence, value head, V-block): the fp32 state H^T [dk, BV] stays on chip across the chunks."""
     h_prec, o_prec, s_prec = precs
     n, hv, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -687,29 +685,16 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         else:
             wu = (w_ref[cc, hv, :, :], u_ref[cc, hv, :, vcols])
         rest = (p_ref[cc, hv, :, :], f_ref[cc, hv, 0, :], f_ref[cc, hv, 1, :], f_ref[cc, hv, 2, :])
-        if fused_update:        # k's rows twice, [k; k] (a gather from the [total * Hk, dk] view; clamped rows past
-            r2 = jnp.arange(2 * CHUNK, dtype=jnp.int32) % CHUNK      # the end meet zero weights)
-            rest += (k2_ref[jnp.minimum((row0 + r2) * k_ref.shape[1] + kh, k2_ref.shape[0] - 1)],)
         return qk + wu + rest
 
     def step(c, h, tiles):
         qr, kr, w, u, p, fq, fk, fd = tiles[:8]
         if tform:                                            # Vnew = T (beta V - beta e^gamma |k|^-1 K H)
-            k2, (fw, beta) = (tiles[8], tiles[9:]) if fused_update else (None, tiles[8:])
-            t = w
-            if merge_qk:                                     # one [128, dk] x [dk, BV] dot, split in registers
-                z, y = jnp.split(mm(_vcat(kr, qr), h, (1, 0), h_prec), 2, axis=0)
-            else:
-                z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
-            vnew = mm(t, beta[:, None] * u.astype(jnp.float32) - fw[:, None] * z, (1, 0), t_prec)
+            fw, beta = tiles[8:]
+            z, y = mm(kr, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
+            vnew = mm(w, beta[:, None] * u.astype(jnp.float32) - fw[:, None] * z, (1, 0), t_prec)    # w holds T
             pv = mm(p, vnew, (1, 0), o_prec)
-            if fused_update:                                 # bf16x2 as one dot: [k; k]^T [hi; lo], K = 128
-                wgt = vnew * fk[:, None]
-                hi = wgt.astype(jnp.bfloat16)
-                lo = (wgt - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-                upd = mm(k2, _vcat(hi, lo), (0, 0), "bf16")
-            else:
-                upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
+            upd = mm(kr, vnew * fk[:, None], (0, 0), s_prec)
             h_new, o = fd * h + upd, fq[:, None] * y + pv
         elif overlap:                                        # both products of H issued before either is used
             x, y = mm(w, h, (1, 0), h_prec), mm(qr, h, (1, 0), h_prec)
@@ -735,8 +720,8 @@ def _wy_scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q
         def body(c, carry):                                  # they are loaded a chunk ahead (plain loads: the
             h, fs = carry                                    # pipeliner leaves them synchronous)
             nxt = factors(c + 1)
-            tiles = fetch(c)                                 # (q, k, w, u, p, f rows..., [k; k])
-            return step(c, h, tiles[:5] + fs[:3] + tiles[8:] + fs[3:]), nxt
+            tiles = fetch(c)                                 # (q, k, w, u, p, f rows...)
+            return step(c, h, tiles[:5] + fs), nxt
         h, _ = jax.lax.fori_loop(0, nch, body, (h, factors(0)))
     elif prefetch:
         def body(c, carry):
@@ -862,16 +847,14 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
     return pl.pallas_call(
         functools.partial(_wy_scan_kernel, ratio=hv // hk, bv=bv, precs=tuple(precs[:3]), prefetch=config.prefetch,
                           overlap=config.overlap, interpret=interpret, tform=config.tform,
-                          t_prec=precs[3] if len(precs) > 3 else "tf32",
-                          fused_update=config.tform and config.fused_update and precs[2] == "bf16x2",
-                          merge_qk=config.tform and config.merge_qk),
+                          t_prec=precs[3] if len(precs) > 3 else "tf32"),
         out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, hv, dv // bv),
         input_output_aliases={12: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages or pick_stages(n * hv * (dv // bv))),
         interpret=interpret, name="gdn_wy_scan",
-    )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool, k.reshape(total * hk, dk))
+    )(starts, lens, spans, slots, use_state, chunk_off, q, k, w, u, p, f, pool)
 
 
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,

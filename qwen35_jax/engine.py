@@ -379,7 +379,9 @@ class Engine:
                 self._groups[group.request_id] = group
                 group.texts = [""] * len(group.seqs)
                 group.logprobs = [[] if group.seqs[0].params.logprobs is not None else None for _ in group.seqs]
-                group.cum_logprob = [0.0] * len(group.seqs)
+                # as vLLM: a cumulative logprob only for requests that ask for logprobs (others run the lean
+                # sampler, which computes none)
+                group.cum_logprob = [0.0] * len(group.seqs) if group.seqs[0].params.logprobs is not None else []
                 group.detok = [self._decoder(s.params) for s in group.seqs]
                 for s in group.seqs:
                     self.scheduler.add(s)
@@ -525,7 +527,8 @@ class Engine:
                 if t not in entry:
                     entry[t] = Logprob(float(out.top_logprobs[idx][rank]), rank + 1, self._token_text(t))
             group.logprobs[i].append(entry)
-        group.cum_logprob[i] += float(out.logprob[idx])
+        if group.cum_logprob:
+            group.cum_logprob[i] += float(out.logprob[idx])
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
         is_stop_token = token in stop_ids and len(req.output_ids) > p.min_tokens
         if group.detok[i] is not None and not is_stop_token:     # a stop token's text is not part of the output

@@ -1,7 +1,8 @@
-"""Compiled engine steps: one XLA executable per prefill bucket and two per decode bucket, built ahead of time.
+"""Compiled engine steps: one XLA executable per prefill bucket and three per decode bucket, built ahead of time.
 
-This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the two decode executables sample from
-the top candidates or over the sorted vocabulary: sampler.needs_full_vocab): at start-up every bucket is lowered and
+This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the three decode executables are the
+sampler's modes, sampler.sampler_mode: "lean" from the top candidates without penalties or logprobs, "top" with
+them, "full" over the sorted vocabulary): at start-up every bucket is lowered and
 compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
 objects are kept and called directly, and serving never compiles. With a cache directory, the compiled executables
 are also serialized there (`ExecutableCache`), so a warm start loads them without tracing or lowering the model
@@ -29,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.model import Batch, Kernels, forward
-from qwen35_jax.sampler import (MAX_LOGPROBS, SamplerState, SamplingBatch, host_batch_rows, needs_full_vocab,
-                                sample)
+from qwen35_jax.sampler import (MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch, host_batch_rows,
+                                sample, sampler_mode)
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
@@ -47,9 +48,11 @@ class StepOutput:
     top_ids: jax.Array
 
 
-def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, full_vocab: bool = True):
-    """Sample rows, then record the tokens on the device (next input, penalty counts) where `write` is set."""
-    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab)
+def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, mode: str = "full"):
+    """Sample rows (sampler mode `mode`), then record the tokens on the device (next input, penalty counts) where
+    `write` is set."""
+    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab=mode == "full",
+                        extras=mode != "lean")
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
     sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
                           counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)),
@@ -107,10 +110,10 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
     return state, sstate, _gather_rows(out, 0)
 
 
-def decode_step(cfg, layout, kernels, steps, full_vocab, weights, state, sstate: SamplerState, slots, positions,
+def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: SamplerState, slots, positions,
                 pages, sp: SamplingBatch):
     """Per shard: `steps` decode steps for this replica's rows (padded rows use slot 0), each feeding its sample
-    into the next. full_vocab: the sampler sorts the vocabulary (see sampler._filter; prefill always does)."""
+    into the next. mode: the sampler's (sampler.sampler_mode; prefill always runs "full")."""
     active = slots > 0
 
     def one(carry, k):
@@ -121,7 +124,7 @@ def decode_step(cfg, layout, kernels, steps, full_vocab, weights, state, sstate:
         logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
         with jax.named_scope("sampling"):
             sstate, out = _sample_into(sstate, _full_logits(logits), slots, dataclasses.replace(sp, step=sp.step + k),
-                                       active, full_vocab)
+                                       active, mode)
         return (state, sstate), out
 
     if steps == 1:      # no loop: a while loop would split XLA's command buffer (CUDA graph) of the step
@@ -248,10 +251,10 @@ class Executor:
         outs = (shardings(state), shardings(sstate), self.replicated)
 
         @functools.lru_cache(maxsize=None)
-        def step_fn(kind: str, full_vocab: bool, rows_layout: tuple):
+        def step_fn(kind: str, mode: str | None, rows_layout: tuple):
             """The jitted step reading its host inputs from one packed int32 array (pack_rows)."""
             if kind == "decode":
-                body = lambda w, s, ss, x: decode_step(cfg, layout, kernels, decode_steps, full_vocab, w, s, ss,
+                body = lambda w, s, ss, x: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss,
                                                        *unpack_rows(x, rows_layout))
             else:
                 body = lambda w, s, ss, x: prefill_step(cfg, layout, kernels, w, s, ss, *unpack_rows(x, rows_layout))
@@ -300,14 +303,13 @@ class Executor:
 
     def _lower(self, key):
         shape, rows_layout = self._packing(key)
-        fn = self._step_fn(key[0], key[0] == "decode" and key[2], rows_layout)
+        fn = self._step_fn(key[0], key[2] if key[0] == "decode" else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
         return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows))
 
     def keys(self):
-        """Decode buckets come twice: sampling from the top sampler.CANDIDATES tokens, and over the sorted
-        vocabulary for batches that need it (sampler.needs_full_vocab)."""
-        return ([("decode", b, full) for full in (False, True) for b in self.decode_buckets]
+        """Decode buckets come once per sampler mode (sampler.sampler_mode)."""
+        return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
                 + [("prefill", n, t) for n, t in self.prefill_buckets])
 
     def precompile(self, threads: int | None = None, progress: bool = True) -> float:
@@ -390,7 +392,7 @@ class Executor:
         inputs = (slots, positions, pages, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
-        return self._run(("decode", bucket, needs_full_vocab(sp)), inputs)
+        return self._run(("decode", bucket, sampler_mode(sp)), inputs)
 
     def _run(self, key, inputs) -> StepOutput:
         exe = self._exe(key)                    # compiles it (and its stager) first when lazy

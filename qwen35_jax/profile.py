@@ -290,7 +290,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     from qwen35_jax.engine import Engine, EngineArgs
     from qwen35_jax.llm import load_model_weights, resolve_dtype
-    from qwen35_jax.sampler import needs_full_vocab
+    from qwen35_jax.sampler import sampler_mode
     from qwen35_jax.sharding import make_mesh
     from qwen35_jax.tools.make_tiny_model import default_model_dir
     from qwen35_jax.weights import random_weights as make_random
@@ -366,7 +366,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     run(traced=False)                 # compiles, and keeps first-execution costs out of the trace
     log(f"compiled and warmed up in {time.perf_counter() - t0:.1f}s")
     texts = {"prefill": ex.compiled[("prefill", batch, prompt_len)].as_text(),
-             "decode": ex.compiled[("decode", batch, needs_full_vocab(_sampling_batch(batch, greedy, 1)))].as_text(),
+             "decode": ex.compiled[("decode", batch, sampler_mode(_sampling_batch(batch, greedy, 1)))].as_text(),
              "copy_bandwidth": copy.as_text()}
     start_profile(out_dir, perfetto=True)
     try:
@@ -391,7 +391,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
                f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
                f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
                + "".join(f", {k}={v}" for k, v in sorted(os.environ.items())       # kernel variants in force
-                         if k.startswith("QWEN35_") and k != "QWEN35_COMMIT")),
+                         if (k.startswith("QWEN35_") and k != "QWEN35_COMMIT") or (k == "XLA_FLAGS" and v))),
         device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,

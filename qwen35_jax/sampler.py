@@ -119,6 +119,24 @@ def needs_full_vocab(p: SamplingBatch) -> bool:
     return bool(np.any(sampled & ((top_k > CANDIDATES) | ((top_p < 1) & ~bounded))))
 
 
+def needs_extras(p: SamplingBatch) -> bool:
+    """Host check: does some row ask for logprobs or a penalty? Batches that do not (most) run the lean sampler,
+    which skips the penalty pass over the [B, V] logits and the log-softmax, rank and top-N passes (as vLLM skips
+    them when no request of the batch needs them)."""
+    return bool(np.any(np.asarray(p.logprobs)) or np.any(np.asarray(p.presence) != 0)
+                or np.any(np.asarray(p.frequency) != 0) or np.any(np.asarray(p.repetition) != 1))
+
+
+SAMPLER_MODES = ("lean", "top", "full")
+
+
+def sampler_mode(p: SamplingBatch) -> str:
+    """Which decode sampler a batch needs: "full" (sorts the vocabulary: `needs_full_vocab`), "top" (the top
+    CANDIDATES tokens decide the filters, with penalties and logprobs) or "lean" (the same without them:
+    `needs_extras` is False)."""
+    return "full" if needs_full_vocab(p) else "top" if needs_extras(p) else "lean"
+
+
 def _cut(x, p: SamplingBatch, full_vocab: bool = True):
     """Per-row threshold [B, 1] on temperature-scaled logits x [B, V]: the entries at or above it survive min_p,
     top_k and top_p. The thresholds are found on the descending values: the whole row sorted (full_vocab), or
@@ -171,24 +189,30 @@ def draw(x, cut, m, u, block: int = 128):
     return (bi * block + j).astype(jnp.int32)
 
 
-def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True):
+def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True, extras: bool = True):
     """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict). full_vocab=False
-    is exact only for batches where `needs_full_vocab` is False (see `_cut`).
+    is exact only for batches where `needs_full_vocab` is False (see `_cut`); extras=False only for batches where
+    `needs_extras` is False: no penalties are applied and the logprob fields are zeros.
 
     Branch-free on purpose: XLA:GPU runs a `lax.cond` by copying its predicate to the host and blocking on the
     stream, which would make every decode dispatch wait for the device. So the filters, the draw and the top-N
-    logprobs are computed for every row, and rows that asked for none of them ignore the results. Each step
-    reads the [B, V] logits a few times and sorts at most [B, CANDIDATES x 16] values (bench/sampler.py)."""
-    m_raw = jnp.max(logits, axis=-1, keepdims=True)
-    lse = m_raw + jnp.log(jnp.sum(jnp.exp(logits - m_raw), axis=-1, keepdims=True))
-    x = apply_penalties(logits, p, counts, prompt_mask)
+    logprobs are computed for every row, and rows that asked for none of them ignore the results; the host picks
+    the variant a batch needs (`sampler_mode`). Each step reads the [B, V] logits a few times and sorts at most
+    [B, CANDIDATES x 16] values (bench/sampler.py)."""
+    x = apply_penalties(logits, p, counts, prompt_mask) if extras else logits
     greedy = p.temperature <= 0
     x_t = x / jnp.where(greedy, 1.0, p.temperature)[:, None]
     cut, m = _cut(x_t, p, full_vocab)
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(p.seed, p.step)
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
     tokens = jnp.where(greedy, jnp.argmax(x, axis=-1).astype(jnp.int32), draw(x_t, cut, m, u))
+    b, n = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    if not extras:
+        return tokens, {"logprob": jnp.zeros((b,), jnp.float32), "rank": jnp.zeros((b,), jnp.int32),
+                        "top_logprobs": jnp.zeros((b, n), jnp.float32), "top_ids": jnp.zeros((b, n), jnp.int32)}
+    m_raw = jnp.max(logits, axis=-1, keepdims=True)
+    lse = m_raw + jnp.log(jnp.sum(jnp.exp(logits - m_raw), axis=-1, keepdims=True))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
-    top_v, top_i = top_k_desc(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    top_v, top_i = top_k_desc(logits, n)
     return tokens, {"logprob": (chosen - lse)[:, 0], "rank": 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32),
                     "top_logprobs": top_v - lse, "top_ids": top_i.astype(jnp.int32)}

@@ -122,6 +122,27 @@ def test_needs_full_vocab_routing():
     assert needs_full_vocab(batch(1, top_k=[CANDIDATES + 1]))
 
 
+def test_sampler_mode_routing_and_lean_tokens():
+    """Batches without penalties or logprobs run the lean sampler: the same tokens as the sampler with extras."""
+    from qwen35_jax.sampler import sampler_mode
+    assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 1.0])) == "lean"
+    assert sampler_mode(batch(2, temperature=[0.0, 0.0])) == "lean"
+    assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 1.0], logprobs=[False, True])) == "top"
+    for kw in (dict(presence=[0, 0.5]), dict(frequency=[0.1, 0]), dict(repetition=[1.0, 1.1])):
+        assert sampler_mode(batch(2, **kw)) == "top", kw
+    assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 0.9], presence=[0, 0.5])) == "full"
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.standard_normal((6, 3000)).astype(np.float32) * 3)
+    p = batch(6, temperature=[0.0, 0.7, 1.0, 0.7, 1.3, 0.0], top_k=[0, 20, 0, 5, 100, 0],
+              top_p=[1.0, 0.8, 1.0, 0.9, 0.95, 1.0], min_p=[0, 0, 0.05, 0, 0, 0], step=[0, 3, 1, 7, 2, 9])
+    assert sampler_mode(p) == "lean"
+    c, m = jnp.zeros((6, 3000), jnp.int32), jnp.zeros((6, 3000), bool)
+    full, _ = sample(logits, p, c, m, full_vocab=False)
+    lean, lp = sample(logits, p, c, m, full_vocab=False, extras=False)
+    np.testing.assert_array_equal(np.asarray(lean), np.asarray(full))
+    assert lp["top_ids"].shape == (6, MAX_LOGPROBS) and not np.any(np.asarray(lp["logprob"]))
+
+
 def test_draw_is_exact_on_a_grid_of_uniforms():
     """Over a 200 x 200 grid of (u0, u1) the two-level inverse CDF picks each kept token with its probability (to the
     grid's resolution), never a removed or padding one; blocks of 128 with a partial last block."""
