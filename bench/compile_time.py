@@ -53,15 +53,18 @@ def make_engine(model_dir, weights, backend, unjit: bool) -> Engine:
 
 
 def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, pages_per_seq: int,
-                          full_vocab: bool = False) -> str:
-    """One decode step lowered for CUDA (Pallas kernels through Triton) on any machine, from abstract inputs on an
-    abstract H200 mesh: its StableHLO text. tests/test_kernels.py checks it for host round trips."""
+                          mode: str = "top") -> str:
+    """One decode step (sampler mode `mode`: sampler.SAMPLER_MODES) lowered for CUDA (Pallas kernels through Triton)
+    on any machine, from abstract inputs on an abstract H200 mesh: its StableHLO text. tests/test_kernels.py checks
+    it for host round trips."""
     import functools
     from qwen35_jax.executor import decode_step
-    from qwen35_jax.sampler import SamplerState, SamplingBatch
+    from qwen35_jax.sampler import SAMPLER_MODES, SamplerState, SamplingBatch
     from qwen35_jax.sharding import DP, TP, Layout
     from qwen35_jax.state import abstract_state
     from qwen35_jax.weights import abstract_weights
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     layout = Layout.build(cfg, 1)
     S, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
     struct = lambda tree: jax.tree.map(lambda p: S(p.shape, p.dtype), tree, is_leaf=lambda x: hasattr(x, "axes"))
@@ -72,7 +75,7 @@ def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, p
     sp = SamplingBatch(*(S((batch,), t) for t in (f32, i32, f32, f32, f32, f32, f32, jnp.uint32, i32, jnp.bool_)))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
-    fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, full_vocab), mesh=mesh,
+    fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, mode), mesh=mesh,
                        in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(), check_vma=False)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(weights, state, sstate, S((batch,), i32), S((batch,), i32),

@@ -51,6 +51,8 @@ class StepOutput:
 def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, mode: str = "full"):
     """Sample rows (sampler mode `mode`), then record the tokens on the device (next input, penalty counts) where
     `write` is set."""
+    if mode not in SAMPLER_MODES:
+        raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab=mode == "full",
                         extras=mode != "lean")
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot

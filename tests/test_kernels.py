@@ -386,11 +386,12 @@ def test_decode_step_has_no_host_synchronisation():
     from qwen35_jax.config import load_config
     cfg = load_config(fixture_dir("mm_tied_r2_g2"))
     kernels = backends.pallas_kernels(interpret=False)
-    lowered = lambda kernels, full_vocab=False: lower_decode_for_cuda(cfg, kernels, batch=4, slots=4, pages=9,
-                                                                       pages_per_seq=8, full_vocab=full_vocab)
+    lowered = lambda kernels, mode="top": lower_decode_for_cuda(cfg, kernels, batch=4, slots=4, pages=9,
+                                                                 pages_per_seq=8, mode=mode)
 
     text = lowered(kernels)
-    assert "stablehlo.while" not in lowered(kernels, full_vocab=True)
+    for mode in ("lean", "full"):
+        assert "stablehlo.while" not in lowered(kernels, mode)
     # Each kernel is lowered once (backends jit-wraps them) and called from every layer of its kind.
     assert text.count("__gpu$xla.gpu.triton") == 3                        # GDN decode, conv decode, attention
     gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
