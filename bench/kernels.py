@@ -730,7 +730,7 @@ def main():
         y_r, p_r = conv1d_reference.conv_prefill(x, w, cpool, cs, cl, cu)
         yd_r, pd_r = conv1d_reference.conv_decode(x[:, 0], w, cpool, jnp.array([4, 0, 2]))
         for c in conv1d.prefill_sweep():
-            nm = f"conv_prefill_bt{c.bt}_bc{c.bc}_w{c.num_warps}"
+            nm = f"conv_prefill_{c.prefill_name}"
             try:
                 y, p = jax.jit(functools.partial(conv1d.conv_prefill, config=c, **kernel_kw()))(x, w, cpool, cs, cl,
                                                                                                cu)
@@ -742,7 +742,7 @@ def main():
             if out[nm]["ok"]:
                 RES["valid"]["conv_prefill"].append(nm)
         for c in conv1d.decode_sweep():
-            nm = f"conv_decode_bc{c.decode_bc}_w{c.decode_warps}"
+            nm = f"conv_decode_{c.decode_name}"
             try:
                 yd, pd = jax.jit(functools.partial(conv1d.conv_decode, config=c, **kernel_kw()))(
                     x[:, 0], w, cpool, jnp.array([4, 0, 2]))
@@ -966,16 +966,16 @@ def main():
         key = jax.random.key(5)
         w = (0.3 * jax.random.normal(key, (4, CONV_CH))).astype(jnp.bfloat16)
         vdec = [c for c in conv1d.decode_sweep()
-                if f"conv_decode_bc{c.decode_bc}_w{c.decode_warps}" in RES["valid"]["conv_decode"]]
+                if f"conv_decode_{c.decode_name}" in RES["valid"]["conv_decode"]]
         vpre = [c for c in conv1d.prefill_sweep()
-                if f"conv_prefill_bt{c.bt}_bc{c.bc}_w{c.num_warps}" in RES["valid"]["conv_prefill"]]
+                if f"conv_prefill_{c.prefill_name}" in RES["valid"]["conv_prefill"]]
         for n in ((1, 8) if DRY else (1, 64, 256)):
             r = RES["conv"].setdefault(f"decode_{n}", {})
             ns = n_sets(n * CONV_CH * 16, cap=64)
             sets = [(jax.random.normal(jax.random.fold_in(key, i), (n, CONV_CH), jnp.bfloat16),
                      1 + i * n + jnp.arange(n, dtype=jnp.int32)) for i in range(ns)]
             for cfg in vdec:
-                nm = f"bc{cfg.decode_bc}_w{cfg.decode_warps}"
+                nm = cfg.decode_name
                 if not have_time(f"conv decode {n} {nm}", 4):
                     break
                 call = lambda pool, x, s, cfg=cfg: conv1d.conv_decode(x, w, pool, s, config=cfg, **kernel_kw())[1]
@@ -999,7 +999,7 @@ def main():
             r = RES["conv"].setdefault(f"prefill_{t}", {})
             x = jax.random.normal(key, (1, t, CONV_CH), jnp.bfloat16)
             for cfg in vpre:
-                nm = f"bt{cfg.bt}_bc{cfg.bc}_w{cfg.num_warps}"
+                nm = cfg.prefill_name
                 if not have_time(f"conv prefill {t} {nm}", 4):
                     break
                 call = lambda pool, x, cfg=cfg: conv1d.conv_prefill(x, w, pool, jnp.array([1]), jnp.array([t]),

@@ -27,7 +27,7 @@ from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.executor import pack_rows  # noqa: E402
 from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
-from qwen35_jax.sampler import host_batch, needs_full_vocab  # noqa: E402
+from qwen35_jax.sampler import host_batch, sampler_mode  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
@@ -71,21 +71,21 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
     for i in range(batch):
         pages[i] = 1 + i * pps + np.arange(pps)
     sp = host_batch([Row() for _ in range(batch)], b)
-    key = ("decode", b, needs_full_vocab(sp))
+    key = ("decode", b, sampler_mode(sp))
     resident = jax.device_put(pack_rows((slots, positions, pages, sp))[0], ex.rows)
     calls = {"": lambda: ex.decode(b, slots, positions, pages, sp), "resident ": lambda: ex.call(key, resident)}
     out = {}
     for name, call in calls.items():
         for _ in range(3):
             o = call()
-        jax.block_until_ready(o.tokens)
+        jax.block_until_ready(o)
         times = []
         t0 = time.perf_counter()
         for _ in range(iters):
             t = time.perf_counter()
             o = call()
             times.append(time.perf_counter() - t)
-        jax.block_until_ready(o.tokens)
+        jax.block_until_ready(o)
         out[name + "step"] = (time.perf_counter() - t0) / iters
         out[name + "dispatch"] = float(np.median(times))
     return out
@@ -191,6 +191,7 @@ def main():
              "TTFT median ms": f"{np.median(ttft) * 1e3:.0f}", "TPOT median ms": f"{np.median(tpot) * 1e3:.2f}",
              "engine steps": steps, "host ms/step": f"{host * 1e3:.2f}", "wait ms/step": f"{wait * 1e3:.2f}"}
     print(serve)
+    engine.shutdown()
 
     variants = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QWEN35_")
                          and k != "QWEN35_COMMIT")

@@ -32,6 +32,14 @@ class ConvConfig:
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
 
+    @property
+    def prefill_name(self):
+        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}"
+
+    @property
+    def decode_name(self):
+        return f"bc{self.decode_bc}_w{self.decode_warps}"
+
 
 def decode_sweep():
     """Conv decode configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""

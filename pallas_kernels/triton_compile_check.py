@@ -28,7 +28,7 @@ def dump(out_dir, only=()):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from pallas_kernels import gdn, paged_attention as pa
+    from pallas_kernels import conv1d, gdn, paged_attention as pa
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -64,6 +64,14 @@ def dump(out_dir, only=()):
                 S((b,), i32))
         jobs += [(f"attn_b{b}_{c.name}", functools.partial(pa.paged_decode_attention, config=c), attn)
                  for c in pa.config_sweep()]
+    # conv1d prefill (8k tokens, one sequence) and decode (batch 256) at 9B shapes (8192 channels)
+    conv_pre = (S((t, 8192), bf), S((4, 8192), bf), S((slots, 3, 8192), bf), S((1,), i32), S((1,), i32),
+                S((1,), i32), S((1,), jnp.bool_))
+    jobs += [(f"conv_prefill_{c.prefill_name}", functools.partial(conv1d.conv_prefill_packed, config=c), conv_pre)
+             for c in conv1d.prefill_sweep()]
+    conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
+    jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
+             for c in conv1d.decode_sweep()]
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:

@@ -97,6 +97,7 @@ class RequestGroup:
     prompt_ids: list[int]
     seqs: list[Request]
     callback: Callable[[RequestOutput], None]
+    stream: bool = True        # False: the callback gets only the final output (no per-step RequestOutputs)
     detok: list = dataclasses.field(default_factory=list)
     texts: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
@@ -248,8 +249,10 @@ class Engine:
         return None, [int(t) for t in prompt]
 
     def add_request(self, prompt, params: SamplingParams, callback: Callable[[RequestOutput], None],
-                    request_id: str | None = None) -> str:
-        """Validate and enqueue; raises ValueError (nothing is enqueued) for a request that can never run."""
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """Validate and enqueue; raises ValueError (nothing is enqueued) for a request that can never run.
+        stream: the callback gets a cumulative RequestOutput after every step that adds tokens; False: only the
+        final one (as vLLM's FINAL_ONLY outputs: no per-step output objects for a caller that waits for the end)."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error!r}")
         text, ids = self.encode_prompt(prompt)
@@ -270,7 +273,7 @@ class Engine:
             seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._rng.integers(2**32))
             seqs.append(Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed,
                                 max_tokens=max_tokens, index=i))
-        group = RequestGroup(request_id, text, ids, seqs, callback)
+        group = RequestGroup(request_id, text, ids, seqs, callback, stream)
         self._inbox.put(("add", group))
         self.start()
         return request_id
@@ -301,7 +304,7 @@ class Engine:
                         done.set()
             return cb
 
-        ids = [self.add_request(p, sp, make_cb(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+        ids = [self.add_request(p, sp, make_cb(i), stream=False) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:
             while not done.wait(0.1):
                 if self.error is not None:
@@ -495,7 +498,7 @@ class Engine:
                         touched.add(req.request_id)
         for rid in touched:
             group = self._groups.get(rid)
-            if group is not None:
+            if group is not None and (group.stream or group.finished):
                 self._emit(group)
         self.stats.host_seconds += time.perf_counter() - t1
 

@@ -41,11 +41,23 @@ log = logging.getLogger(__name__)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
+    """A step's samples. On the device they travel packed (`_pack_out`); `fetch` unpacks them on the host, where
+    the logprob fields are None for steps that ran the lean sampler (no row asked for them)."""
     tokens: jax.Array          # [K, B] (decode) or [N] (prefill)
     logprob: jax.Array         # log p of each sampled token under the raw model distribution
     rank: jax.Array            # its rank (1 = most likely)
     top_logprobs: jax.Array    # [..., MAX_LOGPROBS]
     top_ids: jax.Array
+
+
+def _pack_out(out: StepOutput, extras: bool) -> jax.Array:
+    """One int32 [..., W] array per step (one device-to-host copy instead of five): the token, then with extras the
+    logprob (fp32 bits), rank, MAX_LOGPROBS top logprobs (fp32 bits) and their ids."""
+    cols = [out.tokens[..., None]]
+    if extras:
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+        cols += [bits(out.logprob)[..., None], out.rank[..., None], bits(out.top_logprobs), out.top_ids]
+    return jnp.concatenate(cols, axis=-1)
 
 
 def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, mode: str = "full"):
@@ -109,7 +121,7 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
     logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
     with jax.named_scope("sampling"):
         sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing)
-    return state, sstate, _gather_rows(out, 0)
+    return state, sstate, _pack_out(_gather_rows(out, 0), extras=True)
 
 
 def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: SamplerState, slots, positions,
@@ -134,7 +146,7 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
         outs = jax.tree.map(lambda x: x[None], out)
     else:
         (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
-    return state, sstate, _gather_rows(outs, 1)
+    return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode != "lean")
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -247,7 +259,7 @@ class Executor:
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
         sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
-        out_specs = StepOutput(*(P() for _ in dataclasses.fields(StepOutput)))
+        out_specs = P()                                    # the packed StepOutput (_pack_out), replicated
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         outs = (shardings(state), shardings(sstate), self.replicated)
@@ -382,21 +394,22 @@ class Executor:
             return tree
         return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.rows, lambda i: x[i]), tree)
 
-    def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> StepOutput:
-        """shape = (rows per replica, tokens per row); arrays hold dp * rows rows."""
+    def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> jax.Array:
+        """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. Returns the step's packed
+        output (read it with `fetch`)."""
         inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("prefill", shape, inputs)
         return self._run(("prefill", *shape), inputs)
 
-    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> StepOutput:
-        """bucket = rows per replica; arrays hold dp * bucket rows."""
+    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> jax.Array:
+        """bucket = rows per replica; arrays hold dp * bucket rows. Returns the step's packed output (`fetch`)."""
         inputs = (slots, positions, pages, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
         return self._run(("decode", bucket, sampler_mode(sp)), inputs)
 
-    def _run(self, key, inputs) -> StepOutput:
+    def _run(self, key, inputs) -> jax.Array:
         exe = self._exe(key)                    # compiles it (and its stager) first when lazy
         packed, rows_layout = pack_rows(inputs)
         want = self._packing(key)[1]
@@ -413,19 +426,27 @@ class Executor:
             x = self._put(packed)
         return self._call(exe, x)
 
-    def call(self, key, packed) -> StepOutput:
+    def call(self, key, packed) -> jax.Array:
         """Run bucket `key` on packed inputs (pack_rows: host or device array)."""
         return self._call(self._exe(key), packed)
 
-    def _call(self, exe, packed) -> StepOutput:
+    def _call(self, exe, packed) -> jax.Array:
+        """Runs the step; returns its packed output (`fetch` reads it), whose copy to the host is already queued
+        behind the step, so reading it later costs no extra round trip."""
         self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed)
+        out = out.addressable_data(0)          # replicated: this process's copy is the whole output
+        out.copy_to_host_async()
         return out
 
 
-def fetch(out: StepOutput) -> StepOutput:
-    """Device -> host (numpy), one transfer per field (outputs are replicated: any local copy is the whole)."""
-    return StepOutput(*(np.asarray(x.addressable_data(0)) for x in
-                        (out.tokens, out.logprob, out.rank, out.top_logprobs, out.top_ids)))
+def fetch(out: jax.Array) -> StepOutput:
+    """A step's packed output (`_pack_out`) -> numpy StepOutput; logprob fields None where the step had none."""
+    a = np.asarray(out)
+    if a.shape[-1] == 1:
+        return StepOutput(a[..., 0], None, None, None, None)
+    m = (a.shape[-1] - 3) // 2                 # MAX_LOGPROBS, or the vocabulary if smaller
+    return StepOutput(a[..., 0], a[..., 1].view(np.float32), a[..., 2], a[..., 3:3 + m].view(np.float32),
+                      a[..., 3 + m:3 + 2 * m])
 
 
 __all__ = ["Executor", "ExecutableCache", "StepOutput", "fetch", "pack_rows", "pow2_buckets", "unpack_rows",

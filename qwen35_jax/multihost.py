@@ -157,7 +157,7 @@ def follow(engine, poll_ms: int = 1000):
         kind, key, inputs = _decode(blob, treedefs)
         if kind == "stop":
             log.info("leader asked followers to stop after %d steps", step)
-            jax.block_until_ready([o.tokens for o in pending])
+            jax.block_until_ready(pending)
             jax.distributed.shutdown()            # leave the job before the leader (which hosts the service) does
             return
         if kind == "prefill":
@@ -167,5 +167,5 @@ def follow(engine, poll_ms: int = 1000):
             out = ex.decode(key[0], *inputs)
         pending.append(out)
         if len(pending) > 2:                       # keep the device queue short; outputs are not needed here
-            jax.block_until_ready(pending.pop(0).tokens)
+            jax.block_until_ready(pending.pop(0))
         step += 1
