@@ -5,10 +5,13 @@ conv state pool [slots, K-1, C] in the model dtype holding each slot's last K-1 
 fp32 accumulation in the reference's order, output in x.dtype. Channels need not be a power of two (masked).
 
 Prefill: one program per (sequence, BT-token block, BC-channel block) reads the shifted inputs x[t - d] straight
-from memory (L1/L2 serve the overlap), so nothing is copied or padded. The first block of a sequence instead
-shifts its tile with an exact 0/1 matrix product (so no load ever starts before row 0), adds the slot's state
-for the first K-1 rows and writes the final state (the last K-1 real inputs, part of the old state for
-sequences shorter than K-1) back in place. Decode: one program per (row, channel block), state in place.
+from memory (L1/L2 serve the overlap), so nothing is copied or padded: a row gather clamped to the sequence's
+first row, so no load starts before it. In a sequence's first block the rows before it take the slot's state,
+and that block writes the final state (the last K-1 real inputs, part of the old state for sequences shorter
+than K-1) back in place. One code path for every block: the first version shifted the first block's tile with
+0/1 matrix products under a branch, which cost every program 255 registers (552 B spilled) and left two
+programs per SM (sm_90 compile check, pallas_kernels/triton_compile_check.py). Decode: one program per (row,
+channel block), state in place.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def decode_sweep():
 def prefill_sweep():
     """Conv prefill configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
     return [ConvConfig(), ConvConfig(bt=64, bc=64, num_warps=2), ConvConfig(bt=32, bc=128, num_warps=4),
-            ConvConfig(bt=128, bc=64, num_warps=4)]
+            ConvConfig(bt=128, bc=64, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=8),
+            ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8)]
 
 
 def _i(i):
@@ -66,50 +70,42 @@ def _conv_sum(xs, ws):
 
 
 def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref,
-                    *, bt, bc, taps, interpret):
+                    *, bt, bc, taps):
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
     c_total = x_ref.shape[-1]
     km1 = taps - 1
     t0 = tb * bt
     cols = pl.ds(cb * bc, bc)
-    cmask = cb * bc + jnp.arange(bc, dtype=jnp.int32) < c_total
+    col_idx = cb * bc + jnp.arange(bc, dtype=jnp.int32)
+    cmask = col_idx < c_total
     rows = jnp.arange(bt, dtype=jnp.int32)
     tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
 
     @pl.when(t0 < span)
     def _():
         ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
-
-        def first_block():
-            """x[t - d] for t in the first block: shift the tile by an exact 0/1 product, add the slot state."""
-            use = use_ref[n] != 0
-            st = [jnp.where(use, pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask, other=0), 0)
-                  .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
-            tile = pltriton.load(x_ref.at[pl.ds(start, bt), cols], mask=tile_mask, other=0)
-            exact = jax.lax.Precision.HIGHEST if tile.dtype == jnp.float32 else None
-            xs = []
-            for d in range(km1, 0, -1):
-                shift = (rows[:, None] - d == rows[None, :]).astype(tile.dtype)
-                xd = jax.lax.dot(shift, tile, precision=exact, preferred_element_type=jnp.float32)
-                for r in range(d):
-                    xd = xd + jnp.where(rows[:, None] == r, st[km1 - d + r][None, :], 0.0)
-                xs.append(xd)
-            xs.append(tile.astype(jnp.float32))
-            return _conv_sum(xs, ws)
-
-        def later_block():
-            xs = [pltriton.load(x_ref.at[pl.ds(start + t0 - d, bt), cols], mask=tile_mask, other=0)
-                  .astype(jnp.float32) for d in range(km1, -1, -1)]
-            return _conv_sum(xs, ws)
-
-        acc = jax.lax.cond(tb == 0, first_block, later_block)
+        # x[t - d] by a row gather clamped to the sequence's first row; rows before it (a sequence's first block
+        # only) take the slot's state instead, whose rows only that block loads
+        first = tb == 0
+        use = use_ref[n] != 0
+        st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask & first & use, other=0)
+              .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
+        xs = []
+        for d in range(km1, -1, -1):
+            src = t0 + rows - d
+            xd = pltriton.load(x_ref.at[(start + jnp.maximum(src, 0))[:, None], col_idx[None, :]], mask=tile_mask,
+                               other=0)
+            xd = xd.astype(jnp.float32)
+            for r in range(d):                   # src < 0 only for rows r < d of the first block
+                xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
+            xs.append(xd)
+        acc = _conv_sum(xs, ws)
         y = jax.nn.silu(acc).astype(y_ref.dtype)
         pltriton.store(y_ref.at[pl.ds(start + t0, bt), cols], y, mask=tile_mask)
 
-        @pl.when(tb == 0)
+        @pl.when(first)
         def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
-            use = use_ref[n] != 0
             for i in range(km1):
                 p = length - km1 + i
                 from_x = pltriton.load(x_ref.at[start + jnp.maximum(p, 0), cols], mask=cmask, other=0)
@@ -133,9 +129,9 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
     starts, lens, slots, use_state = i32(starts), i32(lens), i32(slots), i32(use_state)
     spans = lens if spans is None else i32(spans)
     max_span = max_span or total
-    bc = max(16, min(config.bc, pl.next_power_of_2(c)))     # >= 16: the first block's shift is a dot
+    bc = min(config.bc, pl.next_power_of_2(c))
     y, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, interpret=interpret),
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps),
         out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),
         input_output_aliases={7: 1},
