@@ -73,7 +73,7 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
                     *, bt, bc, taps):
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
-    c_total = x_ref.shape[-1]
+    c_total = w_ref.shape[-1]                       # x may have more columns than the conv's channels
     km1 = taps - 1
     t0 = tb * bt
     cols = pl.ds(cb * bc, bc)
@@ -117,11 +117,13 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
 
 def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=None, max_span=None,
                         config: ConvConfig = ConvConfig(), interpret=False):
-    """Packed conv prefill. x [total, C]; sequence n is rows [starts[n], starts[n] + lens[n]); outputs are written
-    for rows [starts, starts + spans) (spans default to lens; the conv simply continues over padding);
+    """Packed conv prefill. The channels are x's first C = w.shape[1] columns (x [total, >= C]: the model passes
+    the whole input projection, read in place); sequence n is rows [starts[n], starts[n] + lens[n]); outputs are
+    written for rows [starts, starts + spans) (spans default to lens; the conv simply continues over padding);
     max_span: static bound on spans (default total). Returns (y [total, C] in x.dtype, pool)."""
-    total, c = x.shape
-    taps = w.shape[0]
+    (total, width), (taps, c) = x.shape, w.shape
+    if width < c:
+        raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     if taps < 2 or config.bt < taps - 1:
         raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
     n = starts.shape[0]
@@ -132,7 +134,7 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
     bc = min(config.bc, pl.next_power_of_2(c))
     y, pool = pl.pallas_call(
         functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((total, c), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),
         input_output_aliases={7: 1},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
@@ -142,9 +144,10 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
 
 
 def conv_prefill(x, w, pool, slots, lens, use_state, *, config: ConvConfig = ConvConfig(), interpret=False):
-    """The model's padded-batch contract (conv1d_reference.conv_prefill)."""
-    n, t, c = x.shape
-    y, pool = conv_prefill_packed(x.reshape(n * t, c), w, pool, jnp.arange(n, dtype=jnp.int32) * t, lens, slots,
+    """The model's padded-batch contract (conv1d_reference.conv_prefill); x [N, T, >= C]."""
+    n, t, width = x.shape
+    c = w.shape[1]
+    y, pool = conv_prefill_packed(x.reshape(n * t, width), w, pool, jnp.arange(n, dtype=jnp.int32) * t, lens, slots,
                                   use_state, spans=jnp.full((n,), t, jnp.int32), max_span=t, config=config,
                                   interpret=interpret)
     return y.reshape(n, t, c), pool

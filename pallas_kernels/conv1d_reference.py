@@ -12,7 +12,11 @@ import jax.numpy as jnp
 
 def conv_prefill(x, w, pool, slots, lens, use_state):
     """Conv of each row continuing from its slot's state (zeros where use_state is False: a fresh request);
-    the last K-1 real inputs become the new state."""
+    the last K-1 real inputs become the new state. The channels are x's first C = w.shape[1] columns
+    (x [N, T, >= C])."""
+    if x.shape[-1] < w.shape[1]:
+        raise ValueError(f"conv input has {x.shape[-1]} columns, fewer than the weight's {w.shape[1]} channels")
+    x = x[..., :w.shape[1]]
     km1 = w.shape[0] - 1
     t = x.shape[1]
     init = jnp.where(use_state[:, None, None], pool[slots].astype(x.dtype), 0)
@@ -29,5 +33,5 @@ def conv_prefill(x, w, pool, slots, lens, use_state):
 def conv_decode(x, w, pool, slots):
     """One token per row: the channels are x's first C = w.shape[1] columns (x [N, >= C])."""
     n = x.shape[0]
-    y, pool = conv_prefill(x[:, None, :w.shape[1]], w, pool, slots, jnp.ones(n, jnp.int32), jnp.ones(n, bool))
+    y, pool = conv_prefill(x[:, None], w, pool, slots, jnp.ones(n, jnp.int32), jnp.ones(n, bool))
     return y[:, 0], pool

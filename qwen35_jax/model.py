@@ -141,10 +141,9 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
             o, rec_pool = kernels.gdn_decode(y, proj[:, 0], w.A_log, w.dt_bias, rec_pool, batch.slots)
             o = o[:, None]
     else:
-        mixed, b, a = (proj[..., :2 * kl + vl], proj[..., 2 * kl + 2 * vl:2 * kl + 2 * vl + hv],
-                       proj[..., 2 * kl + 2 * vl + hv:])
-        with jax.named_scope("conv1d"):
-            y, conv_pool = kernels.conv_prefill(mixed, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
+        b, a = proj[..., 2 * kl + 2 * vl:2 * kl + 2 * vl + hv], proj[..., 2 * kl + 2 * vl + hv:]
+        with jax.named_scope("conv1d"):     # q | k | v are proj's first columns: the conv reads them in place
+            y, conv_pool = kernels.conv_prefill(proj, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
         q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
         q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
         with jax.named_scope("gated_delta_rule"):

@@ -200,6 +200,13 @@ def test_conv_prefill_and_decode_exact():
     np.testing.assert_array_equal(np.asarray(new[live], np.float32), np.asarray(new_ref[live], np.float32))
     untouched = np.setdiff1d(np.arange(12), np.asarray(slots))
     np.testing.assert_array_equal(np.asarray(new[untouched], np.float32), np.asarray(pool[untouched], np.float32))
+    # prefill reads the conv channels as the first columns of a wider input (the model's whole input projection)
+    xw = jnp.concatenate([x, jnp.full((n, t, 21), 7.0, x.dtype)], axis=-1)
+    yw, neww = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True))(xw, w, pool, slots, lens, use)
+    np.testing.assert_array_equal(np.asarray(yw, np.float32), np.asarray(y, np.float32))
+    np.testing.assert_array_equal(np.asarray(neww, np.float32), np.asarray(new, np.float32))
+    np.testing.assert_array_equal(np.asarray(conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use)[0],
+                                             np.float32), np.asarray(y_ref, np.float32))
     # decode, padded rows on the null slot
     dslots = jnp.array([6, 0, 10, 0])
     xd = x[:4, 0]
