@@ -556,7 +556,7 @@ def main():
     prefill_variants = {c.name: c for c in [gdn.DEFAULT_PREFILL] + gdn.prefill_sweep()}
     # the W-form of the default: the prep variants (W, U, P, f) and the scans timed alone on precomputed prep outputs
     # (the T-form's scan takes T and V instead: T-form configurations are timed whole)
-    wform = dataclasses.replace(gdn.DEFAULT_PREFILL, tform=False, fused_update=False)
+    wform = dataclasses.replace(gdn.DEFAULT_PREFILL, tform=False)
     prep_variants = {}                         # label -> WYConfig overrides of the prep variants timed alone
     for kw in gdn.PREP_VARIANTS:               # they also run through the full pipeline here
         c = dataclasses.replace(wform, **kw)

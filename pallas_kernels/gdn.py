@@ -311,8 +311,10 @@ def _inv_unit_lower(blocks):
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
-                  inv_prec="ieee"):
-    c, kh = pl.program_id(0), pl.program_id(1)
+                  inv_prec="ieee", per_value_head=False):
+    """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head)."""
+    c, h = pl.program_id(0), pl.program_id(1)
+    kh, heads = (h // ratio, 1) if per_value_head else (h, ratio)
     nvalid = nvalid_ref[c]
 
     @pl.when(nvalid > 0)
@@ -324,7 +326,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         _, _, valid, kk = _k_blocks(k_ref, row0, kh, nvalid, "bf16" if k_ref.dtype == jnp.bfloat16 else prec, mm)
 
         def per_head(r, carry):                              # the value heads sharing this key head
-            hv = kh * ratio + r
+            hv = h if per_value_head else kh * ratio + r
             gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
             inv = _unit_lower_inverse(kk, gam, betas, interpret, inv_prec)
             zero = jnp.zeros((SUB, SUB), jnp.float32)
@@ -333,7 +335,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
                     t_ref[c, hv, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = inv[i, j] if j <= i else zero
             return carry
 
-        jax.lax.fori_loop(0, ratio, per_head, 0)
+        jax.lax.fori_loop(0, heads, per_head, 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -777,14 +779,17 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
     return bv
 
 
-def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", interpret=False):
+def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", per_value_head=False,
+             interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
-    the key head's value heads in a loop; few warps: its 16x16 row loops and reductions stay within one or two)."""
+    the key head's value heads in a loop, or per_value_head: grid (chunk, value head), K K^T computed per value
+    head; few warps: its 16x16 row loops and reductions stay within one or two)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
     return pl.pallas_call(
-        functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec),
+        functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec,
+                          per_value_head=per_value_head),
         out_shape=jax.ShapeDtypeStruct((row0.shape[0], hv, CHUNK, CHUNK), f32),
-        grid=(row0.shape[0], hk),
+        grid=(row0.shape[0], hv if per_value_head else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_solve",
     )(row0, nvalid, k, a, b, A_log.astype(f32), dt_bias.astype(f32))

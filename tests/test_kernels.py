@@ -114,6 +114,18 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
+def test_wy_solve_per_value_head_equals_per_key_head():
+    """The T solve's two grids (a key head's value heads in one program, or one program each) write the same T."""
+    q, k, v, a, b, A_log, dt_bias, _ = gdn_inputs(12, 1, 150, 2, 6, 16, 16, dtype=jnp.bfloat16)
+    flat = lambda x: x.reshape(150, *x.shape[2:])
+    _, row0, nvalid = gdn.chunk_map(jnp.array([0]), jnp.array([150]), 4)
+    solve = lambda pvh: gdn.wy_solve(flat(k), flat(a), flat(b), A_log, dt_bias, row0, nvalid, prec="tf32",
+                                     num_warps=1, per_value_head=pvh, interpret=True)
+    t_key, t_value = solve(False), solve(True)
+    np.testing.assert_array_equal(np.asarray(t_value[:3]), np.asarray(t_key[:3]))    # chunk 3 is unused
+    assert np.all(np.isfinite(np.asarray(t_key[:3])))
+
+
 @pytest.mark.parametrize("config", [None, gdn.WYConfig(prep_mode="tile2")], ids=["default", "tile2-prep"])
 def test_gdn_prefill_packed_ragged(config):
     """Packed sequences at arbitrary offsets (not chunk-aligned), one call; rows outside sequences untouched."""
