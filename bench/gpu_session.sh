@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
+# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
 #   profile64 profile64pick profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -46,6 +46,8 @@ for s in $sections; do
     parts) for c in ${PARTS_CASES:-1x8k}; do       # PARTS: which parts; PARTS_CASES: e.g. "1x8k 8x2k"
              OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts_$c 240 python3 bench/prefill_parts.py --record --case $c \
                ${PARTS:+--parts $PARTS}; done ;;
+    kconv) OUT=$work/kconv CUDA_VISIBLE_DEVICES=0 run kconv 150 python3 bench/kernels.py --time-limit 130 --no-model \
+             --only correct_defaults conv ;;          # the conv kernels' sweep against fla's
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
     gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \
