@@ -443,6 +443,7 @@ class Engine:
             sp = host_batch_rows([x[0] if x else None for x in rows])
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
                 out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
+            out.copy_to_host_async()     # queued behind the step: reading it in _process costs no round trip
             for c in plan.prefill:
                 c.request.num_computed += c.length
                 if c.completes_prompt:
@@ -467,6 +468,7 @@ class Engine:
             sp = host_batch_rows(rows)
             with jax.profiler.TraceAnnotation("decode", batch=b):
                 out = self.executor.decode(b, slots, positions, pages, sp)
+            out.copy_to_host_async()     # queued behind the step: reading it in _process costs no round trip
             k = self.args.decode_steps
             for r in plan.decode:
                 r.num_computed += k

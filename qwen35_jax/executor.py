@@ -431,12 +431,9 @@ class Executor:
         return self._call(self._exe(key), packed)
 
     def _call(self, exe, packed) -> jax.Array:
-        """Runs the step; returns its packed output (`fetch` reads it), whose copy to the host is already queued
-        behind the step, so reading it later costs no extra round trip."""
+        """Runs the step; returns its packed output (`fetch` reads it)."""
         self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed)
-        out = out.addressable_data(0)          # replicated: this process's copy is the whole output
-        out.copy_to_host_async()
-        return out
+        return out.addressable_data(0)         # replicated: this process's copy is the whole output
 
 
 def fetch(out: jax.Array) -> StepOutput:
