@@ -81,10 +81,11 @@ for s in $sections; do
     profile64|profile64pick)     # the 9B step at batch 64; profile64pick with the attention variant `attention` picked
              pick=$( [ $s = profile64pick ] && [ -f $work/pick.txt ] && cat $work/pick.txt )
              if [ $s = profile64pick ] && [ -z "$pick" ]; then echo "=== $s skipped (no pick)"; continue; fi
-             CUDA_VISIBLE_DEVICES=0 run $s 110 env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
+             CUDA_VISIBLE_DEVICES=0 run $s ${PROFILE64_SHARE:-110} env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
                python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
-               --top-unattributed 5 ;;
+               --top-unattributed 5
+             (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25

@@ -963,6 +963,8 @@ def main():
 
     @section("conv", need=15)
     def _():
+        if not any(nm.startswith("conv") for nm in RES["correct_decode_conv"]):
+            check_conv()          # an --only run without correct_variants: only checked kernels are timed
         key = jax.random.key(5)
         w = (0.3 * jax.random.normal(key, (4, CONV_CH))).astype(jnp.bfloat16)
         vdec = [c for c in conv1d.decode_sweep()
