@@ -29,9 +29,9 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    bt: int = 64            # prefill tokens per program   (H200 sweep: 64 x 128 beat 64 x 256 and 32 x 512)
-    bc: int = 128           # prefill channels per program
-    num_warps: int = 4
+    bt: int = 64            # prefill tokens per program   (H200 sweep at 5bfe895: 64 x 128 with 8 warps took
+    bc: int = 128           # prefill channels per program  116.8 / 434.8 us at 8k / 32k tokens, fla 121.2 / 446.2;
+    num_warps: int = 8      # 4 warps 171.0 / 653.0, 32 x 128 with 4 warps 116.8 / 438.1 (bench/RESULTS.md)
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
 
@@ -52,7 +52,7 @@ def decode_sweep():
 def prefill_sweep():
     """Conv prefill configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
     return [ConvConfig(), ConvConfig(bt=64, bc=64, num_warps=2), ConvConfig(bt=32, bc=128, num_warps=4),
-            ConvConfig(bt=128, bc=64, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=8),
+            ConvConfig(bt=128, bc=64, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=4),
             ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8)]
 
 
