@@ -473,11 +473,23 @@ class DecodeProblem:
             q, k, v, a, b = (x[:n] for x in gdn_inputs(jax.random.fold_in(key, i), n))
             self.sets.append((q, k, v, a, b, 1 + i * n + jnp.arange(n, dtype=jnp.int32)))
 
-    def us(self, config):
+    def call(self, config):
         def call(pool, q, k, v, a, b, s):
             return gdn.gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, pool, s, config=config, **kernel_kw())[1]
-        us, _ = time_calls(call, rand_pool(self.key, self.ns * self.n + 1), self.sets, calls=(8, 72))
+        return call
+
+    def us(self, config):
+        us, _ = time_calls(self.call(config), rand_pool(self.key, self.ns * self.n + 1), self.sets, calls=(8, 72))
         return us
+
+    def kernel_us(self, config):
+        """Median device time of the decode kernel itself (the profiler's kernel events over one call per input
+        set): the GPU time with no launch in it, which the slope cannot give for a few-µs kernel when the host
+        launches each call of the loop (batch 1 read 4.0 to 14.1 µs by the slope in runs of the same kernel)."""
+        step = jax.jit(lambda pool, sets: functools.reduce(lambda c, st: self.call(config)(c, *st), sets, pool),
+                       donate_argnums=0)
+        pool = jax.block_until_ready(step(rand_pool(self.key, self.ns * self.n + 1), self.sets))   # compile, warm up
+        return device_kernel_us(lambda: step(pool, self.sets), "gdn_decode", lambda *a: jax.block_until_ready(a))
 
 
 def fla_decode(n, A_log, dt_bias):
@@ -503,9 +515,26 @@ def fla_decode(n, A_log, dt_bias):
         out["graph_us"] = fla_graph_us(make(sets[0]))
         fns = [make(sets[i % ns]) for i in range(max(ns, 16))]
         out["b2b_us"] = fla_b2b_us(fns)
+        if n <= 8:              # the kernel's own device time, as ours (CUPTI sees torch's kernels too)
+            out["kernel_us"] = device_kernel_us(lambda: [f() for f in fns], "fused_recurrent",
+                                                lambda *_: torch.cuda.synchronize())
     del sets
     fla_free()
     return out
+
+
+def device_kernel_us(run, name, sync):
+    """Median device time (µs) of the kernels whose name holds `name` while run() runs under JAX's profiler,
+    or None where the trace has none. sync(*outputs) waits for the device."""
+    import tempfile
+    from qwen35_jax import profile_trace
+    with tempfile.TemporaryDirectory() as d:
+        sync()
+        jax.profiler.start_trace(d)
+        sync(run())
+        jax.profiler.stop_trace()
+        durs = [e.dur_ns for e in profile_trace.load_trace(d).events if name in e.name]
+    return float(np.median(durs)) / 1e3 if durs else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -812,7 +841,10 @@ def main():
         if label in r or not have_time(f"decode {n} {label}", 6):
             return
         try:
-            r[label] = dict(us=DecodeProblem(n).us(config), config=config.name)
+            pr = DecodeProblem(n)
+            r[label] = dict(us=pr.us(config), config=config.name)
+            if n <= 8 and not DRY:
+                r[label]["kernel_us"] = pr.kernel_us(config)
         except Exception as e:  # noqa: BLE001
             r[label] = dict(error=repr(e)[:400])
             RES["errors"][f"decode {n} {label}"] = repr(e)[:400]
@@ -1195,6 +1227,12 @@ def report() -> str:
                  f"{fmt(byts / f['b2b_us'] / 1e6 if f.get('b2b_us') else None, '.2f')} |")
     dsw = {n: {k: v.get("us") for k, v in r.items() if isinstance(v, dict) and k != "fla"}
            for n, r in RES.get("decode", {}).items()}
+    kus = {n: {k: v["kernel_us"] for k, v in r.items() if isinstance(v, dict) and v.get("kernel_us")}
+           for n, r in RES.get("decode", {}).items()}
+    if any(kus.values()):
+        L += ["", "Decode kernel device time (µs; profiler kernel events, median over the input sets; no launch in "
+              "it): " + "; ".join(f"batch {n}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items())
+                                  for n, r in kus.items() if r)]
     if dsw:
         L.append("")
         L.append("Decode sweep (µs): " + "; ".join(f"{n}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items())
