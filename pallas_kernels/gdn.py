@@ -30,8 +30,8 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    errors are o <= 8e-4, state <= 3e-4.
 3. The T-form (WYConfig.tform, the default since 7ccd469): three kernels instead of two, and no W
    or U in memory. `_solve_kernel` (one warp per (chunk, key head), tf32x3 merges) writes T; `_prep_kernel` with
-   pf_only (one program per (chunk, key head): q, k and Q K^T once for its value heads) writes only P and the row
-   factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
+   pf_only (one program per (chunk, value head); prep_mode "solve2": per (chunk, key head), q, k and Q K^T once for
+   its value heads, half the programs) writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
      Z = k H, Y = q H                      (raw bf16 k, q; bf16 H operand)
      Vnew = T (beta V - fw * Z)            (TF32; the same products as U - W H, without rounding W to bf16)
    then o and the state update as above: one more dot per chunk (T is on the sequential path), but the prep's
@@ -179,7 +179,10 @@ class DecodeConfig:
 # 1187.8 vs 1218.0 at 8x2k; two dot-merging variants of the T-form scan were slower and removed: the state update's
 # bf16 hi + lo pair as one K = 128 dot [k; k]^T [hi; lo] (638.3 us) and k H, q H as one [k; q] H dot split in
 # registers (700.4 us; both 799.3): Triton's joins and splits go through shared memory, and the registers ran out.
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve2", solve_warps=1, overlap=True,
+# At 8169ddc solve2 was no faster at 1x8k (576.0 vs 575.8 us, prefill_parts whole), and the headline run with it as
+# the default read 104.4 us at 1x1k against 85.3 us with "solve" at 7ccd469 (1x8k 577.2 vs 588.2, 8x2k 1223.8 vs
+# 1236.2): per key head it has half the programs, ~2 per SM at 1k tokens. So "solve" is the default again.
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
                            tform=True)
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
@@ -201,8 +204,7 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, overlap=True), nopf(bv=32, num_stages=2, overlap=True, num_warps=8),
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
-            nopf(bv=32, num_stages=None, prep_mode="solve2", solve_warps=1, tform=True),
-            dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve"),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
