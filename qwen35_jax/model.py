@@ -49,11 +49,16 @@ class Kernels:
 
 
 def project(kernels: Kernels, x, w, out_dtype=None):
-    """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Decode steps (T = 1)
-    run the backend's matmul kernel where it has one: those GEMMs read the whole weight for a few rows."""
+    """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
+    the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
+    go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
+    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
+    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
-    if t == 1 and kernels.matmul is not None:
+    if t > 1:
+        return jnp.dot(x, w, preferred_element_type=out_dtype)
+    if kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
@@ -73,7 +78,10 @@ def gated_norm(o, z, w, eps):
 
 
 def row_parallel(kernels: Kernels, x, w):
-    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding."""
+    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
+    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
+    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
+        return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
 
@@ -157,9 +165,11 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
-        # fp32 straight from the dot into SiLU: rounding it to x.dtype first took a kernel of its own per layer
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32), 2, axis=-1)
-        h = (jax.nn.silu(gate) * up).astype(x.dtype)
+        # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
+        # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
+        f32 = lambda a: a.astype(jnp.float32)
+        h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
         return row_parallel(kernels, h, w.down)
 

@@ -374,7 +374,7 @@ def test_decode_matmul_matches_dot(m, k, n, config):
 
 def test_model_projections_run_the_matmul_kernel_in_decode():
     """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
-    and unfit shapes through XLA's dot, all equal to the reference within fp32 rounding."""
+    and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
     from qwen35_jax import backends
     from qwen35_jax.model import project
     kernels = backends.pallas_kernels(interpret=True, projections="kernel")
@@ -391,6 +391,12 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     text = jax.jit(lambda x, w: project(backends.pallas_kernels(False, projections="kernel"), x, w)).trace(
         jax.ShapeDtypeStruct((3, 1, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)).jaxpr
     assert "decode_matmul" in str(text)
+    # prefill rows ask the GEMM for the output dtype itself (no fp32 result and convert); decode rows ask for fp32
+    spec = lambda t: (jax.ShapeDtypeStruct((3, t, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16))
+    xla = backends.pallas_kernels(interpret=True)
+    prefill, decode = (str(jax.jit(lambda x, w: project(xla, x, w)).trace(*spec(t)).jaxpr) for t in (2, 1))
+    assert "preferred_element_type=bfloat16" in prefill and "convert_element_type" not in prefill
+    assert "preferred_element_type=float32" in decode and "convert_element_type" in decode
     assert "QWEN35_DECODE_MATMUL" not in os.environ and backends.pallas_kernels(True).matmul is None
     with pytest.raises(ValueError, match="decode matmul variant"):
         backends.pallas_kernels(interpret=True, projections="nope")
