@@ -80,13 +80,21 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
             o = call()
         jax.block_until_ready(o)
         times = []
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            t = time.perf_counter()
-            o = call()
-            times.append(time.perf_counter() - t)
-        jax.block_until_ready(o)
-        out[name + "step"] = (time.perf_counter() - t0) / iters
+
+        def burst(k):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                t = time.perf_counter()
+                o = call()
+                times.append(time.perf_counter() - t)
+            jax.block_until_ready(o)
+            return time.perf_counter() - t0
+        # the step is the slope from bursts of iters to 2 * iters dispatches: the first dispatch's host time (the
+        # device idles through it) and the final wait are in both and cancel (a burst's wall time / its steps
+        # carries them: dispatch ms / iters more per step)
+        one, two = (float(np.median([burst(k) for _ in range(3)])) for k in (iters, 2 * iters))
+        out[name + "step"] = (two - one) / iters
+        out[name + "burst step"] = one / iters
         out[name + "dispatch"] = float(np.median(times))
     return out
 
@@ -165,7 +173,9 @@ def main():
         floor_bytes = sum(decode_floor_bytes(cfg, weights, engine.executor.state, b, ctx).values())
         floor = floor_bytes / bw
         rows.append({"batch": b, "step ms": f"{dt * 1e3:.2f}", "floor ms": f"{floor * 1e3:.2f}",
-                     "step / floor": f"{dt / floor:.2f}", "dispatch ms": f"{t['dispatch'] * 1e3:.2f}",
+                     "step / floor": f"{dt / floor:.2f}",
+                     "burst ms": f"{t['burst step'] / args.decode_steps * 1e3:.2f}",
+                     "dispatch ms": f"{t['dispatch'] * 1e3:.2f}",
                      "resident: step ms": f"{t['resident step'] / args.decode_steps * 1e3:.2f}",
                      "resident: dispatch ms": f"{t['resident dispatch'] * 1e3:.2f}",
                      "tok/s": f"{b / dt:.0f}",
@@ -199,7 +209,10 @@ def main():
             f"`{engine.backend}`{f' ({variants})' if variants else ''}, decode_steps={args.decode_steps}. Copy bandwidth measured in this run: "
             f"{bw / 1e12:.2f} TB/s (read + write). Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
-            f"(`qwen35_jax.profile.decode_floor_bytes`). 'dispatch ms': median host time of one dispatch call (much "
+            f"(`qwen35_jax.profile.decode_floor_bytes`). 'step ms': slope of wall time from bursts of {args.iters} to "
+            f"{2 * args.iters} back-to-back dispatches (median of 3 each), the steady-state step; 'burst ms': one "
+            f"burst's wall time per step (the method of runs before 2026-12-02), which also carries the first "
+            f"dispatch's host time and the final wait. 'dispatch ms': median host time of one dispatch call (much "
             f"less than the step: the host runs ahead of the device); 'resident:' the same with the step's inputs "
             f"put on the device once and passed again every call (the engine passes new host arrays each step). "
             f"An executable that takes the same arguments and does no work dispatches in {empty * 1e3:.2f} ms.\n\n"

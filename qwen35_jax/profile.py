@@ -30,8 +30,9 @@ While a profiler session is active, XLA:GPU runs its command buffers (CUDA graph
 does so unless --xla_enable_command_buffers_during_profiling), so every kernel is traced as its own event (without
 its own `hlo_op` annotation on the H200: profile_trace attributes those by kernel name and launch order), but a
 traced step also pays one launch per kernel. The decode step is therefore timed twice: in the trace (device
-span) and untraced right after it (wall time of back-to-back dispatches, as serving runs them, command buffers
-on); the roofline ratio uses the untraced time and, for reference, the traced one.
+span) and untraced right after it (back-to-back dispatches, as serving runs them, command buffers on: the slope
+of wall time from one pass over the steps to two); the roofline ratio uses the untraced time and, for reference,
+the traced one.
 
 Trace files: `<out>/plugins/profile/<session>/<host>.xplane.pb` (xprof / TensorBoard: `xprof --port 8791 <out>`),
 `<host>.trace.json.gz` and `perfetto_trace.json.gz` (https://ui.perfetto.dev, "Open trace file").
@@ -196,7 +197,8 @@ class ProfileReport:
 
     @property
     def decode_wall_ms(self) -> float:
-        """Untraced decode step: wall time per step of back-to-back dispatches, as the engine runs them."""
+        """Untraced decode step: the steady-state time per step of back-to-back dispatches, as the engine runs
+        them (slope of wall time from one pass over the steps to two)."""
         return self.meta["decode_wall_ms"]
 
     @property
@@ -375,15 +377,18 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         session = stop_profile()
 
     # The same decode steps untraced, dispatched back to back (the device queues them, as in serving); they
-    # re-decode the profiled positions, which costs the same. Median of 3 passes.
-    passes = []
-    for _ in range(3):
+    # re-decode the profiled positions, which costs the same. The step is the slope from one pass over them to two
+    # (median of 3 each): the first dispatch's host time, through which the device idles, and the final wait are
+    # in both and cancel (a pass's wall time / its steps carried them: dispatch time / decode_steps more per step).
+    def passes(rounds):
         t0 = time.perf_counter()
-        for k in range(decode_steps):
-            out = ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
-                            _sampling_batch(batch, greedy, k + 1))
+        for _ in range(rounds):
+            for k in range(decode_steps):
+                out = ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
+                                _sampling_batch(batch, greedy, k + 1))
         jax.block_until_ready(out)
-        passes.append((time.perf_counter() - t0) / decode_steps * 1e3)
+        return time.perf_counter() - t0
+    one, two = (sorted(passes(r) for _ in range(3))[1] for r in (1, 2))
 
     name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
@@ -396,7 +401,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,
         kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
-        decode_wall_ms=sorted(passes)[1],
+        decode_wall_ms=(two - one) / decode_steps * 1e3, decode_pass_ms=one / decode_steps * 1e3,
         floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
                                        prompt_len + (decode_steps + 1) / 2))
     for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
@@ -526,7 +531,9 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
               f"  copy bandwidth {r.copy_bandwidth / gb:.1f} GB/s (x*2 over {r.meta['copy_bytes'] // 2 >> 20} MiB "
               f"fp32: read+write bytes / median device time of {len(r.copies)} runs in this trace)",
               f"  floor {r.floor_ms:.3f} ms",
-              f"  decode step untraced {r.decode_wall_ms:.3f} ms (back-to-back dispatches, median of 3 passes): "
+              f"  decode step untraced {r.decode_wall_ms:.3f} ms (back-to-back dispatches: the slope from one pass "
+              f"over the steps to two, median of 3 each; one pass's wall time per step "
+              f"{r.meta.get('decode_pass_ms', float('nan')):.3f} ms): "
               f"roofline ratio {r.roofline_ratio:.3f}, {sum(fb.values()) / r.decode_wall_ms / 1e6:.1f} GB/s",
               f"  decode step traced {r.decode_ms:.3f} ms (median device span; op by op under the profiler): "
               f"roofline ratio {r.traced_roofline_ratio:.3f}"]
