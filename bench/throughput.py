@@ -60,7 +60,7 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
     shorter than the step means the host is free to run ahead; one as long as the step means the executable
     synchronises with the host (a while / conditional). A dispatch that is much cheaper with resident inputs means
     the call's cost follows the input buffers' addresses (e.g. command buffers updated when they move), not the
-    transfers' size (a few hundred bytes)."""
+    transfers' size (a few hundred bytes). "dispatches": the calls it made (warm-ups included), for traces of it."""
     ex = engine.executor
     b = min(bk for bk in ex.decode_buckets if bk >= batch)
     pps = engine.pages_per_seq
@@ -96,6 +96,7 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
         out[name + "step"] = (two - one) / iters
         out[name + "burst step"] = one / iters
         out[name + "dispatch"] = float(np.median(times))
+        out["dispatches"] = out.get("dispatches", 0) + 3 + len(times)
     return out
 
 

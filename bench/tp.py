@@ -59,7 +59,7 @@ def allreduce_ms_per_step(engine: Engine, batch: int, ctx: int, steps: int = 5) 
     out = tempfile.mkdtemp(prefix="tp-trace-")
     time_decode(engine, batch, ctx, 2)
     with jax.profiler.trace(out):
-        time_decode(engine, batch, ctx, steps)
+        n = time_decode(engine, batch, ctx, steps)["dispatches"]
     path = sorted(glob.glob(os.path.join(out, "plugins", "profile", "*", "*.trace.json.gz")))[-1]
     trace = json.load(gzip.open(path))
     pids = {p["pid"]: p["args"]["name"] for p in trace["traceEvents"] if p.get("ph") == "M" and
@@ -69,7 +69,6 @@ def allreduce_ms_per_step(engine: Engine, batch: int, ctx: int, steps: int = 5) 
     total = sum(e["dur"] for e in ev)
     names = ("all-reduce", "allreduce", "all_reduce", "psum", "nccl", "all-gather", "allgather", "all_gather")
     coll = sum(e["dur"] for e in ev if any(k in e["name"].lower() for k in names))   # XLA's one-shot psum kernels too
-    n = steps + 3          # time_decode runs 3 warm-up dispatches before the timed ones
     return coll / 1e3 / n, total / 1e3 / n
 
 
@@ -101,7 +100,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     ref = prompt_logits(cfg, mesh1, w1, ids)
     eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
     mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
-    t1 = {b: time_decode(eng1, b, ctx, 10)[0] for b in batches}
+    t1 = {b: time_decode(eng1, b, ctx, 10)["step"] for b in batches}
     f1 = {b: floor_ms(cfg, eng1, b, ctx, bw) for b in batches}
     print(f"[{name}] tp=1 decode ms {[round(v * 1e3, 2) for v in t1.values()]}", flush=True)
     eng1.shutdown()
@@ -124,9 +123,10 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
           f"{int(clear.sum())}/{len(clear)} positions), mean |dlogprob| {dlp:.4f}", flush=True)
     engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
     memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
-    tn = {b: time_decode(engn, b, ctx, 10)[0] for b in batches}
+    tn = {b: time_decode(engn, b, ctx, 10)["step"] for b in batches}
     fn = {b: floor_ms(cfg, engn, b, ctx, bw) for b in batches}
-    coll, total = allreduce_ms_per_step(engn, 16 if 16 in batches else batches[-1], ctx)
+    coll_batch = 16 if 16 in batches else batches[-1]
+    coll, total = allreduce_ms_per_step(engn, coll_batch, ctx)
     sweep = engn.precompile_seconds
     n_exe = len(engn.executor.compiled)
     engn.shutdown()
@@ -148,7 +148,7 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
             f"({memn[1] / mem1[1]:.3f}×)\n"
             + (f"- compiled bucket sweep at tp={tp}: {n_exe} executables in {sweep:.1f} s\n" if precompile else
                f"- buckets compiled on first use (--no-precompile): {n_exe} executables\n") +
-            f"- collectives per decode step (batch 16, GPU 0 kernels in a profiler trace): {coll:.3f} ms of "
+            f"- collectives per decode step (batch {coll_batch}, GPU 0 kernels in a profiler trace): {coll:.3f} ms of "
             f"{total:.3f} ms device time ({100 * coll / max(total, 1e-9):.1f}%)\n\n" + results.table(table, list(table[0])))
     print(body, flush=True)
     if record:
