@@ -31,7 +31,7 @@ does so unless --xla_enable_command_buffers_during_profiling), so every kernel i
 its own `hlo_op` annotation on the H200: profile_trace attributes those by kernel name and launch order), but a
 traced step also pays one launch per kernel. The decode step is therefore timed twice: in the trace (device
 span) and untraced right after it (back-to-back dispatches, as serving runs them, command buffers on: the slope
-of wall time from one pass over the steps to two); the roofline ratio uses the untraced time and, for reference,
+of wall time from N to 2N steps); the roofline ratio uses the untraced time and, for reference,
 the traced one.
 
 Trace files: `<out>/plugins/profile/<session>/<host>.xplane.pb` (xprof / TensorBoard: `xprof --port 8791 <out>`),
@@ -198,7 +198,7 @@ class ProfileReport:
     @property
     def decode_wall_ms(self) -> float:
         """Untraced decode step: the steady-state time per step of back-to-back dispatches, as the engine runs
-        them (slope of wall time from one pass over the steps to two)."""
+        them (slope of wall time from N to 2N steps)."""
         return self.meta["decode_wall_ms"]
 
     @property
@@ -377,8 +377,8 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         session = stop_profile()
 
     # The same decode steps untraced, dispatched back to back (the device queues them, as in serving); they
-    # re-decode the profiled positions, which costs the same. The step is the slope from one pass over them to two
-    # (median of 3 each): the first dispatch's host time, through which the device idles, and the final wait are
+    # re-decode the profiled positions, which costs the same. The step is the slope from r1 passes over them to
+    # 2 r1 (median of 3 each): the first dispatch's host time, through which the device idles, and the final wait are
     # in both and cancel (a pass's wall time / its steps carried them: dispatch time / decode_steps more per step).
     def passes(rounds):
         t0 = time.perf_counter()
@@ -388,7 +388,8 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
                                 _sampling_batch(batch, greedy, k + 1))
         jax.block_until_ready(out)
         return time.perf_counter() - t0
-    one, two = (sorted(passes(r) for _ in range(3))[1] for r in (1, 2))
+    r1 = -(-8 // decode_steps)          # at least 8 steps in the shorter burst
+    one, two = (sorted(passes(r) for _ in range(3))[1] for r in (r1, 2 * r1))
 
     name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
@@ -401,7 +402,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,
         kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
-        decode_wall_ms=(two - one) / decode_steps * 1e3, decode_pass_ms=one / decode_steps * 1e3,
+        decode_wall_ms=(two - one) / (r1 * decode_steps) * 1e3, decode_pass_ms=one / (r1 * decode_steps) * 1e3,
         floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
                                        prompt_len + (decode_steps + 1) / 2))
     for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
@@ -531,8 +532,8 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
               f"  copy bandwidth {r.copy_bandwidth / gb:.1f} GB/s (x*2 over {r.meta['copy_bytes'] // 2 >> 20} MiB "
               f"fp32: read+write bytes / median device time of {len(r.copies)} runs in this trace)",
               f"  floor {r.floor_ms:.3f} ms",
-              f"  decode step untraced {r.decode_wall_ms:.3f} ms (back-to-back dispatches: the slope from one pass "
-              f"over the steps to two, median of 3 each; one pass's wall time per step "
+              f"  decode step untraced {r.decode_wall_ms:.3f} ms (back-to-back dispatches: the slope of wall time "
+              f"from N to 2N steps, median of 3 each; N steps' wall time per step "
               f"{r.meta.get('decode_pass_ms', float('nan')):.3f} ms): "
               f"roofline ratio {r.roofline_ratio:.3f}, {sum(fb.values()) / r.decode_wall_ms / 1e6:.1f} GB/s",
               f"  decode step traced {r.decode_ms:.3f} ms (median device span; op by op under the profiler): "
