@@ -12,13 +12,11 @@ def test_tp_bench_smoke():
     """tp=2 against tp=1: logits agree, per-device weights and GDN state halve, decode steps are timed (through
     bench/throughput.py's time_decode) and a profiler trace of the tp=2 steps is read."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "tp.py"), "--configs",
-           os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--tp", "2", "--batches", "1,2",
+           os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--tp", "2", "--batches", "1",
            "--prompt-len", "16", "--max-num-seqs", "4", "--no-precompile"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "tp=2 vs tp=1: top-1 agreement 1.0000" in out
     assert "GDN recurrent state pool" in out and "(0.500×)" in out
-    assert "collectives per decode step (batch 2," in out
-    for b in (1, 2):
-        assert f"\n| {b} | " in out
+    assert "collectives per decode step (batch 1," in out and "\n| 1 | " in out
