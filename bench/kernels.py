@@ -58,6 +58,7 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 
@@ -73,6 +74,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench import results as results_md  # noqa: E402
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference  # noqa: E402
+from qwen35_jax import profile_trace  # noqa: E402
 
 results_md.machine = functools.lru_cache(maxsize=None)(results_md.machine)   # nvidia-smi once, not per save
 results_md.commit = functools.lru_cache(maxsize=None)(results_md.commit)
@@ -486,8 +488,8 @@ class DecodeProblem:
         """Median device time of the decode kernel itself (the profiler's kernel events over one call per input
         set): the GPU time with no launch in it, which the slope cannot give for a few-µs kernel when the host
         launches each call of the loop (batch 1 read 4.0 to 14.1 µs by the slope in runs of the same kernel)."""
-        step = jax.jit(lambda pool, sets: functools.reduce(lambda c, st: self.call(config)(c, *st), sets, pool),
-                       donate_argnums=0)
+        call = self.call(config)
+        step = jax.jit(lambda pool, sets: functools.reduce(lambda c, st: call(c, *st), sets, pool), donate_argnums=0)
         pool = jax.block_until_ready(step(rand_pool(self.key, self.ns * self.n + 1), self.sets))   # compile, warm up
         return device_kernel_us(lambda: step(pool, self.sets), "gdn_decode", lambda *a: jax.block_until_ready(a))
 
@@ -526,8 +528,6 @@ def fla_decode(n, A_log, dt_bias):
 def device_kernel_us(run, name, sync):
     """Median device time (µs) of the kernels whose name holds `name` while run() runs under JAX's profiler,
     or None where the trace has none. sync(*outputs) waits for the device."""
-    import tempfile
-    from qwen35_jax import profile_trace
     with tempfile.TemporaryDirectory() as d:
         sync()
         jax.profiler.start_trace(d)

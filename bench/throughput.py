@@ -26,7 +26,7 @@ from bench.timing import slope_us  # noqa: E402
 from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.executor import pack_rows  # noqa: E402
-from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
+from qwen35_jax.profile import decode_floor_bytes, steady_step_seconds  # noqa: E402
 from qwen35_jax.sampler import host_batch, sampler_mode  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
@@ -89,12 +89,7 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
                 times.append(time.perf_counter() - t)
             jax.block_until_ready(o)
             return time.perf_counter() - t0
-        # the step is the slope from bursts of iters to 2 * iters dispatches: the first dispatch's host time (the
-        # device idles through it) and the final wait are in both and cancel (a burst's wall time / its steps
-        # carries them: dispatch ms / iters more per step)
-        one, two = (float(np.median([burst(k) for _ in range(3)])) for k in (iters, 2 * iters))
-        out[name + "step"] = (two - one) / iters
-        out[name + "burst step"] = one / iters
+        out[name + "step"], out[name + "burst step"] = steady_step_seconds(burst, iters)
         out[name + "dispatch"] = float(np.median(times))
         out["dispatches"] = out.get("dispatches", 0) + 3 + len(times)
     return out

@@ -31,7 +31,8 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
 3. The T-form (WYConfig.tform, the default since 7ccd469): three kernels instead of two, and no W
    or U in memory. `_solve_kernel` (one warp per (chunk, key head), tf32x3 merges) writes T; `_prep_kernel` with
    pf_only (one program per (chunk, value head); prep_mode "solve2": per (chunk, key head), q, k and Q K^T once for
-   its value heads, half the programs) writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta); the scan applies T itself:
+   its value heads, half the programs) writes only P and the row factors (plus fw = beta e^gamma |k|^-1 and beta);
+   the scan applies T itself:
      Z = k H, Y = q H                      (raw bf16 k, q; bf16 H operand)
      Vnew = T (beta V - fw * Z)            (TF32; the same products as U - W H, without rounding W to bf16)
    then o and the state update as above: one more dot per chunk (T is on the sequential path), but the prep's

@@ -61,6 +61,7 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -377,9 +378,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         session = stop_profile()
 
     # The same decode steps untraced, dispatched back to back (the device queues them, as in serving); they
-    # re-decode the profiled positions, which costs the same. The step is the slope from r1 passes over them to
-    # 2 r1 (median of 3 each): the first dispatch's host time, through which the device idles, and the final wait are
-    # in both and cancel (a pass's wall time / its steps carried them: dispatch time / decode_steps more per step).
+    # re-decode the profiled positions, which costs the same.
     def passes(rounds):
         t0 = time.perf_counter()
         for _ in range(rounds):
@@ -389,7 +388,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         jax.block_until_ready(out)
         return time.perf_counter() - t0
     r1 = -(-8 // decode_steps)          # at least 8 steps in the shorter burst
-    one, two = (sorted(passes(r) for _ in range(3))[1] for r in (r1, 2 * r1))
+    step_s, pass_s = steady_step_seconds(passes, r1)
 
     name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
@@ -402,7 +401,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,
         kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
-        decode_wall_ms=(two - one) / (r1 * decode_steps) * 1e3, decode_pass_ms=one / (r1 * decode_steps) * 1e3,
+        decode_wall_ms=step_s / decode_steps * 1e3, decode_pass_ms=pass_s / decode_steps * 1e3,
         floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
                                        prompt_len + (decode_steps + 1) / 2))
     for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
@@ -416,6 +415,16 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 def _shard_bytes(x) -> int:
     import numpy as np
     return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def steady_step_seconds(burst, n: int, reps: int = 3) -> tuple[float, float]:
+    """(steady-state seconds per unit, one burst's seconds per unit) of back-to-back dispatches. burst(k) dispatches
+    k units back to back, waits for the device and returns its wall seconds. The steady state is the slope from
+    bursts of n to 2n units (median of reps each): the first dispatch's host time, through which the device idles,
+    and the final wait are in both and cancel; a burst's own wall time per unit carries them (about dispatch
+    time / n more)."""
+    one, two = (statistics.median(burst(k) for _ in range(reps)) for k in (n, 2 * n))
+    return (two - one) / n, one / n
 
 
 def decode_floor_bytes(cfg, weights, state, batch, context: float) -> dict[str, int]:
