@@ -4,7 +4,7 @@
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
-#   profile64 profile64pick profiletp tp9b tpflags tp27b.
+#   profile64 profile64pick profile64flags profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -86,6 +86,15 @@ for s in $sections; do
                --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
                --top-unattributed 5
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
+    profile64flags)   # the batch-64 profile once per XLA_FLAGS value in PROFILE64_FLAGS (';'-separated; '' = defaults)
+             IFS=';' read -ra flagsets <<< "${PROFILE64_FLAGS:-}"
+             for i in "${!flagsets[@]}"; do
+               XLA_FLAGS="${flagsets[$i]}" CUDA_VISIBLE_DEVICES=0 run profile64_f$i ${PROFILE64_SHARE:-110} \
+                 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
+                 --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_f$i --append-results \
+                 --compilation-cache-dir $xla/profile64_f$i --top-unattributed 5
+               (cd /tmp && tar czf "$out/profile64_f$i-hlo.tgz" $(find profile64_f$i -name "decode.hlo.txt"))
+             done ;;
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25
