@@ -147,6 +147,24 @@ def test_shared_kernels_attributed_by_launch_order():
     assert pt.by_layer(odd) == {} and set(pt.by_block(odd)) == {"gdn"}
 
 
+def test_cublas_launches_placed_between_known_kernels():
+    """A GEMM call may launch more than one cuBLAS kernel: launches go to the cuBLAS calls between the known
+    kernels around them in launch order (two kernels of layer 0's in_proj, one of layer 1's), over two
+    executions in one group; a run with more launches than its calls (more than one) takes their shared scope."""
+    ev = lambda n, t: pt.OpEvent(n, "jit_step", None, "1", t, 1, "line", None)
+    one = ["nvjet_sm90_tst_128x64_NNT", "cublasLt_splitKreduce_kernel", "gdn_decode", "loop_negate_fusion",
+           "nvjet_sm90_tst_128x64_NNT", "gdn_decode", "loop_negate_fusion"]
+    got = [e.scope for e in pt.resolve([ev(n, t) for t, n in enumerate(one * 2)], pt.HloIndex([TWINS]))]
+    l0, l1 = ("layer0", "gdn", "in_proj"), ("layer1", "gdn", "in_proj")
+    want = [l0, l0, ("layer0", "gdn", "gated_delta_rule"), ("layer0", "gdn", "gated_norm"), l1,
+            ("layer1", "gdn", "gated_delta_rule"), ("layer1", "gdn", "gated_norm")]
+    assert got == want * 2
+    two = pt.resolve([ev("nvjet_a", 0), ev("nvjet_b", 1)], pt.HloIndex([TWINS]))
+    assert [e.scope for e in two] == [l0, l1]
+    three = pt.resolve([ev("nvjet_a", t) for t in range(3)], pt.HloIndex([TWINS]))
+    assert {e.scope for e in three} == {(pt.AMBIGUOUS_LAYER, "gdn", "in_proj")}
+
+
 def gpu_plane(pid: int, device: int, kernels) -> str:
     """An XPlane text proto shaped like a GPU device plane: a stream line of kernels (name, start us, dur us,
     hlo_op or None), the hlo_module / program_id stats XLA's launch annotations give them, and a derived line."""
