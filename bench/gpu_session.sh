@@ -3,8 +3,9 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64flags profiletp tp9b tpflags tp27b.
+# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_mlp
+#   throughput_staged serving servinglite profile
+#   profile64 profile64pick profile64envs profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -63,6 +64,8 @@ for s in $sections; do
                   --compilation-cache-dir $xla/engine ;;
     throughput_mm) QWEN35_DECODE_MATMUL=kernel CUDA_VISIBLE_DEVICES=0 run throughput_mm 300 python3 bench/throughput.py \
                      --record --compilation-cache-dir $xla/engine_mm ;;     # the opt-in Pallas decode matmul
+    throughput_mlp) QWEN35_DECODE_MLP=${DECODE_MLP:-fused} CUDA_VISIBLE_DEVICES=0 run throughput_mlp 300 \
+                      python3 bench/throughput.py --record --compilation-cache-dir $xla/engine_mlp ;;   # the fused gate/up
     throughput_staged) QWEN35_STEP_INPUTS=staged CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 \
                          python3 bench/throughput.py --record --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \
@@ -86,14 +89,15 @@ for s in $sections; do
                --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
                --top-unattributed 5
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
-    profile64flags)   # the batch-64 profile once per XLA_FLAGS value in PROFILE64_FLAGS (';'-separated; '' = defaults)
-             IFS=';' read -ra flagsets <<< "${PROFILE64_FLAGS:-}"
-             for i in "${!flagsets[@]}"; do
-               XLA_FLAGS="${flagsets[$i]}" CUDA_VISIBLE_DEVICES=0 run profile64_f$i ${PROFILE64_SHARE:-110} \
+    profile64envs)   # the batch-64 profile once per entry of PROFILE64_ENVS (';'-separated; each entry is what `export`
+                     # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MLP=fused'; an empty entry: as is)
+             IFS=';' read -ra envsets <<< "${PROFILE64_ENVS:-}"
+             for i in "${!envsets[@]}"; do
+               CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "export ${envsets[$i]}; exec \
                  python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
-                 --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_f$i --append-results \
-                 --compilation-cache-dir $xla/profile64_f$i --top-unattributed 5
-               (cd /tmp && tar czf "$out/profile64_f$i-hlo.tgz" $(find profile64_f$i -name "decode.hlo.txt"))
+                 --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i --append-results \
+                 --compilation-cache-dir $xla/profile64_e$i --top-unattributed 5"
+               (cd /tmp && tar czf "$out/profile64_e$i-hlo.tgz" $(find profile64_e$i -name "decode.hlo.txt"))
              done ;;
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \

@@ -118,6 +118,98 @@ def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpre
     return out[:m].astype(out_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class GateUpConfig:
+    """The fused decode MLP input kernel: bn output columns per program (gate and up tiles of bn each), bk K rows
+    per loop step, no K split (SiLU needs whole sums)."""
+    bn: int = 32
+    bk: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self):
+        return f"gu_n{self.bn}_k{self.bk}_w{self.num_warps}_st{self.num_stages}"
+
+
+GATE_UP_DEFAULT = GateUpConfig()
+
+
+def gate_up_choose(m: int, k: int, i: int) -> GateUpConfig | None:
+    """The configuration the model runs, or None where none fits. Column blocks of 32 up to 32 rows (384 programs
+    at the 9B's I = 12288), of 64 above: every program reads the whole x once per K step, so at 64 rows 32-column
+    blocks would read as many x bytes (from L2) as weight bytes (from HBM); 64 halves that (two stages keep two
+    programs per SM). Smaller models take the largest blocks that divide their I and K."""
+    base = GATE_UP_DEFAULT if _rows(m) <= 32 else GateUpConfig(bn=64, num_stages=2)
+    for bn in (b for b in (64, 32, 16) if b <= base.bn):
+        for bk in (128, 64, 32, 16):
+            c = dataclasses.replace(base, bn=bn, bk=bk)
+            if gate_up_fits(m, k, i, c):
+                return c
+    return None
+
+
+def gate_up_sweep():
+    """Configurations of `gate_up_silu` the model can select by name (QWEN35_DECODE_MLP; tests cross-lower each)."""
+    c = GateUpConfig
+    return [GATE_UP_DEFAULT, c(bn=64), c(bn=32, num_stages=4), c(bn=64, num_stages=2), c(bn=16, num_stages=4)]
+
+
+def gate_up_fits(m: int, k: int, i: int, config: GateUpConfig) -> bool:
+    smem = config.num_stages * (_rows(m) * config.bk + 2 * config.bk * config.bn) * 2
+    return i % config.bn == 0 and k % config.bk == 0 and m <= 256 and smem <= SMEM_BYTES
+
+
+def _gate_up_kernel(x_ref, g_ref, u_ref, o_ref, *, bk, steps):
+    """x [R, K] (whole), g / u [K, bn] (this column block of the gate and of the up half), o [R, bn]."""
+    rows, bn = o_ref.shape
+
+    def body(i, acc):
+        xk = x_ref[:, pl.ds(i * bk, bk)]
+        return (acc[0] + pltriton.dot(xk, g_ref[pl.ds(i * bk, bk), :]),
+                acc[1] + pltriton.dot(xk, u_ref[pl.ds(i * bk, bk), :]))
+
+    zero = jnp.zeros((rows, bn), jnp.float32)
+    g, u = jax.lax.fori_loop(0, steps, body, (zero, zero))
+    o_ref[...] = (jax.nn.silu(g) * u).astype(o_ref.dtype)
+
+
+def gate_up_silu(x, w, *, config: GateUpConfig | None = None, interpret: bool = False):
+    """silu(x @ w[:, :I]) * (x @ w[:, I:]) for x [M, K], w [K, 2 I] (the gate and up projections side by side, as
+    the model stores them) -> [M, I] in x.dtype, each product accumulated in fp32 and the SiLU and the product
+    in fp32, rounded once: what XLA's dot with an fp32 result followed by the model's SiLU x up computes, in one
+    kernel (the decode step otherwise writes the fp32 [M, 2 I] product and reads it back in a kernel of its own).
+    The reference is `gate_up_reference`."""
+    config = GATE_UP_DEFAULT if config is None else config
+    m, k = x.shape
+    i = w.shape[1] // 2
+    if w.shape[1] % 2 or not gate_up_fits(m, k, i, config):
+        raise ValueError(f"gate_up_silu [{m}, {k}] @ [{k}, {w.shape[1]}] does not fit {config.name}: the halves "
+                         f"must be multiples of {config.bn} columns, K of {config.bk}, M at most 256, and the "
+                         f"pipeline's tiles within {SMEM_BYTES} bytes of shared memory")
+    rows = _rows(m)
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    blocks = i // config.bn
+    out = pl.pallas_call(
+        functools.partial(_gate_up_kernel, bk=config.bk, steps=k // config.bk),
+        grid=(blocks,),
+        in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)),
+                  pl.BlockSpec((k, config.bn), lambda j: (0, j)),
+                  pl.BlockSpec((k, config.bn), lambda j: (0, j + blocks))],
+        out_specs=pl.BlockSpec((rows, config.bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, i), x.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="decode_gate_up_silu",
+    )(xp, w, w)
+    return out[:m]
+
+
+def gate_up_reference(x, w):
+    """XLA's dot in fp32, then SiLU x up in fp32, rounded once to x.dtype (the model's decode MLP input)."""
+    gate, up = jnp.split(jnp.dot(x, w, preferred_element_type=jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(x.dtype)
+
+
 def reference(x, w, *, out_dtype=None):
     """XLA's dot: fp32 accumulation, one rounding to out_dtype."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype if out_dtype is None else out_dtype)
