@@ -179,7 +179,8 @@ def gate_up_silu(x, w, *, config: GateUpConfig | None = None, interpret: bool = 
     the model stores them) -> [M, I] in x.dtype, each product accumulated in fp32 and the SiLU and the product
     in fp32, rounded once: what XLA's dot with an fp32 result followed by the model's SiLU x up computes, in one
     kernel (the decode step otherwise writes the fp32 [M, 2 I] product and reads it back in a kernel of its own).
-    The reference is `gate_up_reference`."""
+    The reference is `gate_up_reference`. Opt-in (QWEN35_DECODE_MLP): on the H200 it read the 9B gate/up weight
+    ~10% slower than cuBLASLt, more than the SiLU kernel it saves (bench/RESULTS.md, 2026-12-02)."""
     config = GATE_UP_DEFAULT if config is None else config
     m, k = x.shape
     i = w.shape[1] // 2

@@ -12,10 +12,12 @@ choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT c
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
 paged_attention.config_sweep() another configuration. `QWEN35_DECODE_MLP=fused` runs each decode MLP's gate and up
 products, SiLU and gating as one kernel (pallas_kernels/matmul.gate_up_silu; a name in matmul.gate_up_sweep()
-forces a configuration). Decode projections (T = 1) run XLA's dot (cuBLAS):
-`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
-`matmul.choose`, XLA's dot where none fits, logged once per shape), which the H200 profile measured slower in the
-9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms of device time per step at batch 64, 5.67 vs 5.62 at 16).
+forces a configuration); the H200 measured it slower (bench/RESULTS.md, c2faf63: 7.95 vs 7.63 ms per batch-64
+step, the kernel ~10% slower than cuBLASLt's GEMM on the 201 MB weight, the SiLU kernels it saves ~0.4 us each).
+Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel` runs them through
+pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
+once per shape), which the H200 profile measured slower in the 9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms
+of device time per step at batch 64, 5.67 vs 5.62 at 16).
 """
 from __future__ import annotations
 
