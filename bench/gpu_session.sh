@@ -93,7 +93,7 @@ for s in $sections; do
                      # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MLP=fused'; an empty entry: as is)
              IFS=';' read -ra envsets <<< "${PROFILE64_ENVS:-}"
              for i in "${!envsets[@]}"; do
-               CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "export ${envsets[$i]}; exec \
+               CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "${envsets[$i]:+export ${envsets[$i]};} exec \
                  python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                  --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i --append-results \
                  --compilation-cache-dir $xla/profile64_e$i --top-unattributed 5"
