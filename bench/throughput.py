@@ -33,14 +33,16 @@ from qwen35_jax.sharding import make_mesh  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
 
 
-def copy_bandwidth(gib: float = 1.0, calls: tuple[int, int] = (2, 12), reps: int = 7) -> dict[str, float]:
+def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), reps: int = 7) -> dict[str, float]:
     """Bytes read + written per second by a large elementwise copy (the memory roofline XLA can reach), two ways,
     both from device time alone:
     'chained': the slope over two counts of chained out-of-place passes in one program (bench/timing.slope_us);
     'in place': the slope over two counts of back-to-back calls of one donated pass (x * 2 written over x, as
     the profile's copy; ~0.5 ms each, so the host runs ahead and dispatch is not in it).
     The floor takes the higher ("max"): the in-place copy read 4.27-4.30 TB/s in the profiles where the chained
-    one read 4.02-4.17 here (bench/RESULTS.md), and a floor from the lower one would flatter the step."""
+    one read 4.02-4.17 here (bench/RESULTS.md), and a floor from the lower one would flatter the step.
+    gib: the array's size, default 1 GiB on GPU, 1/16 elsewhere (CPU smoke runs of the benches)."""
+    gib = gib or (1.0 if jax.default_backend() == "gpu" else 1 / 16)
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
     nbytes = x.nbytes
 
@@ -66,6 +68,11 @@ def copy_bandwidth(gib: float = 1.0, calls: tuple[int, int] = (2, 12), reps: int
         meds.append(float(np.median(ts)))
     in_place = 2 * nbytes / ((meds[1] - meds[0]) / (4 * (calls[1] - calls[0])))
     return {"chained": chained, "in place": in_place, "max": max(chained, in_place)}
+
+
+def copy_bandwidth(**kw) -> float:
+    """The higher of the two copy bandwidths (copy_bandwidths), bytes/s: the floor of every bench."""
+    return copy_bandwidths(**kw)["max"]
 
 
 class Row:   # what host_batch reads from a request
@@ -152,7 +159,7 @@ def main():
     ap.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
     args = ap.parse_args()
 
-    bws = copy_bandwidth()
+    bws = copy_bandwidths()
     bw = bws["max"]
     print("copy bandwidth " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bws.items()))
     raw = json.load(open(args.config))
