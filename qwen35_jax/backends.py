@@ -14,8 +14,9 @@ paged_attention.config_sweep() another configuration. `QWEN35_DECODE_MLP=fused` 
 products, SiLU and gating as one kernel (pallas_kernels/matmul.gate_up_silu; a name in matmul.gate_up_sweep()
 forces a configuration); the H200 measured it slower (bench/RESULTS.md, c2faf63: 7.95 vs 7.63 ms per batch-64
 step, the kernel ~10% slower than cuBLASLt's GEMM on the 201 MB weight, the SiLU kernels it saves ~0.4 us each).
-Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel` runs them through
-pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
+`QWEN35_DECODE_NORM=deferred` applies each RMSNorm before a decode projection as a scale of the projection's
+output (model.norm_in; untimed). Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel`
+runs them through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
 once per shape), which the H200 profile measured slower in the 9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms
 of device time per step at batch 64, 5.67 vs 5.62 at 16).
 """
@@ -92,15 +93,22 @@ def decode_gate_up(interpret: bool, variant: str):
 
 
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
-                   attention: str | None = None, projections: str | None = None, mlp: str | None = None) -> Kernels:
-    """prefill / decode / attention / projections / mlp: variant names (None: $QWEN35_GDN_PREFILL /
-    $QWEN35_GDN_DECODE / $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL / $QWEN35_DECODE_MLP, else "wy" /
-    "default" / "kernel" / "xla" / "xla")."""
+                   attention: str | None = None, projections: str | None = None, mlp: str | None = None,
+                   norm: str | None = None) -> Kernels:
+    """prefill / decode / attention / projections / mlp / norm: variant names (None: $QWEN35_GDN_PREFILL /
+    $QWEN35_GDN_DECODE / $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL / $QWEN35_DECODE_MLP /
+    $QWEN35_DECODE_NORM, else "wy" / "default" / "kernel" / "xla" / "xla" / "inline")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
     mlp = mlp or os.environ.get("QWEN35_DECODE_MLP") or "xla"
+    norm = norm or os.environ.get("QWEN35_DECODE_NORM") or "inline"
+    if norm not in ("inline", "deferred"):
+        raise ValueError(f"decode norm variant must be 'inline' or 'deferred', got {norm!r}")
+    if norm == "deferred" and mlp != "xla":
+        raise ValueError("decode norm 'deferred' scales the gate/up product before the SiLU: it needs decode MLP "
+                         f"'xla', not {mlp!r}")
     if projections not in ("kernel", "xla"):
         raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
     mlp_variants = ["xla", "fused"] + [c.name for c in matmul.gate_up_sweep()]
@@ -120,13 +128,13 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s; decode MLP "
-             "gate/up %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, mlp)
+             "gate/up %s; decode norms %s", prefill, pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, mlp, norm)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=decode_matmul(interpret) if projections == "kernel" else None,
-                   gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp))
+                   gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp), defer_norm=norm == "deferred")
 
 
 def default_backend() -> str:

@@ -48,21 +48,27 @@ class Kernels:
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up: Callable | None = None     # decode MLP input: (x [M, K], w [K, 2 I]) -> silu(x w_gate) * (x w_up) [M, I]
                                         # in x.dtype, fp32 inside (pallas_kernels/matmul.gate_up_silu); None: XLA
+    defer_norm: bool = False            # decode: each RMSNorm before a projection scales the projection's fp32
+                                        # output by 1/rms instead of its input (`norm_in`), so no kernel of its own
 
 
-def project(kernels: Kernels, x, w, out_dtype=None):
+def project(kernels: Kernels, x, w, out_dtype=None, scale=None):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
-    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one."""
+    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. scale (decode,
+    [N, 1, 1] fp32): multiplies the fp32 result before the rounding (`norm_in`)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
     if t > 1:
+        assert scale is None, "prefill rows are normalised before their projection"
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
-        return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+        y = kernels.matmul(x.reshape(n, k), w, jnp.float32 if scale is not None else out_dtype).reshape(n, t, -1)
+    else:
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    return (y if scale is None else y * scale).astype(out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -70,6 +76,19 @@ def rms_norm_1p(x, w, eps):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def norm_in(kernels: Kernels, x, w, eps):
+    """The zero-centred RMSNorm in front of a block's first projection: (the projection's input, the scale for its
+    fp32 output or None). Decode rows with kernels.defer_norm: x (1 + w) and 1/rms(x), as
+    RMSNorm(x) W = (1/rms(x)) ((x (1 + w)) W): the reduction can ride in the kernel that adds the residual, and the
+    scale in the one that reads the projection's result, so the norm has no kernel of its own (the 9B decode step
+    had 64 of them, ~3-6 us each on the H200). Otherwise `rms_norm_1p`."""
+    if x.shape[1] > 1 or not kernels.defer_norm:
+        return rms_norm_1p(x, w, eps), None
+    xf = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype), scale
 
 
 def gated_norm(o, z, w, eps):
@@ -110,11 +129,11 @@ def embed(cfg: ModelConfig, table, tokens):
 
 
 def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, x, k_pages, v_pages,
-                    batch: Batch, positions):
+                    batch: Batch, positions, scale=None):
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = project(kernels, x, w.qkv)
+        qkv = project(kernels, x, w.qkv, scale=scale)
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -136,13 +155,13 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
 
 
 def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
-              batch: Batch):
+              batch: Batch, scale=None):
     n, t, _ = x.shape
     hk, hv = layout.k_heads, layout.v_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
+        proj = project(kernels, x, w.in_proj, scale=scale)      # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -165,9 +184,11 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
         return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
-def mlp_block(kernels: Kernels, w, x):
+def mlp_block(kernels: Kernels, w, x, scale=None):
     n, t, k = x.shape
-    if t == 1 and kernels.gate_up is not None:       # decode: one kernel for both products, the SiLU and the gating
+    if t == 1 and kernels.gate_up is not None:
+        if scale is not None:
+            raise ValueError("the fused decode gate/up kernel takes normalised rows: not with defer_norm")       # decode: one kernel for both products, the SiLU and the gating
         with jax.named_scope("gate_up"):
             h = kernels.gate_up(x.reshape(n, k), w.gate_up).reshape(n, t, -1)
         with jax.named_scope("down_proj"):
@@ -175,7 +196,7 @@ def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if t == 1 else None, scale), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
@@ -194,19 +215,20 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
-            h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
+            h, scale = norm_in(kernels, x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
                 with jax.named_scope("attention"):
                     h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
-                                                          positions)
+                                                          positions, scale)
                 ai += 1
             else:
                 with jax.named_scope("gdn"):
-                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
+                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch,
+                                                     scale)
                 gi += 1
             x = x + h
             with jax.named_scope("mlp"):
-                x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
+                x = x + mlp_block(kernels, layer.mlp, *norm_in(kernels, x, layer.post_norm, cfg.rms_norm_eps))
     with jax.named_scope("lm_head"):
         x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
         if not all_logits:

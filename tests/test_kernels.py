@@ -400,6 +400,28 @@ def test_decode_gate_up_silu_matches_reference(m, k, i, config):
     assert matmul.gate_up_choose(3, 64, 50) is None
 
 
+def test_deferred_norm_equals_norm_then_project():
+    """model.norm_in with defer_norm: (x (1 + w)) W scaled by 1/rms(x) after the product = RMSNorm(x) W, within
+    fp32 rounding for fp32 rows and one bf16 rounding for bf16 ones; prefill rows (T > 1) normalise first."""
+    from qwen35_jax import backends
+    from qwen35_jax.model import norm_in, project, rms_norm_1p
+    kernels = dataclasses.replace(backends.reference_kernels(), defer_norm=True)
+    for dtype, bar in ((jnp.float32, 1e-6), (jnp.bfloat16, 8e-3)):
+        x = (3 * jax.random.normal(jax.random.key(0), (5, 1, 256))).astype(dtype)
+        w = 0.1 * jax.random.normal(jax.random.key(1), (256,))
+        wp = (0.05 * jax.random.normal(jax.random.key(2), (256, 96))).astype(dtype)
+        h, scale = norm_in(kernels, x, w, 1e-6)
+        assert scale.shape == (5, 1, 1) and h.dtype == dtype
+        got = project(kernels, h, wp, jnp.float32, scale)
+        want = project(kernels, rms_norm_1p(x, w, 1e-6), wp, jnp.float32)
+        assert rel(got, want) <= bar
+    prefill = jnp.ones((2, 3, 256), jnp.float32)
+    h, scale = norm_in(kernels, prefill, w, 1e-6)
+    assert scale is None and rel(h, rms_norm_1p(prefill, w, 1e-6)) == 0
+    with pytest.raises(ValueError, match="needs decode MLP"):
+        backends.pallas_kernels(interpret=True, mlp="fused", norm="deferred")
+
+
 def test_model_projections_run_the_matmul_kernel_in_decode():
     """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
     and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
@@ -489,11 +511,14 @@ def test_illegal_head_dim_raises():
 # Model level: the whole forward (prefill rows of different lengths, a padded row, then decode steps).
 
 
-@pytest.mark.parametrize("tp,mlp", [(1, "xla"), (2, "xla"), (2, "fused")])
-def test_model_logits_pallas_interpret_equal_reference(tp, mlp, monkeypatch, caplog):
+@pytest.mark.parametrize("tp,mlp,norm", [(1, "xla", "inline"), (2, "xla", "inline"), (2, "fused", "inline"),
+                                         (2, "xla", "deferred")])
+def test_model_logits_pallas_interpret_equal_reference(tp, mlp, norm, monkeypatch, caplog):
     """mlp "fused": the decode steps' MLP inputs by matmul.gate_up_silu (QWEN35_DECODE_MLP), at tp 2 on each
-    rank's half of the gate and up columns."""
+    rank's half of the gate and up columns; norm "deferred": the decode RMSNorms as scales of the projections'
+    outputs (QWEN35_DECODE_NORM, model.norm_in)."""
     monkeypatch.setenv("QWEN35_DECODE_MLP", mlp)
+    monkeypatch.setenv("QWEN35_DECODE_NORM", norm)
     caplog.set_level(logging.INFO, logger="qwen35_jax.backends")
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
@@ -520,6 +545,7 @@ def test_model_logits_pallas_interpret_equal_reference(tp, mlp, monkeypatch, cap
     ref, got = out["reference"], out["pallas_interpret"]
     fused = [r.getMessage() for r in caplog.records if "decode gate/up" in r.getMessage()]
     assert fused == (["decode gate/up [3, 64] @ [64, 2 x 48]: gu_n16_k64_w4_st3"] if mlp == "fused" else [])
+    assert any(f"decode norms {norm}" in r.getMessage() for r in caplog.records)
     # |logits| reach ~300 here, where one fp32 ulp is 3e-5: a literal 1e-4 absolute bar is ~3 ulps of summation
     # order. The bar is 1e-6 relative to the largest logit (~3e-4 absolute, ~10 ulps).
     scale = np.abs(ref[0][:2, :, :cfg.vocab_size]).max()
