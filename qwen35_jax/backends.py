@@ -16,9 +16,9 @@ forces a configuration); the H200 measured it slower (bench/RESULTS.md, c2faf63:
 step, the kernel ~10% slower than cuBLASLt's GEMM on the 201 MB weight, the SiLU kernels it saves ~0.4 us each).
 `QWEN35_DECODE_NORM=deferred` applies each RMSNorm before a decode projection as a scale of the projection's
 output (model.norm_in; untimed). Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel`
-runs them through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
-once per shape), which the H200 profile measured slower in the 9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms
-of device time per step at batch 64, 5.67 vs 5.62 at 16).
+runs them through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where
+none fits, logged once per shape), which the H200 profile measured slower in the 9B decode step
+(bench/RESULTS.md: 9.30 vs 8.98 ms of device time per step at batch 64, 5.67 vs 5.62 at 16).
 """
 from __future__ import annotations
 

@@ -186,9 +186,9 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 def mlp_block(kernels: Kernels, w, x, scale=None):
     n, t, k = x.shape
-    if t == 1 and kernels.gate_up is not None:
+    if t == 1 and kernels.gate_up is not None:       # decode: one kernel for both products, the SiLU and the gating
         if scale is not None:
-            raise ValueError("the fused decode gate/up kernel takes normalised rows: not with defer_norm")       # decode: one kernel for both products, the SiLU and the gating
+            raise ValueError("the fused decode gate/up kernel takes normalised rows: not with defer_norm")
         with jax.named_scope("gate_up"):
             h = kernels.gate_up(x.reshape(n, k), w.gate_up).reshape(n, t, -1)
         with jax.named_scope("down_proj"):
