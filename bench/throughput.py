@@ -37,8 +37,9 @@ def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), 
     """Bytes read + written per second by a large elementwise copy (the memory roofline XLA can reach), two ways,
     both from device time alone:
     'chained': the slope over two counts of chained out-of-place passes in one program (bench/timing.slope_us);
-    'in place': the slope over two counts of back-to-back calls of one donated pass (x * 2 written over x, as
-    the profile's copy; ~0.5 ms each, so the host runs ahead and dispatch is not in it).
+    'in place': the steady-state time (qwen35_jax.profile.steady_step_seconds) of back-to-back calls of one
+    donated pass (x * 2 written over x, as the profile's copy; ~0.5 ms each, so the host runs ahead and dispatch
+    is not in it).
     The floor takes the higher ("max"): the in-place copy read 4.27-4.30 TB/s in the profiles where the chained
     one read 4.02-4.17 here (bench/RESULTS.md), and a floor from the lower one would flatter the step.
     gib: the array's size, default 1 GiB on GPU, 1/16 elsewhere (CPU smoke runs of the benches)."""
@@ -53,20 +54,17 @@ def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), 
             return x
         return prog
     chained = 2 * nbytes / (slope_us(make_prog, (x,), calls, reps) * 1e-6)
-    del x
     step = jax.jit(lambda a: a * 2, donate_argnums=0)
-    y = jax.block_until_ready(step(jnp.ones((int(gib * 2**30) // 4,), jnp.float32)))
-    meds = []
-    for c in (4 * calls[0], 4 * calls[1]):
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(c):
-                y = step(y)
-            jax.block_until_ready(y)
-            ts.append(time.perf_counter() - t0)
-        meds.append(float(np.median(ts)))
-    in_place = 2 * nbytes / ((meds[1] - meds[0]) / (4 * (calls[1] - calls[0])))
+
+    def burst(k):
+        nonlocal x
+        t0 = time.perf_counter()
+        for _ in range(k):
+            x = step(x)
+        jax.block_until_ready(x)
+        return time.perf_counter() - t0
+    burst(1)                                                 # compile
+    in_place = 2 * nbytes / steady_step_seconds(burst, 2 * calls[1], reps)[0]    # bursts of 24 and 48 calls
     return {"chained": chained, "in place": in_place, "max": max(chained, in_place)}
 
 

@@ -205,6 +205,7 @@ class Executable:
         self.runner = {c: k for k, ins in self.instrs.items() for c in ins.runs}
         self.home = {n: c for c, (_, members) in self.comps.items() for n in members}
         self._resolved: dict[str, str] = {}
+        self.position = {n: i for i, n in enumerate(self.launch_order())}    # instruction -> its launch index
         self.kernel_groups = self._kernel_groups()
 
     def launch_order(self) -> list[str]:
@@ -228,10 +229,9 @@ class Executable:
         """Kernel name -> the instructions (launch order) that may launch a kernel of that name, where there is
         more than one: fusions with identical bodies (XLA reuses the first one's kernel and name), custom calls
         of one Pallas kernel, and the cuBLAS GEMMs (key "cublas")."""
-        order = self.launch_order()
         twins: dict[str, list[str]] = collections.defaultdict(list)
         named: dict[str, list[str]] = collections.defaultdict(list)
-        for n in order:
+        for n in self.position:
             ins = self.instrs[n]
             if ins.opcode == "fusion" and ins.calls:
                 body = self.comps.get(ins.calls[0], ("", []))[1]
@@ -559,7 +559,7 @@ def _cublas_launches(exe: Executable, events: list, cublas: set, placed: dict) -
     (layer left open) or none. A run whose next anchor comes earlier in the launch order than its previous one
     spans two executions."""
     calls = exe.kernel_groups.get("cublas", [])
-    order = {n: i for i, n in enumerate(exe.launch_order())}
+    order = exe.position
     cpos = [(order[c], c) for c in calls if c in order]
     out: dict[int, tuple] = {}
 
