@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -48,27 +49,24 @@ class Kernels:
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up: Callable | None = None     # decode MLP input: (x [M, K], w [K, 2 I]) -> silu(x w_gate) * (x w_up) [M, I]
                                         # in x.dtype, fp32 inside (pallas_kernels/matmul.gate_up_silu); None: XLA
-    defer_norm: bool = False            # decode: each RMSNorm before a projection scales the projection's fp32
-                                        # output by 1/rms instead of its input (`norm_in`), so no kernel of its own
+    add_norm: Callable | None = None    # decode: (partials [S, M, H] fp32, x [M, H], w, eps) -> (x + sum, its RMSNorm)
+                                        # in one kernel (pallas_kernels/add_norm.py); None: XLA (`add_norm` below)
+    split_k: int = 8                    # S: the K split of a decode row-parallel product whose sums add_norm adds
 
 
-def project(kernels: Kernels, x, w, out_dtype=None, scale=None):
+def project(kernels: Kernels, x, w, out_dtype=None):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
-    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. scale (decode,
-    [N, 1, 1] fp32): multiplies the fp32 result before the rounding (`norm_in`)."""
+    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
     if t > 1:
-        assert scale is None, "prefill rows are normalised before their projection"
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
-        y = kernels.matmul(x.reshape(n, k), w, jnp.float32 if scale is not None else out_dtype).reshape(n, t, -1)
-    else:
-        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
-    return (y if scale is None else y * scale).astype(out_dtype)
+        return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -78,17 +76,15 @@ def rms_norm_1p(x, w, eps):
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def norm_in(kernels: Kernels, x, w, eps):
-    """The zero-centred RMSNorm in front of a block's first projection: (the projection's input, the scale for its
-    fp32 output or None). Decode rows with kernels.defer_norm: x (1 + w) and 1/rms(x), as
-    RMSNorm(x) W = (1/rms(x)) ((x (1 + w)) W): the reduction can ride in the kernel that adds the residual, and the
-    scale in the one that reads the projection's result, so the norm has no kernel of its own (the 9B decode step
-    had 64 of them, ~3-6 us each on the H200). Otherwise `rms_norm_1p`."""
-    if x.shape[1] > 1 or not kernels.defer_norm:
-        return rms_norm_1p(x, w, eps), None
-    xf = x.astype(jnp.float32)
-    scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype), scale
+def add_norm(kernels: Kernels, x, out, w, eps):
+    """The residual stream after a block, x + out, and its zero-centred RMSNorm with w (the next projection's
+    input). Decode rows with kernels.add_norm: out is `row_parallel`'s fp32 partial sums [S, N, H] and one kernel
+    adds them, adds the residual and normalises (XLA ran two kernels per norm, the 9B decode step 128)."""
+    if x.shape[1] == 1 and kernels.add_norm is not None:
+        x, h = kernels.add_norm(out, x[:, 0], w, eps)
+        return x[:, None], h[:, None]
+    x = x + out
+    return x, rms_norm_1p(x, w, eps)
 
 
 def gated_norm(o, z, w, eps):
@@ -100,8 +96,18 @@ def gated_norm(o, z, w, eps):
 
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
-    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
-    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
+    prefill at tp = 1 has nothing to sum: its GEMM rounds). Decode rows with kernels.add_norm: the fp32 sums
+    [S, N, H] for `add_norm`, unrounded. At tp = 1 on XLA's dot S = kernels.split_k: the product asked for as a
+    batched dot over S slices of K, the form XLA's own split K takes, whose partial sums XLA would otherwise add
+    in a kernel of its own; else S = 1 (the all-reduce's input is already one sum)."""
+    n, t, k = x.shape
+    if t == 1 and kernels.add_norm is not None:
+        s = math.gcd(kernels.split_k, k)
+        if jax.lax.axis_size(TP) == 1 and kernels.matmul is None and s > 1:
+            return jnp.einsum("nsk,skh->snh", x.reshape(n, s, k // s), w.reshape(s, k // s, -1),
+                              preferred_element_type=jnp.float32)
+        return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).reshape(1, n, -1)
+    if t > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
@@ -129,11 +135,11 @@ def embed(cfg: ModelConfig, table, tokens):
 
 
 def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, x, k_pages, v_pages,
-                    batch: Batch, positions, scale=None):
+                    batch: Batch, positions):
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = project(kernels, x, w.qkv, scale=scale)
+        qkv = project(kernels, x, w.qkv)
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -155,13 +161,13 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
 
 
 def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
-              batch: Batch, scale=None):
+              batch: Batch):
     n, t, _ = x.shape
     hk, hv = layout.k_heads, layout.v_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj, scale=scale)      # [q | k | v | z | b | a] per rank
+        proj = project(kernels, x, w.in_proj)      # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -184,11 +190,9 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
         return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
-def mlp_block(kernels: Kernels, w, x, scale=None):
+def mlp_block(kernels: Kernels, w, x):
     n, t, k = x.shape
     if t == 1 and kernels.gate_up is not None:       # decode: one kernel for both products, the SiLU and the gating
-        if scale is not None:
-            raise ValueError("the fused decode gate/up kernel takes normalised rows: not with defer_norm")
         with jax.named_scope("gate_up"):
             h = kernels.gate_up(x.reshape(n, k), w.gate_up).reshape(n, t, -1)
         with jax.named_scope("down_proj"):
@@ -196,7 +200,7 @@ def mlp_block(kernels: Kernels, w, x, scale=None):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if t == 1 else None, scale), 2, axis=-1)
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if t == 1 else None), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
@@ -212,25 +216,30 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     with jax.named_scope("embed"):
         x = embed(cfg, weights.embed, batch.tokens)
     conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
+    eps = cfg.rms_norm_eps
+    # Each residual add comes with the RMSNorm after it (add_norm): a block's output, added, normalised for the
+    # next block; the last layer's MLP output for the final norm.
+    next_norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.final_norm]
+    with jax.named_scope("layer0"):
+        h = rms_norm_1p(x, weights.layers[0].input_norm, eps)
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
-            h, scale = norm_in(kernels, x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
                 with jax.named_scope("attention"):
-                    h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
-                                                          positions, scale)
+                    out, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai],
+                                                          batch, positions)
                 ai += 1
             else:
                 with jax.named_scope("gdn"):
-                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch,
-                                                     scale)
+                    out, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
                 gi += 1
-            x = x + h
+            x, h = add_norm(kernels, x, out, layer.post_norm, eps)
             with jax.named_scope("mlp"):
-                x = x + mlp_block(kernels, layer.mlp, *norm_in(kernels, x, layer.post_norm, cfg.rms_norm_eps))
+                out = mlp_block(kernels, layer.mlp, h)
+            x, h = add_norm(kernels, x, out, next_norms[i], eps)
     with jax.named_scope("lm_head"):
-        x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
+        x = h
         if not all_logits:
             x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T
