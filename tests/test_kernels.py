@@ -424,6 +424,33 @@ def test_add_rms_norm_matches_reference(s, m, h, dtype):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("rows", [16, 3])
+def test_row_parallel_partials_feed_add_norm(rows):
+    """Decode with the add-norm kernel: model.row_parallel returns the product's split-K partial sums ([8, N, H]
+    from 16 rows, one sum below that) and model.add_norm adds and normalises them, equal to the XLA path (fp32)."""
+    from jax.sharding import PartitionSpec as P
+    from qwen35_jax import backends
+    from qwen35_jax.model import add_norm as residual_norm, row_parallel
+    from qwen35_jax.sharding import make_mesh
+    ks = jax.random.split(jax.random.key(rows), 4)
+    x, w = jax.random.normal(ks[0], (rows, 1, 256)), 0.05 * jax.random.normal(ks[1], (256, 128))
+    res, nw = jax.random.normal(ks[2], (rows, 1, 128)), 0.1 * jax.random.normal(ks[3], (128,))
+
+    def run(kernels):
+        def f(x, w, res, nw):
+            out = row_parallel(kernels, x, w)
+            return (out, *residual_norm(kernels, res, out, nw, 1e-6))
+        return jax.shard_map(f, mesh=make_mesh(1), in_specs=P(), out_specs=P(), check_vma=False)(x, w, res, nw)
+
+    parts, *got = run(backends.pallas_kernels(interpret=True, residual="kernel"))
+    _, *want = run(backends.reference_kernels())
+    assert parts.shape == ((8, rows, 128) if rows >= 16 else (1, rows, 128)) and parts.dtype == jnp.float32
+    for g, r in zip(got, want):
+        assert g.shape == (rows, 1, 128) and rel(g, r) <= 1e-6
+    with pytest.raises(ValueError, match="add-norm variant"):
+        backends.pallas_kernels(interpret=True, residual="kernel_s3")
+
+
 def test_model_projections_run_the_matmul_kernel_in_decode():
     """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
     and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
