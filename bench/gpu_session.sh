@@ -5,7 +5,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_mlp
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs profiletp tp9b tpflags tp27b.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -99,6 +99,11 @@ for s in $sections; do
                  --compilation-cache-dir $xla/profile64_e$i --top-unattributed 5"
                (cd /tmp && tar czf "$out/profile64_e$i-hlo.tgz" $(find profile64_e$i -name "decode.hlo.txt"))
              done ;;
+    ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated
+         # variants after the default, each space-separated QWEN35_*=value settings
+         IFS=';' read -ra abv <<< "${AB_VARIANTS:-QWEN35_DECODE_ADD_NORM=kernel}"
+         CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
+           --variants "" "${abv[@]}" ;;
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25

@@ -1,0 +1,136 @@
+"""Decode step A/B: kernel variants (QWEN35_* settings) timed in one process, in alternating rounds.
+
+Separate runs of bench/throughput.py or of the profile read the 9B batch-64 step ~0.1 ms apart for the same code
+(bench/RESULTS.md: 7.39-7.67 ms in five profiles of one day), as much as the changes under test. Here every
+variant gets its own engine (the same weights, its own state and executables) and the decode steps of the variants
+are timed in alternating rounds (the order reversed every other round), so drift of the machine falls on all of them alike. Each round times each variant's
+steady-state step (the slope of back-to-back dispatches, as bench/throughput.py); the report gives each variant's
+median over the rounds and the median of its per-round difference to the first variant.
+
+    python bench/ab_decode.py --variants "" "QWEN35_DECODE_ADD_NORM=kernel" --batches 16,64 --record
+    python bench/ab_decode.py --config <tiny config.json> --kernel-backend pallas_interpret --batches 2 \
+        --context 40 --rounds 2 --iters 2                                                       # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from bench.throughput import Row  # noqa: E402
+from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.profile import steady_step_seconds  # noqa: E402
+from qwen35_jax.sampler import host_batch  # noqa: E402
+from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.weights import random_weights  # noqa: E402
+
+
+def parse_variant(text: str) -> dict[str, str]:
+    """'A=1 B=x' -> {'A': '1', 'B': 'x'}; '' is the default build. Only QWEN35_* settings (read when an engine
+    builds its kernels); XLA_FLAGS cannot differ within one process."""
+    env = dict(kv.split("=", 1) for kv in text.split())
+    bad = [k for k in env if not k.startswith("QWEN35_")]
+    if bad:
+        raise ValueError(f"variant {text!r}: only QWEN35_* settings can differ in one process, not {bad}")
+    return env
+
+
+def build_engine(model_dir: str, eargs: EngineArgs, weights, env: dict[str, str]) -> Engine:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Engine(model_dir, eargs, weights=weights)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def decode_call(engine: Engine, batch: int, ctx: int):
+    """One decode step of `batch` live rows at context ctx (greedy), as bench/throughput.py dispatches it."""
+    ex = engine.executor
+    pps = engine.pages_per_seq
+    slots = np.arange(1, batch + 1, dtype=np.int32)
+    positions = np.full(batch, ctx, np.int32)
+    pages = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
+    sp = host_batch([Row() for _ in range(batch)], batch)
+    return lambda: ex.decode(batch, slots, positions, pages, sp)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
+    ap.add_argument("--variants", nargs="+", default=["", "QWEN35_DECODE_ADD_NORM=kernel"],
+                    help="space-separated QWEN35_*=value settings per variant; the first is the baseline")
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--context", type=int, default=1152)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20, help="steps in the shorter burst of a slope")
+    ap.add_argument("--kernel-backend", default=None)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    variants = [parse_variant(v) for v in args.variants]
+    names = [" ".join(f"{k}={v}" for k, v in env.items()) or "(default)" for env in variants]
+    batches = [int(b) for b in args.batches.split(",")]
+    raw = json.load(open(args.config))
+    cfg = ModelConfig.from_hf(raw)
+    model_dir = tempfile.mkdtemp(prefix="qwen35-ab-")
+    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
+    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
+    eargs = EngineArgs(max_model_len=args.context + 64, max_num_seqs=max(batches), precompile=False,
+                       max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1,
+                       kernel_backend=args.kernel_backend)
+    engines = [build_engine(model_dir, eargs, weights, env) for env in variants]
+    rows = []
+    for b in batches:
+        calls = [decode_call(e, b, args.context) for e in engines]
+        t0 = time.perf_counter()
+        for call in calls:                              # compile and warm up
+            jax.block_until_ready([call() for _ in range(3)])
+        print(f"batch {b}: {len(calls)} decode executables compiled and warm in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+        steps = [[] for _ in calls]
+        for r in range(args.rounds):
+            order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))   # no variant always first
+            for i in order:
+                def burst(k, call=calls[i]):
+                    t = time.perf_counter()
+                    for _ in range(k):
+                        o = call()
+                    jax.block_until_ready(o)
+                    return time.perf_counter() - t
+                steps[i].append(steady_step_seconds(burst, args.iters)[0])
+            print(f"batch {b} round {r}: " + ", ".join(f"{s[-1] * 1e3:.3f}" for s in steps), flush=True)
+        for i, name in enumerate(names):
+            diff = [a - z for a, z in zip(steps[i], steps[0])]
+            rows.append({"batch": b, "variant": name, "step ms (median)": f"{statistics.median(steps[i]) * 1e3:.3f}",
+                         "min / max ms": f"{min(steps[i]) * 1e3:.3f} / {max(steps[i]) * 1e3:.3f}",
+                         "vs first, ms (median of rounds)": f"{statistics.median(diff) * 1e3:+.3f}",
+                         "rounds faster": f"{sum(d < 0 for d in diff)} / {len(diff)}" if i else ""})
+            print(rows[-1], flush=True)
+    for e in engines:
+        e.shutdown()
+    body = (f"Model: `{args.config}` shapes, random bf16 weights, greedy decode at context {args.context}; one "
+            f"engine per variant in one process, {args.rounds} alternating rounds, each a steady-state step (slope "
+            f"of back-to-back dispatches from {args.iters} to {2 * args.iters} steps, median of 3 each).\n\n"
+            + results.table(rows, list(rows[0])))
+    if args.record:
+        results.record("Decode step A/B (bench/ab_decode.py): " + " vs ".join(names), body)
+
+
+if __name__ == "__main__":
+    main()
