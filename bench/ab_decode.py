@@ -7,7 +7,7 @@ are timed in alternating rounds (the order reversed every other round), so drift
 steady-state step (the slope of back-to-back dispatches, as bench/throughput.py); the report gives each variant's
 median over the rounds and the median of its per-round difference to the first variant.
 
-    python bench/ab_decode.py --variants "" "QWEN35_DECODE_ADD_NORM=kernel" --batches 16,64 --record
+    python bench/ab_decode.py --variants "" "QWEN35_GDN_DECODE=bv32_w2_vf" --batches 16,64 --record
     python bench/ab_decode.py --config <tiny config.json> --kernel-backend pallas_interpret --batches 2 \
         --context 40 --rounds 2 --iters 2                                                       # CPU smoke run
 """
@@ -73,8 +73,9 @@ def decode_call(engine: Engine, batch: int, ctx: int):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
-    ap.add_argument("--variants", nargs="+", default=["", "QWEN35_DECODE_ADD_NORM=kernel"],
-                    help="space-separated QWEN35_*=value settings per variant; the first is the baseline")
+    ap.add_argument("--variants", nargs="+", required=True,
+                    help="space-separated QWEN35_*=value settings per variant ('' = the default build); the first "
+                         "is the baseline")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--context", type=int, default=1152)
     ap.add_argument("--rounds", type=int, default=5)
@@ -84,6 +85,8 @@ def main():
     args = ap.parse_args()
 
     variants = [parse_variant(v) for v in args.variants]
+    if len(variants) < 2:
+        ap.error("--variants: at least two to compare")
     names = [" ".join(f"{k}={v}" for k, v in env.items()) or "(default)" for env in variants]
     batches = [int(b) for b in args.batches.split(",")]
     raw = json.load(open(args.config))

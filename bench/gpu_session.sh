@@ -101,7 +101,7 @@ for s in $sections; do
              done ;;
     ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated
          # variants after the default, each space-separated QWEN35_*=value settings
-         IFS=';' read -ra abv <<< "${AB_VARIANTS:-QWEN35_DECODE_ADD_NORM=kernel}"
+         IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --variants "" "${abv[@]}" ;;
     profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \

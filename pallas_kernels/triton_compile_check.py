@@ -2,7 +2,7 @@
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
 further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
-paged_attention.config_sweep() / matmul.gate_up_sweep() / add_norm at the 9B shapes
+paged_attention.config_sweep() / matmul.gate_up_sweep() at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots and how many loads
@@ -28,7 +28,7 @@ def dump(out_dir, only=()):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from pallas_kernels import add_norm, conv1d, gdn, matmul, paged_attention as pa
+    from pallas_kernels import conv1d, gdn, matmul, paged_attention as pa
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -75,9 +75,6 @@ def dump(out_dir, only=()):
     for b in (1, 16, 64):           # the fused decode gate/up + SiLU at 9B shapes (K 4096, I 12288)
         jobs += [(f"gate_up_b{b}_{c.name}", functools.partial(matmul.gate_up_silu, config=c),
                   (S((b, 4096), bf), S((4096, 24576), bf))) for c in matmul.gate_up_sweep()]
-    for h in (4096, 5120):          # the decode residual add + RMSNorm at 9B / 27B widths, XLA's 8-way split K
-        jobs.append((f"add_norm_h{h}", functools.partial(add_norm.add_rms_norm, eps=1e-6),
-                     (S((8, 64, h), jnp.float32), S((64, h), bf), S((h,), jnp.float32))))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:

@@ -14,12 +14,10 @@ paged_attention.config_sweep() another configuration. `QWEN35_DECODE_MLP=fused` 
 products, SiLU and gating as one kernel (pallas_kernels/matmul.gate_up_silu; a name in matmul.gate_up_sweep()
 forces a configuration); the H200 measured it slower (bench/RESULTS.md, c2faf63: 7.95 vs 7.63 ms per batch-64
 step, the kernel ~10% slower than cuBLASLt's GEMM on the 201 MB weight, the SiLU kernels it saves ~0.4 us each).
-`QWEN35_DECODE_ADD_NORM=kernel` runs each decode residual add and the RMSNorm after it as one kernel
-(pallas_kernels/add_norm.py, on the row-parallel products' split-K partial sums, S = 8; `kernel_s4` etc. another
-S). Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel`
-runs them through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where
-none fits, logged once per shape), which the H200 profile measured slower in the 9B decode step
-(bench/RESULTS.md: 9.30 vs 8.98 ms of device time per step at batch 64, 5.67 vs 5.62 at 16).
+Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel` runs them through
+pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
+once per shape), which the H200 profile measured slower in the 9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms
+of device time per step at batch 64, 5.67 vs 5.62 at 16).
 """
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ import os
 
 import jax
 
-from pallas_kernels import add_norm, conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
 
@@ -94,20 +92,15 @@ def decode_gate_up(interpret: bool, variant: str):
 
 
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
-                   attention: str | None = None, projections: str | None = None, mlp: str | None = None,
-                   residual: str | None = None) -> Kernels:
-    """prefill / decode / attention / projections / mlp / residual: variant names (None: $QWEN35_GDN_PREFILL /
-    $QWEN35_GDN_DECODE / $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL / $QWEN35_DECODE_MLP /
-    $QWEN35_DECODE_ADD_NORM, else "wy" / "default" / "kernel" / "xla" / "xla" / "xla")."""
+                   attention: str | None = None, projections: str | None = None, mlp: str | None = None) -> Kernels:
+    """prefill / decode / attention / projections / mlp: variant names (None: $QWEN35_GDN_PREFILL /
+    $QWEN35_GDN_DECODE / $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL / $QWEN35_DECODE_MLP, else "wy" /
+    "default" / "kernel" / "xla" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
     mlp = mlp or os.environ.get("QWEN35_DECODE_MLP") or "xla"
-    residual = residual or os.environ.get("QWEN35_DECODE_ADD_NORM") or "xla"
-    split_k = {"kernel": 8, **{f"kernel_s{s}": s for s in (1, 2, 4, 16)}}.get(residual)
-    if residual != "xla" and split_k is None:
-        raise ValueError(f"decode add-norm variant must be 'xla', 'kernel' or kernel_s1/2/4/16, got {residual!r}")
     if projections not in ("kernel", "xla"):
         raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
     mlp_variants = ["xla", "fused"] + [c.name for c in matmul.gate_up_sweep()]
@@ -126,17 +119,14 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    add_rms_norm = None if split_k is None else jax.jit(
-        functools.partial(add_norm.add_rms_norm, interpret=interpret), static_argnums=3)    # eps: a constant
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s; decode MLP "
-             "gate/up %s; decode residual add + norm %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, mlp, residual)
+             "gate/up %s", prefill, pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, mlp)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=decode_matmul(interpret) if projections == "kernel" else None,
-                   gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp),
-                   add_norm=add_rms_norm, split_k=split_k or 8)
+                   gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp))
 
 
 def default_backend() -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -49,9 +48,6 @@ class Kernels:
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up: Callable | None = None     # decode MLP input: (x [M, K], w [K, 2 I]) -> silu(x w_gate) * (x w_up) [M, I]
                                         # in x.dtype, fp32 inside (pallas_kernels/matmul.gate_up_silu); None: XLA
-    add_norm: Callable | None = None    # decode: (partials [S, M, H] fp32, x [M, H], w, eps) -> (x + sum, its RMSNorm)
-                                        # in one kernel (pallas_kernels/add_norm.py); None: XLA (`add_norm` below)
-    split_k: int = 8                    # S: the K split of a decode row-parallel product whose sums add_norm adds
 
 
 def project(kernels: Kernels, x, w, out_dtype=None):
@@ -76,17 +72,6 @@ def rms_norm_1p(x, w, eps):
     return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def add_norm(kernels: Kernels, x, out, w, eps):
-    """The residual stream after a block, x + out, and its zero-centred RMSNorm with w (the next projection's
-    input). Decode rows with kernels.add_norm: out is `row_parallel`'s fp32 partial sums [S, N, H] and one kernel
-    adds them, adds the residual and normalises (XLA ran two kernels per norm, the 9B decode step 128)."""
-    if x.shape[1] == 1 and kernels.add_norm is not None:
-        x, h = kernels.add_norm(out, x[:, 0], w, eps)
-        return x[:, None], h[:, None]
-    x = x + out
-    return x, rms_norm_1p(x, w, eps)
-
-
 def gated_norm(o, z, w, eps):
     """GDN output norm: RMS-normalise o (plain weight w), then gate by silu(z); norm before gate."""
     of = o.astype(jnp.float32)
@@ -96,19 +81,8 @@ def gated_norm(o, z, w, eps):
 
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
-    prefill at tp = 1 has nothing to sum: its GEMM rounds). Decode rows with kernels.add_norm: the fp32 sums
-    [S, N, H] for `add_norm`, unrounded. At tp = 1 on XLA's dot with N >= 16 rows S = kernels.split_k: the
-    product asked for as a batched dot over S slices of K, the form XLA's own split K takes, whose partial sums
-    XLA would otherwise add in a kernel of its own; else S = 1 (the all-reduce's input is already one sum; below
-    16 rows, XLA's GEMM tile, the batched form took 2x as long: the H200's batch-1 step 10.0 vs 5.3 ms)."""
-    n, t, k = x.shape
-    if t == 1 and kernels.add_norm is not None:
-        s = math.gcd(kernels.split_k, k)
-        if jax.lax.axis_size(TP) == 1 and kernels.matmul is None and s > 1 and n >= 16:
-            return jnp.einsum("nsk,skh->snh", x.reshape(n, s, k // s), w.reshape(s, k // s, -1),
-                              preferred_element_type=jnp.float32)
-        return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).reshape(1, n, -1)
-    if t > 1 and jax.lax.axis_size(TP) == 1:
+    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
+    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
@@ -168,7 +142,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj)      # [q | k | v | z | b | a] per rank
+        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -201,7 +175,7 @@ def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if t == 1 else None), 2, axis=-1)
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
@@ -217,30 +191,24 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     with jax.named_scope("embed"):
         x = embed(cfg, weights.embed, batch.tokens)
     conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
-    eps = cfg.rms_norm_eps
-    # Each residual add comes with the RMSNorm after it (add_norm): a block's output, added, normalised for the
-    # next block; the last layer's MLP output for the final norm.
-    next_norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.final_norm]
-    with jax.named_scope("layer0"):
-        h = rms_norm_1p(x, weights.layers[0].input_norm, eps)
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
+            h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
                 with jax.named_scope("attention"):
-                    out, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai],
-                                                          batch, positions)
+                    h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
+                                                          positions)
                 ai += 1
             else:
                 with jax.named_scope("gdn"):
-                    out, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
+                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
                 gi += 1
-            x, h = add_norm(kernels, x, out, layer.post_norm, eps)
+            x = x + h
             with jax.named_scope("mlp"):
-                out = mlp_block(kernels, layer.mlp, h)
-            x, h = add_norm(kernels, x, out, next_norms[i], eps)
+                x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
     with jax.named_scope("lm_head"):
-        x = h
+        x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
         if not all_logits:
             x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T

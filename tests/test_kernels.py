@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import add_norm, conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
 from qwen35_jax.attention import decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -400,57 +400,6 @@ def test_decode_gate_up_silu_matches_reference(m, k, i, config):
     assert matmul.gate_up_choose(3, 64, 50) is None
 
 
-@pytest.mark.parametrize("s,m,h,dtype", [(8, 5, 4096, jnp.bfloat16), (1, 3, 96, jnp.float32),
-                                         (4, 2, 5120, jnp.bfloat16)])
-def test_add_rms_norm_matches_reference(s, m, h, dtype):
-    """The decode residual add + RMSNorm kernel (interpret mode) against add_norm.reference: fp32 rows exactly up
-    to summation order, bf16 rows within one rounding (the partial sums are added in another order)."""
-    kp, kx, kw = jax.random.split(jax.random.key(s * h), 3)
-    p = jax.random.normal(kp, (s, m, h))
-    x = (2 * jax.random.normal(kx, (m, h))).astype(dtype)
-    w = 0.1 * jax.random.normal(kw, (h,))
-    got, want = add_norm.add_rms_norm(p, x, w, 1e-6, interpret=True), add_norm.reference(p, x, w, 1e-6)
-    for g, r in zip(got, want):
-        assert g.dtype == dtype and g.shape == (m, h)
-        assert rel(g.astype(jnp.float32), r.astype(jnp.float32)) <= (1e-6 if dtype == jnp.float32 else 4e-3)
-    # the residual out: x + the rounded sum of the partials, by definition
-    ref = (x.astype(jnp.float32) + p.sum(0).astype(dtype).astype(jnp.float32)).astype(dtype)
-    assert rel(got[0].astype(jnp.float32), ref.astype(jnp.float32)) <= (1e-6 if dtype == jnp.float32 else 4e-3)
-    with pytest.raises(ValueError, match="disagree"):
-        add_norm.add_rms_norm(p, x[:, :h - 1], w, 1e-6, interpret=True)
-    S = jax.ShapeDtypeStruct          # and it lowers for CUDA (Triton-legal) at this width
-    text = lower_for_cuda(lambda p, x, w: add_norm.add_rms_norm(p, x, w, 1e-6), S((s, 64, h), jnp.float32),
-                          S((64, h), dtype), S((h,), jnp.float32))
-    assert text.count("__gpu$xla.gpu.triton") == 1
-
-
-@pytest.mark.parametrize("rows", [16, 3])
-def test_row_parallel_partials_feed_add_norm(rows):
-    """Decode with the add-norm kernel: model.row_parallel returns the product's split-K partial sums ([8, N, H]
-    from 16 rows, one sum below that) and model.add_norm adds and normalises them, equal to the XLA path (fp32)."""
-    from jax.sharding import PartitionSpec as P
-    from qwen35_jax import backends
-    from qwen35_jax.model import add_norm as residual_norm, row_parallel
-    from qwen35_jax.sharding import make_mesh
-    ks = jax.random.split(jax.random.key(rows), 4)
-    x, w = jax.random.normal(ks[0], (rows, 1, 256)), 0.05 * jax.random.normal(ks[1], (256, 128))
-    res, nw = jax.random.normal(ks[2], (rows, 1, 128)), 0.1 * jax.random.normal(ks[3], (128,))
-
-    def run(kernels):
-        def f(x, w, res, nw):
-            out = row_parallel(kernels, x, w)
-            return (out, *residual_norm(kernels, res, out, nw, 1e-6))
-        return jax.shard_map(f, mesh=make_mesh(1), in_specs=P(), out_specs=P(), check_vma=False)(x, w, res, nw)
-
-    parts, *got = run(backends.pallas_kernels(interpret=True, residual="kernel"))
-    _, *want = run(backends.reference_kernels())
-    assert parts.shape == ((8, rows, 128) if rows >= 16 else (1, rows, 128)) and parts.dtype == jnp.float32
-    for g, r in zip(got, want):
-        assert g.shape == (rows, 1, 128) and rel(g, r) <= 1e-6
-    with pytest.raises(ValueError, match="add-norm variant"):
-        backends.pallas_kernels(interpret=True, residual="kernel_s3")
-
-
 def test_model_projections_run_the_matmul_kernel_in_decode():
     """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
     and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
@@ -540,15 +489,11 @@ def test_illegal_head_dim_raises():
 # Model level: the whole forward (prefill rows of different lengths, a padded row, then decode steps).
 
 
-@pytest.mark.parametrize("tp,mlp,residual", [(1, "xla", "xla"), (2, "xla", "xla"), (2, "fused", "xla"),
-                                             (1, "xla", "kernel"), (2, "xla", "kernel_s4")])
-def test_model_logits_pallas_interpret_equal_reference(tp, mlp, residual, monkeypatch, caplog):
+@pytest.mark.parametrize("tp,mlp", [(1, "xla"), (2, "xla"), (2, "fused")])
+def test_model_logits_pallas_interpret_equal_reference(tp, mlp, monkeypatch, caplog):
     """mlp "fused": the decode steps' MLP inputs by matmul.gate_up_silu (QWEN35_DECODE_MLP), at tp 2 on each
-    rank's half of the gate and up columns; residual "kernel*": each decode residual add and the RMSNorm after it
-    by add_norm.add_rms_norm on the row-parallel products' split-K partial sums (QWEN35_DECODE_ADD_NORM; at tp 2
-    on the all-reduced sum)."""
+    rank's half of the gate and up columns."""
     monkeypatch.setenv("QWEN35_DECODE_MLP", mlp)
-    monkeypatch.setenv("QWEN35_DECODE_ADD_NORM", residual)
     caplog.set_level(logging.INFO, logger="qwen35_jax.backends")
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
@@ -575,7 +520,6 @@ def test_model_logits_pallas_interpret_equal_reference(tp, mlp, residual, monkey
     ref, got = out["reference"], out["pallas_interpret"]
     fused = [r.getMessage() for r in caplog.records if "decode gate/up" in r.getMessage()]
     assert fused == (["decode gate/up [3, 64] @ [64, 2 x 48]: gu_n16_k64_w4_st3"] if mlp == "fused" else [])
-    assert any(f"decode residual add + norm {residual}" in r.getMessage() for r in caplog.records)
     # |logits| reach ~300 here, where one fp32 ulp is 3e-5: a literal 1e-4 absolute bar is ~3 ulps of summation
     # order. The bar is 1e-6 relative to the largest logit (~3e-4 absolute, ~10 ulps).
     scale = np.abs(ref[0][:2, :, :cfg.vocab_size]).max()
