@@ -63,18 +63,37 @@ def fits(m: int, k: int, n: int, config: MatmulConfig) -> bool:
     return n % config.bn == 0 and k % (config.split_k * config.bk) == 0 and m <= 256 and smem <= SMEM_BYTES
 
 
-def choose(m: int, k: int, n: int) -> MatmulConfig | None:
-    """The configuration the model runs for [m, k] @ [k, n], or None where none fits (XLA's dot then). Column
-    blocks of 64, and the fewest K splits (up to 4, keeping >= 8 loop steps) that give >= 2 programs per H200 SM:
-    the rule the H200 runs of bench/gemm.py point to (its per-shape picks are noisy at 10-50 us per call)."""
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How `choose` makes a configuration for a shape: column blocks of bn (64 where bn does not divide N), and the
+    fewest K splits (up to max_split, keeping >= 8 loop steps of bk) that give >= programs programs."""
+    bn: int = 64
+    programs: int = 264       # 2 per H200 SM
+    max_split: int = 4
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+RULES = {"kernel": Rule(), "bn128": Rule(bn=128), "bn128_p528": Rule(bn=128, programs=528, max_split=8),
+         "bn64_p528": Rule(programs=528, max_split=8), "bn256_w8": Rule(bn=256, num_warps=8, num_stages=2),
+         "bn64_st6": Rule(num_stages=6), "bn128_st3_w8": Rule(bn=128, num_stages=3, num_warps=8)}
+
+
+def choose(m: int, k: int, n: int, rule: Rule = Rule()) -> MatmulConfig | None:
+    """The configuration the model runs for [m, k] @ [k, n], or None where none fits (XLA's dot then). The
+    default rule (column blocks of 64, >= 2 programs per H200 SM) is what the H200 runs of bench/gemm.py point to
+    (its per-shape picks are noisy at 10-50 us per call); RULES holds others to compare in the decode step."""
+    bn = rule.bn if n % rule.bn == 0 else 64
     best = None
-    for split in (1, 2, 4):
-        c = dataclasses.replace(DEFAULT, split_k=split)
+    split = 1
+    while split <= rule.max_split:
+        c = MatmulConfig(bn=bn, split_k=split, num_warps=rule.num_warps, num_stages=rule.num_stages)
         if not fits(m, k, n, c) or k // (split * c.bk) < 8:
             break
         best = c
-        if n // c.bn * split >= 264:
+        if n // c.bn * split >= rule.programs:
             break
+        split *= 2
     return best
 
 

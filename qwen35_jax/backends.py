@@ -12,12 +12,11 @@ choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT c
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
 paged_attention.config_sweep() another configuration. `QWEN35_DECODE_MLP=fused` runs each decode MLP's gate and up
 products, SiLU and gating as one kernel (pallas_kernels/matmul.gate_up_silu; a name in matmul.gate_up_sweep()
-forces a configuration); the H200 measured it slower (bench/RESULTS.md, c2faf63: 7.95 vs 7.63 ms per batch-64
-step, the kernel ~10% slower than cuBLASLt's GEMM on the 201 MB weight, the SiLU kernels it saves ~0.4 us each).
-Decode projections (T = 1) run XLA's dot (cuBLAS): `QWEN35_DECODE_MATMUL=kernel` runs them through
-pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
-once per shape), which the H200 profile measured slower in the 9B decode step (bench/RESULTS.md: 9.30 vs 8.98 ms
-of device time per step at batch 64, 5.67 vs 5.62 at 16).
+forces a configuration). Decode projections (T = 1) run XLA's dot: `QWEN35_DECODE_MATMUL=kernel` runs them
+through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits,
+logged once per shape; another name in matmul.RULES picks the configurations by another rule). Side by side in
+one process (bench/ab_decode.py, bench/RESULTS.md, 850df8a) both equal XLA's step within 0.05 ms at batch 16
+and 64, so they stay opt-in: the matmul is the GEMM under our control for tuning.
 """
 from __future__ import annotations
 
@@ -49,14 +48,14 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
-def decode_matmul(interpret: bool):
+def decode_matmul(interpret: bool, rule: matmul.Rule = matmul.Rule()):
     """(x [M, K], w [K, N], out_dtype) -> [M, N]: the Pallas kernel in the configuration `matmul.choose` gives for
-    the shape, or XLA's dot where none fits (logged once per shape)."""
+    the shape by `rule`, or XLA's dot where none fits (logged once per shape)."""
     logged = set()
 
     def run(x, w, out_dtype):
         (m, k), n = x.shape, w.shape[1]
-        config = matmul.choose(m, k, n)
+        config = matmul.choose(m, k, n, rule)
         if (m, k, n) not in logged:
             logged.add((m, k, n))
             log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n,
@@ -101,8 +100,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
     mlp = mlp or os.environ.get("QWEN35_DECODE_MLP") or "xla"
-    if projections not in ("kernel", "xla"):
-        raise ValueError(f"decode matmul variant must be 'kernel' or 'xla', got {projections!r}")
+    if projections != "xla" and projections not in matmul.RULES:
+        raise ValueError(f"decode matmul variant must be 'xla' or one of {sorted(matmul.RULES)}, got {projections!r}")
     mlp_variants = ["xla", "fused"] + [c.name for c in matmul.gate_up_sweep()]
     if mlp not in mlp_variants:
         raise ValueError(f"decode MLP variant must be one of {mlp_variants}, got {mlp!r}")
@@ -125,7 +124,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=decode_matmul(interpret) if projections == "kernel" else None,
+                   matmul=None if projections == "xla" else decode_matmul(interpret, matmul.RULES[projections]),
                    gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp))
 
 

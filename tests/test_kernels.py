@@ -408,6 +408,11 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     kernels = backends.pallas_kernels(interpret=True, projections="kernel")
     assert matmul.choose(3, 1024, 256) == matmul.MatmulConfig(split_k=1) and matmul.choose(3, 64, 256) is None
     assert matmul.choose(64, 4096, 4096).split_k == 4 and matmul.choose(16, 4096, 24576).split_k == 1
+    # other rules (QWEN35_DECODE_MATMUL=<name in matmul.RULES>): wider column blocks where they divide N, more splits
+    wide = matmul.RULES["bn128_p528"]
+    assert matmul.choose(64, 4096, 12352, wide) == matmul.MatmulConfig(bn=64, split_k=4)
+    assert matmul.choose(64, 12288, 4096, wide) == matmul.MatmulConfig(bn=128, split_k=8)
+    assert backends.pallas_kernels(True, projections="bn128").matmul is not None
     w = (0.05 * jax.random.normal(jax.random.key(0), (1024, 256))).astype(jnp.bfloat16)
     for t in (1, 2):
         x = jax.random.normal(jax.random.key(t), (3, t, 1024), jnp.bfloat16)
