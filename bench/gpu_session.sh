@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout tiles sampler throughput throughput_mm throughput_mlp
+# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_mlp
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
@@ -56,8 +56,6 @@ for s in $sections; do
     gemmlayout) for f in "" "--xla_gpu_enable_cublaslt=true"; do      # XLA's dot on [K, N] vs [N, K] weights
                   XLA_FLAGS="$f" CUDA_VISIBLE_DEVICES=0 run gemmlayout${f:+_lt} 200 python3 bench/gemm.py --record \
                     --xla-only --rows 1,16,64; done ;;
-    tiles) CUDA_VISIBLE_DEVICES=0 run tiles 150 python3 bench/gemm_layout.py --record --rows ${TILES_ROWS:-64} \
-             --shapes "${TILES_SHAPES:-mlp gate_up,mlp down_proj,out_proj / o_proj}" ;;   # weight layout of the decode matmul
     sampler) # an earlier sampler to time beside this one, left untracked (it travels with the tree), e.g.
              #   git show <commit>:qwen35_jax/sampler.py > bench/_old_sampler.py
              old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )

@@ -109,25 +109,11 @@ def _kernel(x_ref, w_ref, o_ref, *, bk, steps):
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, bn), jnp.float32)).astype(o_ref.dtype)
 
 
-def tile_weight(w, bn: int):
-    """[K, N] -> [N / bn, K, bn]: each program's column block one contiguous slab (and each [bk, bn] tile of it
-    one contiguous run of bytes), where a column block of the [K, N] weight is K row segments of bn * 2 bytes,
-    N * 2 bytes apart. `matmul` takes either."""
-    k, n = w.shape
-    if n % bn:
-        raise ValueError(f"tile_weight: N = {n} is not a multiple of bn = {bn}")
-    return w.reshape(k, n // bn, bn).transpose(1, 0, 2)
-
-
 def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False):
-    """x [M, K] @ w -> [M, N] in out_dtype (default x.dtype), accumulated in fp32 and rounded once. w is [K, N],
-    or [N / bn, K, bn] from `tile_weight` with the configuration's bn."""
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default x.dtype), accumulated in fp32 and rounded once."""
     config = DEFAULT if config is None else config
     m, k = x.shape
-    tiled = w.ndim == 3
-    if tiled and (w.shape[1] != k or w.shape[2] != config.bn):
-        raise ValueError(f"tiled weight {w.shape} does not match K = {k} and bn = {config.bn}")
-    n = w.shape[0] * w.shape[2] if tiled else w.shape[1]
+    n = w.shape[1]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not fits(m, k, n, config):
         raise ValueError(f"matmul [{m}, {k}] @ [{k}, {n}] does not fit {config.name}: N must be a multiple of "
@@ -141,8 +127,7 @@ def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpre
         functools.partial(_kernel, bk=config.bk, steps=k // (s * config.bk)),
         grid=(n // config.bn, s),
         in_specs=[pl.BlockSpec((rows, k), lambda j, r: (0, 0)),
-                  pl.BlockSpec((None, k, config.bn), lambda j, r: (j, 0, 0)) if tiled
-                  else pl.BlockSpec((k, config.bn), lambda j, r: (0, j))],
+                  pl.BlockSpec((k, config.bn), lambda j, r: (0, j))],
         out_specs=pl.BlockSpec((None, rows, config.bn), lambda j, r: (r, 0, j)),
         out_shape=jax.ShapeDtypeStruct((s, rows, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),

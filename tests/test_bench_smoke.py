@@ -35,13 +35,3 @@ def test_ab_decode_bench_smoke():
     bad = subprocess.run(cmd[:2] + ["--variants", "", "XLA_FLAGS=--x"], capture_output=True, text=True,
                          env=server_env(), timeout=600)
     assert bad.returncode != 0 and "only QWEN35_* settings" in bad.stderr
-
-
-def test_gemm_layout_bench_smoke():
-    """bench/gemm_layout.py: the Pallas decode matmul on row-major and pre-tiled weights (interpret mode), checked
-    against XLA's dot, timed in alternating rounds."""
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "gemm_layout.py"), "--interpret", "--scale", "4",
-           "--rows", "16", "--rounds", "2", "--reps", "1", "--shapes", "mlp gate_up"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "| mlp gate_up | 1024x6144 | 16 | n64_k128_s1_w4_st4 |" in r.stdout

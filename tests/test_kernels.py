@@ -373,8 +373,6 @@ def test_decode_matmul_matches_dot(m, k, n, config):
     for out_dtype in (jnp.float32, jnp.bfloat16):
         got = matmul.matmul(x, w, out_dtype=out_dtype, config=config, interpret=True)
         want = matmul.reference(x, w, out_dtype=out_dtype)
-        tiled = matmul.matmul(x, matmul.tile_weight(w, config.bn), out_dtype=out_dtype, config=config, interpret=True)
-        assert jnp.array_equal(tiled, got)           # the same sums in the same order, from the tiled layout
         assert got.shape == (m, n) and got.dtype == out_dtype
         assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
     with pytest.raises(ValueError, match="does not fit"):
