@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm throughput_mlp
+# Sections: attention kernels kheadline parts kconv kdecode gemm gemmlayout sampler throughput throughput_mm
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
@@ -64,8 +64,6 @@ for s in $sections; do
                   --compilation-cache-dir $xla/engine ;;
     throughput_mm) QWEN35_DECODE_MATMUL=kernel CUDA_VISIBLE_DEVICES=0 run throughput_mm 300 python3 bench/throughput.py \
                      --record --compilation-cache-dir $xla/engine_mm ;;     # the opt-in Pallas decode matmul
-    throughput_mlp) QWEN35_DECODE_MLP=${DECODE_MLP:-fused} CUDA_VISIBLE_DEVICES=0 run throughput_mlp 300 \
-                      python3 bench/throughput.py --record --compilation-cache-dir $xla/engine_mlp ;;   # the fused gate/up
     throughput_staged) QWEN35_STEP_INPUTS=staged CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 \
                          python3 bench/throughput.py --record --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \
@@ -90,7 +88,7 @@ for s in $sections; do
                --top-unattributed 5
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
     profile64envs)   # the batch-64 profile once per entry of PROFILE64_ENVS (';'-separated; each entry is what `export`
-                     # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MLP=fused'; an empty entry: as is)
+                     # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MATMUL=kernel'; an empty entry: as is)
              IFS=';' read -ra envsets <<< "${PROFILE64_ENVS:-}"
              for i in "${!envsets[@]}"; do
                CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "${envsets[$i]:+export ${envsets[$i]};} exec \

@@ -2,7 +2,7 @@
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
 further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
-paged_attention.config_sweep() / matmul.gate_up_sweep() at the 9B shapes
+paged_attention.config_sweep() / the decode matmul's matmul.RULES at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots and how many loads
@@ -72,9 +72,11 @@ def dump(out_dir, only=()):
     conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
              for c in conv1d.decode_sweep()]
-    for b in (1, 16, 64):           # the fused decode gate/up + SiLU at 9B shapes (K 4096, I 12288)
-        jobs += [(f"gate_up_b{b}_{c.name}", functools.partial(matmul.gate_up_silu, config=c),
-                  (S((b, 4096), bf), S((4096, 24576), bf))) for c in matmul.gate_up_sweep()]
+    for b in (16, 64):              # the decode matmul's configurations by each rule at the 9B gate_up / down_proj
+        for k, n in ((4096, 24576), (12288, 4096)):
+            for c in sorted({c for r in matmul.RULES.values() if (c := matmul.choose(b, k, n, r))}, key=str):
+                jobs.append((f"matmul_b{b}_{k}x{n}_{c.name}", functools.partial(matmul.matmul, config=c),
+                             (S((b, k), bf), S((k, n), bf))))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:

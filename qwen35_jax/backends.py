@@ -10,13 +10,12 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. `QWEN35_DECODE_MLP=fused` runs each decode MLP's gate and up
-products, SiLU and gating as one kernel (pallas_kernels/matmul.gate_up_silu; a name in matmul.gate_up_sweep()
-forces a configuration). Decode projections (T = 1) run XLA's dot: `QWEN35_DECODE_MATMUL=kernel` runs them
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot: `QWEN35_DECODE_MATMUL=kernel` runs them
 through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits,
 logged once per shape; another name in matmul.RULES picks the configurations by another rule). Side by side in
-one process (bench/ab_decode.py, bench/RESULTS.md, 850df8a) both equal XLA's step within 0.05 ms at batch 16
-and 64, so they stay opt-in: the matmul is the GEMM under our control for tuning.
+one process (bench/ab_decode.py, bench/RESULTS.md, 7733060) it equals XLA's step within 0.03 ms at batch 16 and
+64 under every rule, so it stays opt-in: the GEMM under our control for tuning. (A fused decode gate/up + SiLU
+kernel, QWEN35_DECODE_MLP=fused until b5a66c3, measured the same: -0.027 / +0.043 ms; removed.)
 """
 from __future__ import annotations
 
@@ -67,44 +66,16 @@ def decode_matmul(interpret: bool, rule: matmul.Rule = matmul.Rule()):
     return jax.jit(run, static_argnums=2)
 
 
-def decode_gate_up(interpret: bool, variant: str):
-    """(x [M, K], w [K, 2 I]) -> silu(gate) * up [M, I] by matmul.gate_up_silu: "fused" picks the configuration
-    per shape (matmul.gate_up_choose), a configuration name forces that one; XLA's dot and SiLU where none fits
-    (logged once per shape)."""
-    forced = {c.name: c for c in matmul.gate_up_sweep()}.get(variant)
-    logged = set()
-
-    def run(x, w):
-        (m, k), i = x.shape, w.shape[1] // 2
-        config = forced or matmul.gate_up_choose(m, k, i)
-        if config is not None and not matmul.gate_up_fits(m, k, i, config):
-            config = None
-        if (m, k, i) not in logged:
-            logged.add((m, k, i))
-            log.info("decode gate/up [%d, %d] @ [%d, 2 x %d]: %s", m, k, k, i,
-                     config.name if config else "XLA dot and SiLU (no kernel configuration fits the shape)")
-        if config is None:
-            return matmul.gate_up_reference(x, w)
-        return matmul.gate_up_silu(x, w, config=config, interpret=interpret)
-
-    return jax.jit(run)
-
-
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
-                   attention: str | None = None, projections: str | None = None, mlp: str | None = None) -> Kernels:
-    """prefill / decode / attention / projections / mlp: variant names (None: $QWEN35_GDN_PREFILL /
-    $QWEN35_GDN_DECODE / $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL / $QWEN35_DECODE_MLP, else "wy" /
-    "default" / "kernel" / "xla" / "xla")."""
+                   attention: str | None = None, projections: str | None = None) -> Kernels:
+    """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
+    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
-    mlp = mlp or os.environ.get("QWEN35_DECODE_MLP") or "xla"
     if projections != "xla" and projections not in matmul.RULES:
         raise ValueError(f"decode matmul variant must be 'xla' or one of {sorted(matmul.RULES)}, got {projections!r}")
-    mlp_variants = ["xla", "fused"] + [c.name for c in matmul.gate_up_sweep()]
-    if mlp not in mlp_variants:
-        raise ValueError(f"decode MLP variant must be one of {mlp_variants}, got {mlp!r}")
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -118,14 +89,13 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s; decode MLP "
-             "gate/up %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections, mlp)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
+             pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=None if projections == "xla" else decode_matmul(interpret, matmul.RULES[projections]),
-                   gate_up=None if mlp == "xla" else decode_gate_up(interpret, mlp))
+                   matmul=None if projections == "xla" else decode_matmul(interpret, matmul.RULES[projections]))
 
 
 def default_backend() -> str:

@@ -46,8 +46,6 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
-    gate_up: Callable | None = None     # decode MLP input: (x [M, K], w [K, 2 I]) -> silu(x w_gate) * (x w_up) [M, I]
-                                        # in x.dtype, fp32 inside (pallas_kernels/matmul.gate_up_silu); None: XLA
 
 
 def project(kernels: Kernels, x, w, out_dtype=None):
@@ -166,12 +164,6 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 
 def mlp_block(kernels: Kernels, w, x):
-    n, t, k = x.shape
-    if t == 1 and kernels.gate_up is not None:       # decode: one kernel for both products, the SiLU and the gating
-        with jax.named_scope("gate_up"):
-            h = kernels.gate_up(x.reshape(n, k), w.gate_up).reshape(n, t, -1)
-        with jax.named_scope("down_proj"):
-            return row_parallel(kernels, h, w.down)
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU

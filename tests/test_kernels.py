@@ -3,7 +3,6 @@ CUDA cross-lowering so a Triton-illegal shape fails here and not on the GPU; mod
 = reference's; and a decode step lowered for CUDA has no host synchronisation (no while / conditional)."""
 import dataclasses
 import functools
-import logging
 import os
 
 import jax
@@ -350,11 +349,12 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                   S((k, nn), bf))
             assert len(mcfgs) >= 6 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
 
-    for m in (1, 16, 64):                                          # the fused decode gate/up at the 9B MLP
-        gcfgs = matmul.gate_up_sweep() + [matmul.gate_up_choose(m, 4096, 12288)]
-        text = lower_for_cuda(lambda x, w: [matmul.gate_up_silu(x, w, config=c) for c in gcfgs], S((m, 4096), bf),
-                              S((4096, 24576), bf))
-        assert text.count("__gpu$xla.gpu.triton") == len(gcfgs)
+    for m in (16, 64):                   # what every rule of QWEN35_DECODE_MATMUL picks for the 9B projections
+        for k, nn in ((4096, 12352), (4096, 10240), (4096, 4096), (4096, 24576), (12288, 4096)):
+            mcfgs = sorted({c for r in matmul.RULES.values() if (c := matmul.choose(m, k, nn, r))}, key=str)
+            text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
+                                  S((k, nn), bf))
+            assert len(mcfgs) >= 3 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
 
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
@@ -377,27 +377,6 @@ def test_decode_matmul_matches_dot(m, k, n, config):
         assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
     with pytest.raises(ValueError, match="does not fit"):
         matmul.matmul(x, w[:, :n - 8], config=config, interpret=True)
-
-
-@pytest.mark.parametrize("m,k,i,config", [(1, 512, 256, matmul.GATE_UP_DEFAULT), (5, 256, 128, matmul.GateUpConfig(bn=64)),
-                                      (40, 512, 96, matmul.GateUpConfig(bn=16, num_stages=4)),
-                                      (64, 128, 64, matmul.GateUpConfig(bn=32, bk=64, num_stages=2))])
-def test_decode_gate_up_silu_matches_reference(m, k, i, config):
-    """silu(x w_gate) * (x w_up) in one kernel = XLA's fp32 dot, then SiLU x up in fp32, one rounding (bf16: within
-    a rounding; fp32 inputs: fp32 summation order)."""
-    for dtype, bar in ((jnp.bfloat16, 4e-3), (jnp.float32, 1e-6)):
-        x = jax.random.normal(jax.random.key(m), (m, k), dtype)
-        w = (0.05 * jax.random.normal(jax.random.key(k), (k, 2 * i))).astype(dtype)
-        got = matmul.gate_up_silu(x, w, config=config, interpret=True)
-        want = matmul.gate_up_reference(x, w)
-        assert got.shape == (m, i) and got.dtype == dtype
-        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= bar
-    with pytest.raises(ValueError, match="does not fit"):
-        matmul.gate_up_silu(x, w[:, :2 * i - 16], config=config, interpret=True)
-    assert matmul.gate_up_choose(64, 4096, 12288) == matmul.GateUpConfig(bn=64, num_stages=2)
-    assert matmul.gate_up_choose(16, 4096, 12288) == matmul.GATE_UP_DEFAULT
-    assert matmul.gate_up_choose(3, 64, 48) == matmul.GateUpConfig(bn=16, bk=64)
-    assert matmul.gate_up_choose(3, 64, 50) is None
 
 
 def test_model_projections_run_the_matmul_kernel_in_decode():
@@ -494,12 +473,8 @@ def test_illegal_head_dim_raises():
 # Model level: the whole forward (prefill rows of different lengths, a padded row, then decode steps).
 
 
-@pytest.mark.parametrize("tp,mlp", [(1, "xla"), (2, "xla"), (2, "fused")])
-def test_model_logits_pallas_interpret_equal_reference(tp, mlp, monkeypatch, caplog):
-    """mlp "fused": the decode steps' MLP inputs by matmul.gate_up_silu (QWEN35_DECODE_MLP), at tp 2 on each
-    rank's half of the gate and up columns."""
-    monkeypatch.setenv("QWEN35_DECODE_MLP", mlp)
-    caplog.set_level(logging.INFO, logger="qwen35_jax.backends")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_logits_pallas_interpret_equal_reference(tp):
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
     from qwen35_jax.sharding import make_mesh
@@ -523,8 +498,6 @@ def test_model_logits_pallas_interpret_equal_reference(tp, mlp, monkeypatch, cap
             logits.append(runner.run(make_batch(nxt, [70 + step, 5 + step, 0], [1, 1, 0], [1, 2, 0], page_table)))
         out[backend] = [np.asarray(x, np.float32) for x in logits]
     ref, got = out["reference"], out["pallas_interpret"]
-    fused = [r.getMessage() for r in caplog.records if "decode gate/up" in r.getMessage()]
-    assert fused == (["decode gate/up [3, 64] @ [64, 2 x 48]: gu_n16_k64_w4_st3"] if mlp == "fused" else [])
     # |logits| reach ~300 here, where one fp32 ulp is 3e-5: a literal 1e-4 absolute bar is ~3 ulps of summation
     # order. The bar is 1e-6 relative to the largest logit (~3e-4 absolute, ~10 ulps).
     scale = np.abs(ref[0][:2, :, :cfg.vocab_size]).max()
