@@ -7,7 +7,9 @@ At the 9B decode projections (K x N of in_proj, qkv_proj, out_proj / o_proj, gat
 M = 1, 16, 64 rows: checks every configuration against XLA's dot, then times each and reports the weight bytes
 read per second against the copy bandwidth measured in the same run. XLA's dot runs twice: on the weight as the
 model stores it ([K, N]) and on its transpose ([N, K], the checkpoint's and PyTorch's layout, where each output
-column's K values are contiguous). GPU time, host dispatch excluded: a
+column's K values are contiguous), and a pass that only reads the weight (a sum of all its entries, scaled by an
+entry of x so that no pass can be shared): what a GEMM of these rows could reach if reading the weight were all
+it did. GPU time, host dispatch excluded: a
 program makes many calls back to back over copies of the weight that together exceed the L2 (see per_call_us);
 per call = slope over two call counts. --pick writes the fastest configuration per (shape, rows) as JSON.
 """
@@ -49,6 +51,13 @@ def per_call_us(fn, x, ws, calls=(1, 4), reps=7):
     return slope_us(make_prog, (x, ws), calls, reps, per_count=len(ws))
 
 
+def read_only(x, w):
+    """Reads every entry of w once (their sum, times an entry of x so that no two passes are the same computation):
+    the weight's read time alone, for x's rows as a [M, 1] column."""
+    s = jnp.sum(w.astype(jnp.float32) * x[0, 0].astype(jnp.float32))
+    return jnp.full((x.shape[0], 1), s, x.dtype)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,16,64")
@@ -80,6 +89,7 @@ def main():
                 raise SystemExit(f"[N, K] dot at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
             row = {"XLA dot": per_call_us(lambda x, w: mm.reference(x, w), x, ws)}
             t_nk = per_call_us(nk, x, wts)
+            t_read = per_call_us(read_only, x, ws)
             for c in configs:
                 if not mm.fits(m, k, n, c):
                     continue
@@ -91,7 +101,8 @@ def main():
                 row[c.name] = per_call_us(lambda x, w, c=c: mm.matmul(x, w, config=c, interpret=args.interpret),
                                           x, ws)
             frac = (lambda t: f"{k * n * 2 / (t * 1e-6) / bw:.2f}") if bw else (lambda t: "-")
-            cells = f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {t_nk:.1f} | {frac(t_nk)} |"
+            cells = (f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {t_nk:.1f} | "
+                     f"{frac(t_nk)} | {t_read:.1f} | {frac(t_read)} |")
             timed = [(t, c) for c, t in row.items() if c != "XLA dot"]
             if configs and not timed:          # no configuration fits this shape
                 cells += " — | — | — | — | — |"
@@ -103,14 +114,14 @@ def main():
             lines.append(cells)
             print(lines[-1], flush=True)
             print("   " + "  ".join(f"{c}={t:.1f}" for c, t in row.items()), flush=True)
-    head = "| matmul | K x N | rows | XLA us | XLA x bw | XLA [N, K] us | x bw |"
+    head = "| matmul | K x N | rows | XLA us | XLA x bw | XLA [N, K] us | x bw | read only us | x bw |"
     if configs:
         head += " best Pallas | us | x bw | XLA / best | default us |"
     body = ((f"Copy bandwidth in this run {bw / 1e12:.2f} TB/s. " if bw else "")
             + (f"{len(configs)} Pallas configurations, every one checked against XLA's dot (max error relative to "
                f"the largest output {max(checks, default=0):.1e}). " if configs else "")
             + "'x bw': weight bytes read per second over the copy bandwidth. 'XLA [N, K]': XLA's dot on the "
-            "transposed weight.\n\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
+            "transposed weight. 'read only': a pass that reads the weight and does nothing else (its sum).\n\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
     print(body)
     if args.pick:
         with open(args.pick, "w") as f:

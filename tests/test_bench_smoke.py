@@ -35,3 +35,12 @@ def test_ab_decode_bench_smoke():
     bad = subprocess.run(cmd[:2] + ["--variants", "", "XLA_FLAGS=--x"], capture_output=True, text=True,
                          env=server_env(), timeout=600)
     assert bad.returncode != 0 and "only QWEN35_* settings" in bad.stderr
+
+
+def test_gemm_bench_smoke():
+    """bench/gemm.py, XLA only (both weight layouts and the read-only pass), scaled down, on the CPU."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gemm.py"), "--interpret", "--scale", "32", "--rows", "2",
+           "--xla-only", "--shapes", "mlp gate_up"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| read only us | x bw |" in r.stdout and "| mlp gate_up | 128x768 | 2 | " in r.stdout
