@@ -1,10 +1,12 @@
-"""Decode-shaped matmuls on the GPU: the Pallas kernel's configurations (pallas_kernels/matmul.py) against XLA's dot.
+"""Decode-shaped matmuls on the GPU: the Pallas kernels' configurations against XLA's dot.
 
     python bench/gemm.py --record [--pick picks.json]
     python bench/gemm.py --interpret --rows 2 --scale 64          # CPU smoke run of the script itself
 
 At the 9B decode projections (K x N of in_proj, qkv_proj, out_proj / o_proj, gate_up, down_proj, lm_head) and
-M = 1, 16, 64 rows: checks every configuration against XLA's dot, then times each and reports the weight bytes
+M = 1, 16, 64 rows: the Pallas-Triton kernel's configurations (pallas_kernels/matmul.py: config_sweep()) and
+the Mosaic GPU kernel's (pallas_kernels/matmul_mgpu.py: what each of its RULES picks for the shape); checks every
+configuration against XLA's dot, then times each and reports the weight bytes
 read per second against the copy bandwidth measured in the same run. XLA's dot runs twice: on the weight as the
 model stores it ([K, N]) and on its transpose ([N, K], the checkpoint's and PyTorch's layout, where each output
 column's K values are contiguous), and a pass that only reads the weight (a sum of all its entries, scaled by an
@@ -28,6 +30,7 @@ from bench import results  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
 from pallas_kernels import matmul as mm  # noqa: E402
+from pallas_kernels import matmul_mgpu as mg  # noqa: E402
 
 SHAPES = {"gdn in_proj": (4096, 12352), "attn qkv_proj": (4096, 10240), "out_proj / o_proj": (4096, 4096),
           "mlp gate_up": (4096, 24576), "mlp down_proj": (12288, 4096), "lm_head": (4096, 248320)}
@@ -90,16 +93,20 @@ def main():
             row = {"XLA dot": per_call_us(lambda x, w: mm.reference(x, w), x, ws)}
             t_nk = per_call_us(nk, x, wts)
             t_read = per_call_us(read_only, x, ws)
-            for c in configs:
-                if not mm.fits(m, k, n, c):
+            mgpu = [] if args.xla_only else sorted(
+                {c for kw in mg.RULES.values() if (c := mg.choose(m, k, n, **kw))}, key=str)
+            for c in configs + mgpu:
+                lib = mg if isinstance(c, mg.MgpuConfig) else mm
+                if not lib.fits(m, k, n, c):
                     continue
-                f = lambda x, w, c=c: mm.matmul(x, w, out_dtype=jnp.float32, config=c, interpret=args.interpret)
+                f = lambda x, w, c=c, lib=lib: lib.matmul(x, w, out_dtype=jnp.float32, config=c,
+                                                          interpret=args.interpret)
                 err = float(jnp.max(jnp.abs(f(x, w) - ref)) / jnp.max(jnp.abs(ref)))
                 checks.append(err)
                 if err > 1e-3:
                     raise SystemExit(f"{c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
-                row[c.name] = per_call_us(lambda x, w, c=c: mm.matmul(x, w, config=c, interpret=args.interpret),
-                                          x, ws)
+                row[c.name] = per_call_us(lambda x, w, c=c, lib=lib: lib.matmul(x, w, config=c,
+                                                                                interpret=args.interpret), x, ws)
             frac = (lambda t: f"{k * n * 2 / (t * 1e-6) / bw:.2f}") if bw else (lambda t: "-")
             cells = (f"| {name} | {k}x{n} | {m} | {row['XLA dot']:.1f} | {frac(row['XLA dot'])} | {t_nk:.1f} | "
                      f"{frac(t_nk)} | {t_read:.1f} | {frac(t_read)} |")
@@ -118,7 +125,8 @@ def main():
     if configs:
         head += " best Pallas | us | x bw | XLA / best | default us |"
     body = ((f"Copy bandwidth in this run {bw / 1e12:.2f} TB/s. " if bw else "")
-            + (f"{len(configs)} Pallas configurations, every one checked against XLA's dot (max error relative to "
+            + (f"{len(configs)} Pallas-Triton configurations and the Mosaic GPU kernel's picks per shape (mg_*), every "
+               f"one checked against XLA's dot (max error relative to "
                f"the largest output {max(checks, default=0):.1e}). " if configs else "")
             + "'x bw': weight bytes read per second over the copy bandwidth. 'XLA [N, K]': XLA's dot on the "
             "transposed weight. 'read only': a pass that reads the weight and does nothing else (its sum).\n\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")

@@ -12,7 +12,9 @@ choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT c
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
 paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot: `QWEN35_DECODE_MATMUL=kernel` runs them
 through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits,
-logged once per shape; another name in matmul.RULES picks the configurations by another rule). Side by side in
+logged once per shape; another name in matmul.RULES picks the configurations by another rule;
+`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA
+loads and asynchronous wgmma, untimed on the H200 so far). Side by side in
 one process (bench/ab_decode.py, bench/RESULTS.md, 7733060) it equals XLA's step within 0.03 ms at batch 16 and
 64 under every rule, so it stays opt-in: the GEMM under our control for tuning. (A fused decode gate/up + SiLU
 kernel, QWEN35_DECODE_MLP=fused until b5a66c3, measured the same: -0.027 / +0.043 ms; removed.)
@@ -25,7 +27,7 @@ import os
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
 
@@ -47,21 +49,26 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
-def decode_matmul(interpret: bool, rule: matmul.Rule = matmul.Rule()):
-    """(x [M, K], w [K, N], out_dtype) -> [M, N]: the Pallas kernel in the configuration `matmul.choose` gives for
-    the shape by `rule`, or XLA's dot where none fits (logged once per shape)."""
+def decode_matmul(interpret: bool, variant: str = "kernel"):
+    """(x [M, K], w [K, N], out_dtype) -> [M, N]: a name in matmul.RULES runs the Pallas-Triton kernel in the
+    configuration `matmul.choose` gives for the shape by that rule, one in matmul_mgpu.RULES the Mosaic GPU kernel
+    (`matmul_mgpu.choose`); XLA's dot where no configuration fits (logged once per shape)."""
+    if variant in matmul.RULES:
+        choose, kernel = functools.partial(matmul.choose, rule=matmul.RULES[variant]), matmul.matmul
+    else:
+        choose, kernel = functools.partial(matmul_mgpu.choose, **matmul_mgpu.RULES[variant]), matmul_mgpu.matmul
     logged = set()
 
     def run(x, w, out_dtype):
         (m, k), n = x.shape, w.shape[1]
-        config = matmul.choose(m, k, n, rule)
+        config = choose(m, k, n)
         if (m, k, n) not in logged:
             logged.add((m, k, n))
             log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n,
                      config.name if config else "XLA dot (no kernel configuration fits the shape)")
         if config is None:
             return matmul.reference(x, w, out_dtype=out_dtype)
-        return matmul.matmul(x, w, out_dtype=out_dtype, config=config, interpret=interpret)
+        return kernel(x, w, out_dtype=out_dtype, config=config, interpret=interpret)
 
     return jax.jit(run, static_argnums=2)
 
@@ -74,8 +81,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
-    if projections != "xla" and projections not in matmul.RULES:
-        raise ValueError(f"decode matmul variant must be 'xla' or one of {sorted(matmul.RULES)}, got {projections!r}")
+    matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
+    if projections not in matmul_variants:
+        raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -95,7 +103,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=None if projections == "xla" else decode_matmul(interpret, matmul.RULES[projections]))
+                   matmul=None if projections == "xla" else decode_matmul(interpret, projections))
 
 
 def default_backend() -> str:

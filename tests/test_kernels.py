@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -379,6 +379,40 @@ def test_decode_matmul_matches_dot(m, k, n, config):
         matmul.matmul(x, w[:, :n - 8], config=config, interpret=True)
 
 
+@pytest.mark.parametrize("m,k,n,config", [(64, 512, 256, matmul_mgpu.MgpuConfig()),
+                                          (5, 1024, 192, matmul_mgpu.MgpuConfig(bn=64, split_k=2, stages=2)),
+                                          (1, 512, 512, matmul_mgpu.MgpuConfig(bn=256, split_k=4, stages=3))])
+def test_mgpu_matmul_matches_dot(m, k, n, config):
+    """The Mosaic GPU decode matmul in Mosaic GPU's interpreter (TMA copies, barriers and wgmma emulated) against
+    XLA's dot: fp32 partial sums equal up to summation order, and the rows past M are zeros."""
+    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.key(k), (k, n))).astype(jnp.bfloat16)
+    parts = matmul_mgpu.partial_sums(x, w, config=config, interpret=True)
+    assert parts.shape == (config.split_k, matmul_mgpu.ROWS, n) and not jnp.any(parts[:, m:])
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        got = matmul_mgpu.matmul(x, w, out_dtype=out_dtype, config=config, interpret=True)
+        want = matmul.reference(x, w, out_dtype=out_dtype)
+        assert got.shape == (m, n) and got.dtype == out_dtype
+        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
+    with pytest.raises(ValueError, match="does not fit"):
+        matmul_mgpu.matmul(x, w[:, :n - 32], config=config, interpret=True)
+
+
+def test_mgpu_matmul_configurations_cross_lower_for_cuda():
+    """What every rule of QWEN35_DECODE_MATMUL=mgpu* picks for the 9B projections at 16 and 64 rows lowers for
+    CUDA (sm_90a: TMA, wgmma); and the rule itself."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    for m in (16, 64):
+        for k, n in ((4096, 12352), (4096, 10240), (4096, 4096), (4096, 24576), (12288, 4096)):
+            cfgs = sorted({c for kw in matmul_mgpu.RULES.values() if (c := matmul_mgpu.choose(m, k, n, **kw))}, key=str)
+            text = lower_for_cuda(lambda x, w: [matmul_mgpu.matmul(x, w, config=c) for c in cfgs], S((m, k), bf),
+                                  S((k, n), bf))
+            assert cfgs and text.count("mosaic_gpu") >= len(cfgs)
+    assert matmul_mgpu.choose(64, 4096, 24576) == matmul_mgpu.MgpuConfig(bn=128, split_k=2)
+    assert matmul_mgpu.choose(64, 4096, 12352) == matmul_mgpu.MgpuConfig(bn=64, split_k=2)
+    assert matmul_mgpu.choose(64, 256, 4096) is None and matmul_mgpu.choose(65, 4096, 4096) is None
+
+
 def test_model_projections_run_the_matmul_kernel_in_decode():
     """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
     and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
@@ -393,13 +427,14 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     assert matmul.choose(64, 12288, 4096, wide) == matmul.MatmulConfig(bn=128, split_k=8)
     assert backends.pallas_kernels(True, projections="bn128").matmul is not None
     w = (0.05 * jax.random.normal(jax.random.key(0), (1024, 256))).astype(jnp.bfloat16)
-    for t in (1, 2):
-        x = jax.random.normal(jax.random.key(t), (3, t, 1024), jnp.bfloat16)
-        for out in (jnp.float32, jnp.bfloat16):
-            got = project(kernels, x, w, out)
-            assert got.shape == (3, t, 256) and got.dtype == out
-            assert rel(got.astype(jnp.float32), matmul.reference(x.reshape(-1, 1024), w, out_dtype=jnp.float32)
-                       .reshape(3, t, 256)) <= (1e-6 if out == jnp.float32 else 4e-3)
+    for kernels in (kernels, backends.pallas_kernels(interpret=True, projections="mgpu")):   # Triton, Mosaic GPU
+        for t in (1, 2):
+            x = jax.random.normal(jax.random.key(t), (3, t, 1024), jnp.bfloat16)
+            for out in (jnp.float32, jnp.bfloat16):
+                got = project(kernels, x, w, out)
+                assert got.shape == (3, t, 256) and got.dtype == out
+                assert rel(got.astype(jnp.float32), matmul.reference(x.reshape(-1, 1024), w, out_dtype=jnp.float32)
+                           .reshape(3, t, 256)) <= (1e-6 if out == jnp.float32 else 4e-3)
     text = jax.jit(lambda x, w: project(backends.pallas_kernels(False, projections="kernel"), x, w)).trace(
         jax.ShapeDtypeStruct((3, 1, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)).jaxpr
     assert "decode_matmul" in str(text)
