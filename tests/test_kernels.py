@@ -349,8 +349,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                   S((k, nn), bf))
             assert len(mcfgs) >= 6 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
 
-    for m in (16, 64):                   # what every rule of QWEN35_DECODE_MATMUL picks for the 9B projections
-        for k, nn in ((4096, 12352), (4096, 10240), (4096, 4096), (4096, 24576), (12288, 4096)):
+    for m in (64,):                      # what every rule of QWEN35_DECODE_MATMUL picks for the 9B projections
+        for k, nn in ((4096, 12352), (4096, 24576), (12288, 4096)):
             mcfgs = sorted({c for r in matmul.RULES.values() if (c := matmul.choose(m, k, nn, r))}, key=str)
             text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
                                   S((k, nn), bf))
@@ -399,11 +399,11 @@ def test_mgpu_matmul_matches_dot(m, k, n, config):
 
 
 def test_mgpu_matmul_configurations_cross_lower_for_cuda():
-    """What every rule of QWEN35_DECODE_MATMUL=mgpu* picks for the 9B projections at 16 and 64 rows lowers for
-    CUDA (sm_90a: TMA, wgmma); and the rule itself."""
+    """What every rule of QWEN35_DECODE_MATMUL=mgpu* picks for the 9B in_proj, gate_up and down_proj at 16 and 64
+    rows lowers for CUDA (sm_90a: TMA, wgmma); and the rule itself."""
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     for m in (16, 64):
-        for k, n in ((4096, 12352), (4096, 10240), (4096, 4096), (4096, 24576), (12288, 4096)):
+        for k, n in ((4096, 12352), (4096, 24576), (12288, 4096)):
             cfgs = sorted({c for kw in matmul_mgpu.RULES.values() if (c := matmul_mgpu.choose(m, k, n, **kw))}, key=str)
             text = lower_for_cuda(lambda x, w: [matmul_mgpu.matmul(x, w, config=c) for c in cfgs], S((m, k), bf),
                                   S((k, n), bf))
