@@ -125,11 +125,12 @@ def main():
     if configs:
         head += " best Pallas | us | x bw | XLA / best | default us |"
     body = ((f"Copy bandwidth in this run {bw / 1e12:.2f} TB/s. " if bw else "")
-            + (f"{len(configs)} Pallas-Triton configurations and the Mosaic GPU kernel's picks per shape (mg_*), every "
-               f"one checked against XLA's dot (max error relative to "
-               f"the largest output {max(checks, default=0):.1e}). " if configs else "")
+            + (f"{len(configs)} Pallas-Triton configurations and the Mosaic GPU kernel's picks per shape (mg_*), "
+               f"every one checked against XLA's dot (max error relative to the largest output "
+               f"{max(checks, default=0):.1e}). " if configs else "")
             + "'x bw': weight bytes read per second over the copy bandwidth. 'XLA [N, K]': XLA's dot on the "
-            "transposed weight. 'read only': a pass that reads the weight and does nothing else (its sum).\n\n" + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
+            "transposed weight. 'read only': a pass that reads the weight and does nothing else (its sum).\n\n"
+            + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
     print(body)
     if args.pick:
         with open(args.pick, "w") as f:

@@ -84,14 +84,19 @@ def choose(m: int, k: int, n: int, rule: Rule = Rule()) -> MatmulConfig | None:
     default rule (column blocks of 64, >= 2 programs per H200 SM) is what the H200 runs of bench/gemm.py point to
     (its per-shape picks are noisy at 10-50 us per call); RULES holds others to compare in the decode step."""
     bn = rule.bn if n % rule.bn == 0 else 64
-    best = None
-    split = 1
-    while split <= rule.max_split:
-        c = MatmulConfig(bn=bn, split_k=split, num_warps=rule.num_warps, num_stages=rule.num_stages)
-        if not fits(m, k, n, c) or k // (split * c.bk) < 8:
-            break
+    make = lambda s: MatmulConfig(bn=bn, split_k=s, num_warps=rule.num_warps, num_stages=rule.num_stages)
+    return fewest_splits(make, lambda c: fits(m, k, n, c) and k // (c.split_k * c.bk) >= 8,
+                         lambda c: n // c.bn * c.split_k >= rule.programs, rule.max_split)
+
+
+def fewest_splits(make, ok, enough, max_split: int):
+    """make(split) for the fewest K splits (1, 2, 4, ... max_split) where enough(config), among those ok(config)
+    takes (splits past the first that is not ok are not tried); the most splits tried where none is enough; None
+    where one split is not ok. The split rule of `choose` and of matmul_mgpu.choose."""
+    best, split = None, 1
+    while split <= max_split and ok(c := make(split)):
         best = c
-        if n // c.bn * split >= rule.programs:
+        if enough(c):
             break
         split *= 2
     return best

@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.matmul import fewest_splits
+
 ROWS = 64                   # one wgmma M tile
 BK = 64                     # bf16 elements in a 128-byte swizzle row
 SMEM_BYTES = 220 * 1024
@@ -50,16 +52,9 @@ def choose(m: int, k: int, n: int, programs: int = 264, bn: int = 128, stages: i
     """Column blocks of bn (64 where bn does not divide N) and the fewest K splits (up to 8, keeping >= 8 steps)
     that make >= programs programs; None where none fits (XLA's dot then)."""
     bn = bn if n % bn == 0 else 64
-    best, split = None, 1
-    while split <= 8:
-        c = MgpuConfig(bn=bn, split_k=split, stages=stages)
-        if not fits(m, k, n, c) or k // (split * BK) < 8:
-            break
-        best = c
-        if n // bn * split >= programs:
-            break
-        split *= 2
-    return best
+    return fewest_splits(lambda s: MgpuConfig(bn=bn, split_k=s, stages=stages),
+                         lambda c: fits(m, k, n, c) and k // (c.split_k * BK) >= 8,
+                         lambda c: n // bn * c.split_k >= programs, 8)
 
 
 RULES = {"mgpu": {}, "mgpu_bn64": dict(bn=64), "mgpu_p528": dict(programs=528), "mgpu_st6": dict(stages=6),

@@ -10,14 +10,15 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot: `QWEN35_DECODE_MATMUL=kernel` runs them
-through pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits,
-logged once per shape; another name in matmul.RULES picks the configurations by another rule;
-`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA
-loads and asynchronous wgmma, untimed on the H200 so far). Side by side in
-one process (bench/ab_decode.py, bench/RESULTS.md, 7733060) it equals XLA's step within 0.03 ms at batch 16 and
-64 under every rule, so it stays opt-in: the GEMM under our control for tuning. (A fused decode gate/up + SiLU
-kernel, QWEN35_DECODE_MLP=fused until b5a66c3, measured the same: -0.027 / +0.043 ms; removed.)
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
+`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
+`matmul.choose`, XLA's dot where none fits, logged once per shape; another name in matmul.RULES picks the
+configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
+Mosaic GPU kernel instead: TMA loads and asynchronous wgmma, untimed on the H200 so far). Side by side in one
+process (bench/ab_decode.py, bench/RESULTS.md, 7733060) the Triton kernel equals XLA's step within 0.03 ms at
+batch 16 and 64 under every rule, so it stays opt-in: the GEMM under our control for tuning. (A fused decode
+gate/up + SiLU kernel, QWEN35_DECODE_MLP=fused, measured the same, -0.027 / +0.043 ms, and was removed in
+a6e6c0b.)
 """
 from __future__ import annotations
 
