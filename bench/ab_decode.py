@@ -99,17 +99,24 @@ def main():
                        max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1,
                        kernel_backend=args.kernel_backend)
     engines = [build_engine(model_dir, eargs, weights, env) for env in variants]
-    rows = []
+    rows, failed = [], {}
     for b in batches:
         calls = [decode_call(e, b, args.context) for e in engines]
         t0 = time.perf_counter()
-        for call in calls:                              # compile and warm up
-            jax.block_until_ready([call() for _ in range(3)])
+        for i, call in enumerate(calls):                # compile and warm up
+            try:
+                jax.block_until_ready([call() for _ in range(3)])
+            except Exception as e:                      # reported; the variants that build are still compared
+                if i == 0:
+                    raise
+                failed.setdefault(names[i], f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                print(f"batch {b}: {names[i]} failed: {failed[names[i]]}", flush=True)
+        keep = [i for i in range(len(calls)) if names[i] not in failed]
         print(f"batch {b}: {len(calls)} decode executables compiled and warm in {time.perf_counter() - t0:.1f}s",
               flush=True)
         steps = [[] for _ in calls]
         for r in range(args.rounds):
-            order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))   # no variant always first
+            order = keep if r % 2 == 0 else keep[::-1]  # no variant always first
             for i in order:
                 def burst(k, call=calls[i]):
                     t = time.perf_counter()
@@ -118,8 +125,9 @@ def main():
                     jax.block_until_ready(o)
                     return time.perf_counter() - t
                 steps[i].append(steady_step_seconds(burst, args.iters)[0])
-            print(f"batch {b} round {r}: " + ", ".join(f"{s[-1] * 1e3:.3f}" for s in steps), flush=True)
-        for i, name in enumerate(names):
+            print(f"batch {b} round {r}: " + ", ".join(f"{steps[i][-1] * 1e3:.3f}" for i in keep), flush=True)
+        for i in keep:
+            name = names[i]
             diff = [a - z for a, z in zip(steps[i], steps[0])]
             rows.append({"batch": b, "variant": name, "step ms (median)": f"{statistics.median(steps[i]) * 1e3:.3f}",
                          "min / max ms": f"{min(steps[i]) * 1e3:.3f} / {max(steps[i]) * 1e3:.3f}",
@@ -131,7 +139,8 @@ def main():
     body = (f"Model: `{args.config}` shapes, random bf16 weights, greedy decode at context {args.context}; one "
             f"engine per variant in one process, {args.rounds} alternating rounds, each a steady-state step (slope "
             f"of back-to-back dispatches from {args.iters} to {2 * args.iters} steps, median of 3 each).\n\n"
-            + results.table(rows, list(rows[0])))
+            + results.table(rows, list(rows[0]))
+            + "".join(f"\nFailed to build or run: `{n}`: {e}\n" for n, e in failed.items()))
     if args.record:
         results.record("Decode step A/B (bench/ab_decode.py): " + " vs ".join(names), body)
 

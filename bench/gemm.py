@@ -74,7 +74,7 @@ def main():
     rows = [int(r) for r in args.rows.split(",")]
     bw = None if args.interpret else copy_bandwidth()
     configs = [] if args.xla_only else mm.config_sweep()
-    lines, picks, checks = [], {}, []
+    lines, picks, checks, failed = [], {}, [], {}
     for name in args.shapes.split(","):
         k, n = (d // args.scale for d in SHAPES[name])
         copies = 1 if args.interpret else max(1, -(-L2_BYTES // (k * n * 2)))
@@ -101,7 +101,12 @@ def main():
                     continue
                 f = lambda x, w, c=c, lib=lib: lib.matmul(x, w, out_dtype=jnp.float32, config=c,
                                                           interpret=args.interpret)
-                err = float(jnp.max(jnp.abs(f(x, w) - ref)) / jnp.max(jnp.abs(ref)))
+                try:
+                    err = float(jnp.max(jnp.abs(f(x, w) - ref)) / jnp.max(jnp.abs(ref)))
+                except Exception as e:         # a kernel that does not build: reported, the others still timed
+                    failed.setdefault(c.name, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                    print(f"   {c.name} at {m}x{k}x{n} failed: {failed[c.name]}", flush=True)
+                    continue
                 checks.append(err)
                 if err > 1e-3:
                     raise SystemExit(f"{c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
@@ -130,7 +135,8 @@ def main():
                f"{max(checks, default=0):.1e}). " if configs else "")
             + "'x bw': weight bytes read per second over the copy bandwidth. 'XLA [N, K]': XLA's dot on the "
             "transposed weight. 'read only': a pass that reads the weight and does nothing else (its sum).\n\n"
-            + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n")
+            + head + "\n" + "|---" * (head.count("|") - 1) + "|\n" + "\n".join(lines) + "\n"
+            + "".join(f"\nFailed to build or run: `{c}`: {e}\n" for c, e in failed.items()))
     print(body)
     if args.pick:
         with open(args.pick, "w") as f:
