@@ -44,7 +44,8 @@ def fits(m: int, k: int, n: int, config: MgpuConfig) -> bool:
     """Rows up to one M tile, N a multiple of bn, K of split_k * 64, and the pipeline's x and w tiles plus the
     output tile within shared memory."""
     smem = config.stages * (ROWS * BK + BK * config.bn) * 2 + ROWS * config.bn * 4
-    return (m <= ROWS and config.bn % 64 == 0 and n % config.bn == 0 and k % (config.split_k * BK) == 0
+    return (m <= ROWS and config.stages >= 2 and config.bn % 64 == 0 and n % config.bn == 0
+            and k % (config.split_k * BK) == 0
             and smem <= SMEM_BYTES)
 
 
@@ -82,10 +83,13 @@ def partial_sums(x, w, *, config: MgpuConfig, interpret: bool = False):
             def step(_, x_smem, w_smem):
                 plgpu.wgmma(acc_ref, x_smem, w_smem)
                 plgpu.wgmma_wait(1)              # the previous step's product is done: its buffers can refill
+                                                 # (delay_release=1: the pipeline refills a slot one step late)
             plgpu.emit_pipeline(
                 step, grid=(steps,),
-                in_specs=[plgpu.BlockSpec((ROWS, BK), lambda i: (0, s * steps + i), transforms=tiles),
-                          plgpu.BlockSpec((BK, bn), lambda i: (s * steps + i, j), transforms=tiles)],
+                in_specs=[plgpu.BlockSpec((ROWS, BK), lambda i: (0, s * steps + i), transforms=tiles,
+                                          delay_release=1),          # step i's buffers are still read by its
+                          plgpu.BlockSpec((BK, bn), lambda i: (s * steps + i, j), transforms=tiles,  # product
+                                          delay_release=1)],
                 max_concurrent_steps=config.stages)(x_gmem, w_gmem)
             return acc_ref[...]
 
