@@ -369,6 +369,7 @@ class PrefillProblem:
         self.sets = [(*gdn_inputs(jax.random.fold_in(key, i), self.total),
                       1 + i * self.n + jnp.arange(self.n, dtype=jnp.int32)) for i in range(self.ns)]
         self.mc = -(-self.total // gdn.CHUNK) + self.n
+        self.aligned = all(x % 8 == 0 for x in np.cumsum([0] + self.lens[:-1]))   # (the Mosaic GPU scan's need)
 
     def pool(self):
         return rand_pool(self.key, self.ns * self.n + 1)
@@ -380,7 +381,8 @@ class PrefillProblem:
     def full_us(self, config):
         def call(c, q, k, v, a, b, slots):
             o, pool = gdn.gdn_prefill_packed(q, k, v, a, b, self.A_log, self.dt_bias, c[0], self.starts,
-                                             self.lens_a, slots, self.use, config=config, **kernel_kw())
+                                             self.lens_a, slots, self.use, config=config,
+                                             starts_aligned=self.aligned, **kernel_kw())
             return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
         us, _ = time_calls(call, self.carry(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
         return us
@@ -388,7 +390,8 @@ class PrefillProblem:
     def outputs(self, config):
         """(o, the sequences' final states) of one call on the first input set, from the first pool."""
         q, k, v, a, b, slots = self.sets[0]
-        o, pool = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, **kernel_kw()))(
+        o, pool = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, starts_aligned=self.aligned,
+                                            **kernel_kw()))(
             q, k, v, a, b, self.A_log, self.dt_bias, self.pool(), self.starts, self.lens_a, slots, self.use)
         return o, pool[slots]
 

@@ -67,6 +67,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import gdn_mgpu
+
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 CHUNK = 64
@@ -129,6 +131,7 @@ class WYConfig:
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
+    mgpu: bool = False            # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -138,7 +141,7 @@ class WYConfig:
         inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
-                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
+                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "") + ("_mg" if self.mgpu else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -877,6 +880,9 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                      inv_prec=config.solve_prec, interpret=interpret)
         p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                        num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, interpret=interpret)
+        if config.mgpu:
+            return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid,
+                                 interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
@@ -918,13 +924,16 @@ def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, conf
 
 
 def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, *, spans=None,
-                       max_chunks=None, config: WYConfig | PrefillConfig | None = None, interpret=False):
+                       max_chunks=None, config: WYConfig | PrefillConfig | None = None, starts_aligned=False,
+                       interpret=False):
     """Packed prefill. q,k [total, Hk, dk]; v [total, Hv, dv]; a,b [total, Hv] raw; pool [slots, Hv, dv, dk] fp32.
     Sequence n is rows [starts[n], starts[n] + lens[n]) (disjoint ranges); it starts from pool[slots[n]] (zeros
     where use_state[n] is False) and its final state is written back there. Output rows [starts + lens,
     starts + spans) are zeroed (spans default to lens); rows outside every sequence are left unwritten.
     max_chunks: static bound on sum(ceil(lens / 64)) (default ceil(total / 64) + N).
     config: WYConfig (the WY pipeline; None = DEFAULT_PREFILL) or PrefillConfig (the previous kernels).
+    starts_aligned: the caller promises every start is a multiple of 8 (the Mosaic GPU scan, config.mgpu, needs
+    it: its TMA copies into swizzled tiles take row offsets in whole 8-row tiles).
     Returns (o [total, Hv, dv] in v.dtype, pool)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[-2:]
@@ -935,6 +944,9 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     config = DEFAULT_PREFILL if config is None else config
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     if isinstance(config, WYConfig):
+        if config.mgpu and not starts_aligned:
+            raise ValueError("the Mosaic GPU scan (WYConfig.mgpu) needs sequence starts that are multiples of 8: "
+                             "pass starts_aligned=True where they are")
         return _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, i32(starts), i32(lens), i32(slots), i32(use_state),
                            i32(lens) if spans is None else i32(spans), max_chunks or (-(-total // CHUNK) + n),
                            config, interpret)
@@ -973,7 +985,8 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
     starts = jnp.arange(n, dtype=jnp.int32) * t
     o, pool = gdn_prefill_packed(flat(q), flat(k), flat(v), flat(a), flat(b), A_log, dt_bias, pool, starts, lens,
                                  slots, use_state, spans=jnp.full((n,), t, jnp.int32),
-                                 max_chunks=n * (-(-t // CHUNK)), config=config, interpret=interpret)
+                                 max_chunks=n * (-(-t // CHUNK)), config=config, starts_aligned=t % 8 == 0,
+                                 interpret=interpret)
     return o.reshape(n, t, *o.shape[1:]), pool
 
 

@@ -1,0 +1,174 @@
+"""The T-form GDN prefill scan as a Pallas Mosaic GPU kernel (Hopper: TMA loads, asynchronous wgmma).
+
+Why: the Triton scan (gdn._wy_scan_kernel, tform) waits for every tensor-core product right after issuing it, one
+4-warp program per SM, so each of its six products per chunk costs its whole latency (bench/RESULTS.md, 2026-12-01
+readings). Here the chunk's inputs arrive by TMA a chunk ahead (two buffers), products that do not depend on each
+other are issued together (K H with Q H; P Vnew with the state update), and the left operands T and P come from
+registers. The same math as the Triton T-form scan, per chunk with state H [dk, BV] fp32 in registers:
+
+    Z = K H, Y = Q H                        bf16 products (H rounded to bf16, as h_prec "bf16")
+    X = beta V - fw Z                       fp32, row factors from the prep (f rows 3, 4)
+    Vnew = T X                              T and X each split into bf16 hi + lo: three products (~tf32x3)
+    O = fq Y + P Vnew                       P and Vnew split likewise
+    H = e^gamma_C H + K^T (fk Vnew)         fk Vnew split into bf16 hi + lo: two products (as s_prec "bf16x2")
+
+Inputs are those of the Triton T-form scan: T [chunks, Hv, 64, 64] fp32 (gdn.wy_solve), P [chunks, Hv, 64, 64]
+fp32 and f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only). The output is written per chunk, [chunks, Hv, 64, dv]
+(TMA cannot mask the rows of a tail chunk, which belong to the next sequence), and gathered to [total, Hv, dv]
+outside; the initial and final states travel as [N, Hv, dk, dv] (the state's K-major tile is the product's
+accumulator) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CHUNK = 64
+BUFFERS = 2
+BV = 64             # state columns per program (the V-block): one wgmma N tile; N = 32 tiles did not lower
+INPUTS = 6          # q, k, v, T, P, f: one TMA barrier each per buffer
+
+
+def _swizzle(cols: int, dtype) -> tuple:
+    """Tiling and swizzle transforms of a [rows, cols] shared-memory tile (the widest swizzle its rows allow)."""
+    row_bytes = cols * jnp.dtype(dtype).itemsize
+    swizzle = min(128, row_bytes)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _split(x):
+    """fp32 -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _rows(vec):
+    """A [64] vector of per-row factors broadcast over a [64, BV] tile."""
+    return lax.broadcast_in_dim(vec, (CHUNK, BV), [0])
+
+
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio):
+    n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
+    kh = lax.div(hv, jnp.int32(ratio))
+    dk = q_ref.shape[-1]
+    start, length, coff = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n]
+    nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
+    vcols = pl.ds(pl.multiple_of(vb * BV, BV), BV)
+    wg = plgpu.Layout.WGMMA
+    row = wg.reduce(1)
+    tile_acc = plgpu.ACC((CHUNK, BV), jnp.float32)
+
+    def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, a_s, o_s, bars):
+        def fetch(c, slot):
+            row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
+            srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
+                    v_ref.at[pl.ds(row0, CHUNK), hv, vcols], t_ref.at[cc, hv], p_ref.at[cc, hv], f_ref.at[cc, hv])
+            for i, (src, dst) in enumerate(zip(srcs, (q_s, k_s, v_s, t_s, p_s, f_s))):
+                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[slot * INPUTS + i])
+
+        @pl.when(nch > 0)
+        def _():
+            fetch(0, 0)
+
+        # the initial state H [dk, BV] fp32 (zeros where the sequence starts fresh: set outside)
+        h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wg, optimized=False)
+
+        def chunk(c, h):
+            slot = lax.rem(c, jnp.int32(BUFFERS))
+
+            @pl.when(c + 1 < nch)
+            def _():
+                fetch(c + 1, lax.rem(c + 1, jnp.int32(BUFFERS)))
+
+            for i in range(INPUTS):
+                plgpu.barrier_wait(bars.at[slot * INPUTS + i])
+            qs, ks, fs = q_s.at[slot], k_s.at[slot], f_s.at[slot]
+            h_s[...] = h.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+
+            def zy(z_acc, y_acc):                               # Z = K H and Y = Q H, issued together
+                plgpu.wgmma(z_acc, ks, h_s)
+                plgpu.wgmma(y_acc, qs, h_s)
+                return z_acc[...], y_acc[...]
+            z, y = pl.run_scoped(zy, tile_acc, tile_acc)
+            fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
+            v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
+            x_s[0][...], x_s[1][...] = _split(_rows(beta) * v - _rows(fw) * z)
+            a_s[0][...], a_s[1][...] = _split(plgpu.load(t_s.at[slot], layout=wg))
+            plgpu.commit_smem()
+
+            def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
+                plgpu.wgmma(acc, a_s[0], x_s[0])
+                plgpu.wgmma(acc, a_s[0], x_s[1])
+                plgpu.wgmma(acc, a_s[1], x_s[0])
+                return acc[...]
+            vnew = pl.run_scoped(tx, tile_acc)
+            x_s[0][...], x_s[1][...] = _split(vnew)              # X is spent: its buffers take Vnew
+            vk_s[0][...], vk_s[1][...] = _split(_rows(fk) * vnew)
+            a_s[0][...], a_s[1][...] = _split(plgpu.load(p_s.at[slot], layout=wg))    # T is spent: P
+            fd = fd_ref[coff + c, hv]
+            plgpu.commit_smem()
+
+            def pv_update(o_acc, h_acc):                        # the state update and P Vnew, issued together
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[0])
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[1])
+                plgpu.wgmma(o_acc, a_s[0], x_s[0])
+                plgpu.wgmma(o_acc, a_s[0], x_s[1])
+                plgpu.wgmma(o_acc, a_s[1], x_s[0])
+                return o_acc[...], h_acc[...]
+            pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, BV), jnp.float32))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
+            o_s[...] = (_rows(fq) * y + pv).astype(o_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
+            return fd * h + upd
+
+        h = lax.fori_loop(0, nch, chunk, h)
+        h_ref.at[n, hv, :, vcols][...] = h
+        plgpu.wait_smem_to_gmem(0)
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], dtype) if swz else ())
+    pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]
+    pl.run_scoped(
+        kernel,
+        tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, BV), bf),
+        tile((BUFFERS, CHUNK, CHUNK), f32, False), tile((BUFFERS, CHUNK, CHUNK), f32, False),
+        tile((BUFFERS, 5, CHUNK), f32, False),
+        tile((dk, BV), bf), pair(CHUNK, BV), pair(CHUNK, BV), pair(CHUNK, CHUNK), tile((CHUNK, BV), o_ref.dtype, False),
+        plgpu.Barrier(num_barriers=BUFFERS * INPUTS),
+    )
+
+
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, interpret=False):
+    """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
+    [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), pool
+    [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from gdn.chunk_map. Returns (o [total, Hv, dv] in v.dtype, rows outside every sequence zero; pool with
+    each sequence's final state in its slot)."""
+    total, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    n, mc = starts.shape[0], t.shape[0]
+    if dv % BV or dk % 64 or total % 8:
+        raise ValueError(f"the Mosaic GPU scan needs dv a multiple of {BV}, dk of 64 and total rows of 8; got dv={dv}, "
+                         f"dk={dk}, total={total}")
+    i32 = jnp.int32
+    seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
+    h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
+    o_chunks, h_out = plgpu.kernel(
+        functools.partial(_scan_body, ratio=hv // hk),
+        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
+        grid=(n, hv, dv // BV), grid_names=("n", "h", "vb"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
+    # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row of o_chunks
+    cid = jnp.arange(mc, dtype=i32)[:, None] * CHUNK + jnp.arange(CHUNK, dtype=i32)[None, :]
+    tok = jnp.where(jnp.arange(CHUNK)[None, :] < nvalid[:, None], row0[:, None] + jnp.arange(CHUNK)[None, :], total)
+    src = jnp.full((total,), mc * CHUNK, i32).at[tok.reshape(-1)].set(cid.reshape(-1), mode="drop")
+    flat = jnp.concatenate([o_chunks.reshape(mc * CHUNK, hv, dv), jnp.zeros((1, hv, dv), v.dtype)])
+    o = flat[src]
+    return o, pool.at[slots].set(h_out.swapaxes(-1, -2))
