@@ -131,7 +131,8 @@ class WYConfig:
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
-    mgpu: bool = False            # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton
+    mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton:
+                                  # "zy" (K H and Q H together) or "late_y" (Q H with the chunk's last products)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -141,7 +142,7 @@ class WYConfig:
         inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
-                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "") + ("_mg" if self.mgpu else "")
+                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "") + (f"_mg_{self.mgpu}" if self.mgpu else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -316,6 +317,17 @@ def _inv_unit_lower(blocks):
 # Kernel 1: T = (I + A)^-1 per (chunk, value head).
 
 
+def _store_t(ref, lead, tile, x):
+    """ref[lead + tile] = x (fp32), or where ref is bf16 with a [2] axis after lead: its hi and lo parts (x = hi + lo
+    to ~2^-16 relative; the Mosaic GPU scan's bf16 tensor-core operands, gdn_mgpu)."""
+    if ref.dtype == jnp.float32:
+        ref[lead + tile] = x
+        return
+    hi = x.astype(ref.dtype)
+    ref[lead + (0,) + tile] = hi
+    ref[lead + (1,) + tile] = (x - hi.astype(jnp.float32)).astype(ref.dtype)
+
+
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
                   inv_prec="ieee", per_value_head=False):
     """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head)."""
@@ -338,7 +350,7 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
-                    t_ref[c, hv, pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = inv[i, j] if j <= i else zero
+                    _store_t(t_ref, (c, hv), (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)), inv[i, j] if j <= i else zero)
             return carry
 
         jax.lax.fori_loop(0, heads, per_head, 0)
@@ -562,8 +574,8 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
             gam, beta = jnp.cumsum(jnp.where(valid64, g, 0.0)), jnp.where(valid64, beta, 0.0)
             g_last = jnp.min(gam)                            # gamma at the last valid row (non-increasing)
             gates.append((gam, beta))
-            p_ref[c, hv, :, :] = jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)),
-                                           0.0)
+            _store_t(p_ref, (c, hv), (slice(None), slice(None)),
+                     jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0))
             f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
             f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
             f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
@@ -786,15 +798,17 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
 
 
 def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", per_value_head=False,
-             interpret=False):
+             split=False, interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
     the key head's value heads in a loop, or per_value_head: grid (chunk, value head), K K^T computed per value
-    head; few warps: its 16x16 row loops and reductions stay within one or two)."""
+    head; few warps: its 16x16 row loops and reductions stay within one or two). split: T as bf16 hi and lo parts,
+    [chunks, Hv, 2, 64, 64] (the Mosaic GPU scan's operands)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
+    shape = (row0.shape[0], hv) + ((2,) if split else ()) + (CHUNK, CHUNK)
     return pl.pallas_call(
         functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec,
                           per_value_head=per_value_head),
-        out_shape=jax.ShapeDtypeStruct((row0.shape[0], hv, CHUNK, CHUNK), f32),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.bfloat16 if split else f32),
         grid=(row0.shape[0], hv if per_value_head else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_solve",
@@ -802,13 +816,14 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
     the "tile" kernel from T (per value head / per key head).
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
-    |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2")."""
+    |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
+    bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]."""
     if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
@@ -816,7 +831,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
         return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True),
-            out_shape=(jax.ShapeDtypeStruct((mc, hv, CHUNK, CHUNK), f32),
+            out_shape=(jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
+                                            jnp.bfloat16 if split else f32),
                        jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -877,12 +893,13 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
         if config.prep_mode not in ("solve", "solve2"):
             raise ValueError("tform needs prep_mode 'solve' or 'solve2' (T from wy_solve)")
         t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                     inv_prec=config.solve_prec, interpret=interpret)
+                     inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
         p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                       num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, interpret=interpret)
+                       num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
+                       interpret=interpret)
         if config.mgpu:
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid,
-                                 interpret=interpret)
+                                 late_y=config.mgpu == "late_y", interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
@@ -944,6 +961,8 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     config = DEFAULT_PREFILL if config is None else config
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     if isinstance(config, WYConfig):
+        if config.mgpu not in ("", "zy", "late_y"):
+            raise ValueError(f"WYConfig.mgpu must be '', 'zy' or 'late_y', got {config.mgpu!r}")
         if config.mgpu and not starts_aligned:
             raise ValueError("the Mosaic GPU scan (WYConfig.mgpu) needs sequence starts that are multiples of 8: "
                              "pass starts_aligned=True where they are")

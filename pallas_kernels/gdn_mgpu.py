@@ -3,8 +3,8 @@
 Why: the Triton scan (gdn._wy_scan_kernel, tform) waits for every tensor-core product right after issuing it, one
 4-warp program per SM, so each of its six products per chunk costs its whole latency (bench/RESULTS.md, 2026-12-01
 readings). Here the chunk's inputs arrive by TMA a chunk ahead (two buffers), products that do not depend on each
-other are issued together (K H with Q H; P Vnew with the state update), and the left operands T and P come from
-registers. The same math as the Triton T-form scan, per chunk with state H [dk, BV] fp32 in registers:
+other are issued together (K H with Q H; P Vnew with the state update), and T and P arrive as bf16 hi + lo parts,
+ready tensor-core operands. The same math as the Triton T-form scan, per chunk with state H [dk, BV] fp32 in registers:
 
     Z = K H, Y = Q H                        bf16 products (H rounded to bf16, as h_prec "bf16")
     X = beta V - fw Z                       fp32, row factors from the prep (f rows 3, 4)
@@ -12,8 +12,8 @@ registers. The same math as the Triton T-form scan, per chunk with state H [dk, 
     O = fq Y + P Vnew                       P and Vnew split likewise
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew split into bf16 hi + lo: two products (as s_prec "bf16x2")
 
-Inputs are those of the Triton T-form scan: T [chunks, Hv, 64, 64] fp32 (gdn.wy_solve), P [chunks, Hv, 64, 64]
-fp32 and f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only). The output is written per chunk, [chunks, Hv, 64, dv]
+Inputs are those of the Triton T-form scan with T and P split: T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
+split=True), P likewise and f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per chunk, [chunks, Hv, 64, dv]
 (TMA cannot mask the rows of a tail chunk, which belong to the next sequence), and gathered to [total, Hv, dv]
 outside; the initial and final states travel as [N, Hv, dk, dv] (the state's K-major tile is the product's
 accumulator) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
@@ -52,7 +52,7 @@ def _rows(vec):
     return lax.broadcast_in_dim(vec, (CHUNK, BV), [0])
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio):
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, late_y):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
@@ -63,7 +63,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     row = wg.reduce(1)
     tile_acc = plgpu.ACC((CHUNK, BV), jnp.float32)
 
-    def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, a_s, o_s, bars):
+    def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
         def fetch(c, slot):
             row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
             srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
@@ -78,7 +78,11 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
         # the initial state H [dk, BV] fp32 (zeros where the sequence starts fresh: set outside)
         h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wg, optimized=False)
 
-        def chunk(c, h):
+        fd_at = lambda c: fd_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv]   # a chunk's decay (HBM)
+
+        def chunk(c, carry):
+            h, fd = carry
+            fd_next = fd_at(c + 1)                              # loaded a chunk ahead: off the critical path
             slot = lax.rem(c, jnp.int32(BUFFERS))
 
             @pl.when(c + 1 < nch)
@@ -87,48 +91,51 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
 
             for i in range(INPUTS):
                 plgpu.barrier_wait(bars.at[slot * INPUTS + i])
-            qs, ks, fs = q_s.at[slot], k_s.at[slot], f_s.at[slot]
+            qs, ks, fs, ts, ps = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot], p_s.at[slot]
             h_s[...] = h.astype(jnp.bfloat16)
             plgpu.commit_smem()
 
-            def zy(z_acc, y_acc):                               # Z = K H and Y = Q H, issued together
+            def zy(z_acc, y_acc=None):                          # Z = K H (and Y = Q H, issued together)
                 plgpu.wgmma(z_acc, ks, h_s)
+                if y_acc is None:
+                    return z_acc[...], None
                 plgpu.wgmma(y_acc, qs, h_s)
                 return z_acc[...], y_acc[...]
-            z, y = pl.run_scoped(zy, tile_acc, tile_acc)
+            z, y = pl.run_scoped(zy, *(tile_acc,) * (1 if late_y else 2))
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
             v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
             x_s[0][...], x_s[1][...] = _split(_rows(beta) * v - _rows(fw) * z)
-            a_s[0][...], a_s[1][...] = _split(plgpu.load(t_s.at[slot], layout=wg))
             plgpu.commit_smem()
 
             def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
-                plgpu.wgmma(acc, a_s[0], x_s[0])
-                plgpu.wgmma(acc, a_s[0], x_s[1])
-                plgpu.wgmma(acc, a_s[1], x_s[0])
+                plgpu.wgmma(acc, ts.at[0], x_s[0])
+                plgpu.wgmma(acc, ts.at[0], x_s[1])
+                plgpu.wgmma(acc, ts.at[1], x_s[0])
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
             x_s[0][...], x_s[1][...] = _split(vnew)              # X is spent: its buffers take Vnew
             vk_s[0][...], vk_s[1][...] = _split(_rows(fk) * vnew)
-            a_s[0][...], a_s[1][...] = _split(plgpu.load(p_s.at[slot], layout=wg))    # T is spent: P
-            fd = fd_ref[coff + c, hv]
             plgpu.commit_smem()
 
-            def pv_update(o_acc, h_acc):                        # the state update and P Vnew, issued together
+            def pv_update(o_acc, h_acc, y_acc=None):            # the state update and P Vnew (and Y), together
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[0])
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[1])
-                plgpu.wgmma(o_acc, a_s[0], x_s[0])
-                plgpu.wgmma(o_acc, a_s[0], x_s[1])
-                plgpu.wgmma(o_acc, a_s[1], x_s[0])
-                return o_acc[...], h_acc[...]
-            pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, BV), jnp.float32))
+                plgpu.wgmma(o_acc, ps.at[0], x_s[0])
+                plgpu.wgmma(o_acc, ps.at[0], x_s[1])
+                plgpu.wgmma(o_acc, ps.at[1], x_s[0])
+                if y_acc is not None:                           # h_s still holds this chunk's H
+                    plgpu.wgmma(y_acc, qs, h_s)
+                return o_acc[...], h_acc[...], None if y_acc is None else y_acc[...]
+            pv, upd, y_late = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, BV), jnp.float32),
+                                            *(tile_acc,) * late_y)
+            y = y_late if late_y else y
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
-            return fd * h + upd
+            return fd * h + upd, fd_next
 
-        h = lax.fori_loop(0, nch, chunk, h)
+        h, _ = lax.fori_loop(0, nch, chunk, (h, fd_at(0)))
         h_ref.at[n, hv, :, vcols][...] = h
         plgpu.wait_smem_to_gmem(0)
 
@@ -138,16 +145,17 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     pl.run_scoped(
         kernel,
         tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, BV), bf),
-        tile((BUFFERS, CHUNK, CHUNK), f32, False), tile((BUFFERS, CHUNK, CHUNK), f32, False),
-        tile((BUFFERS, 5, CHUNK), f32, False),
-        tile((dk, BV), bf), pair(CHUNK, BV), pair(CHUNK, BV), pair(CHUNK, CHUNK), tile((CHUNK, BV), o_ref.dtype, False),
+        tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 5, CHUNK), f32, False),
+        tile((dk, BV), bf), pair(CHUNK, BV), pair(CHUNK, BV), tile((CHUNK, BV), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=BUFFERS * INPUTS),
     )
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, interpret=False):
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, late_y=False, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
-    [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), pool
+    [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both with
+    split=True, pool. late_y: Q H issued with the last products of the chunk (off the chain K H -> T X -> update)
+    instead of beside K H
     [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from gdn.chunk_map. Returns (o [total, Hv, dv] in v.dtype, rows outside every sequence zero; pool with
     each sequence's final state in its slot)."""
     total, hk, dk = k.shape
@@ -160,7 +168,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
     o_chunks, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk),
+        functools.partial(_scan_body, ratio=hv // hk, late_y=late_y),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // BV), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
