@@ -15,7 +15,8 @@ starts just before the limit still finishes.
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
  2. GPU correctness of the defaults and the previous kernels against the references (prefill: fp32 token scan,
-    4 packed sequences 100/777/65/1 with random initial states, one fresh; decode: 8 rows, 2 on the null slot);
+    4 packed sequences 100/777/65/1 (8-row-aligned starts) with random initial states, one fresh; decode: 8 rows,
+    2 on the null slot);
  3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the previous kernels and fla;
  4. the other cases with the defaults, v1 and fla: prefill 1x1k, 1x32k, 8x2k packed; decode 8, 32, 128;
  5. GPU correctness of every other variant (prefill, decode, conv);
@@ -342,6 +343,7 @@ def fla_free():
 PREFILL_CASES = ({"1x1k": [100], "1x8k": [130], "1x32k": [200], "8x2k": [70] * 3} if DRY else
                  {"1x1k": [1024], "1x8k": [8192], "1x32k": [32768], "8x2k": [2048] * 8})
 SWEEP_CASE = "1x8k"
+PREVIOUS_PREFILL = dataclasses.replace(gdn.DEFAULT_PREFILL, mgpu="")    # the Triton T-form scan
 
 
 def prefill_floor_us(tokens, n_seq):
@@ -608,8 +610,9 @@ def main():
             return CHECK["prefill"]
         key = jax.random.key(1)
         lens = [100, 777, 65, 1] if not DRY else [40, 77, 65, 1]
-        total = sum(lens)
-        starts = jnp.array(np.cumsum([0] + lens[:-1]), jnp.int32)
+        ends = np.cumsum(-(-np.array(lens) // 8) * 8)       # starts on 8-row boundaries (the Mosaic GPU scan's need)
+        total = int(ends[-1])
+        starts = jnp.array(np.concatenate([[0], ends[:-1]]), jnp.int32)
         q, k, v, a, b = gdn_inputs(key, total)
         A_log, dt_bias = gates_params(jax.random.fold_in(key, 5))
         pool = rand_pool(jax.random.fold_in(key, 6), 8)
@@ -646,7 +649,7 @@ def main():
             out[name] = r
             log("prefill correctness", name, r)
 
-        run = lambda cfg, *x: gdn.gdn_prefill_packed(*x, config=cfg, **kernel_kw())
+        run = lambda cfg, *x: gdn.gdn_prefill_packed(*x, config=cfg, starts_aligned=True, **kernel_kw())
 
         def run_all(*x):
             """Every variant; WY variants sharing a prep configuration share one prep call (the composition
@@ -693,9 +696,10 @@ def main():
     def check_fla_prefill():
         ck = prefill_checker()
         torch = FLA["torch"]
-        tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(torch.bfloat16)[None]
+        rows = ck["rows"]                                   # the sequences' rows, contiguous for fla's cu_seqlens
+        tq, tk, tv = (torch.from_numpy(np.asarray(x[rows].astype(jnp.float32))).cuda().to(torch.bfloat16)[None]
                       for x in (ck["q"], ck["k"], ck["v"]))
-        g_, beta_ = gdn_reference.gates(ck["a"], ck["b"], ck["A_log"], ck["dt_bias"])
+        g_, beta_ = gdn_reference.gates(ck["a"][rows], ck["b"][rows], ck["A_log"], ck["dt_bias"])
         tg, tb = (torch.from_numpy(np.asarray(x)).cuda()[None] for x in (g_, beta_))
         h0 = torch.from_numpy(np.asarray(jnp.where(ck["use"][:, None, None, None], ck["pool"][ck["slots"]], 0))).cuda()
         cu = torch.tensor(np.cumsum([0] + ck["lens"]), device="cuda", dtype=torch.long)
@@ -703,7 +707,7 @@ def main():
             fo, fs = FLA["chunk"](tq, tk, tv, tg, tb, initial_state=h0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu)
         fo = fo[0].float().cpu().numpy()
-        RES["correct_prefill"]["fla"] = dict(o_rel=rel(fo[ck["rows"]], ck["ref_o"]),
+        RES["correct_prefill"]["fla"] = dict(o_rel=rel(fo, ck["ref_o"]),
                                              state_rel=rel(fs.cpu().numpy(), ck["ref_s"]))
         log("prefill correctness fla", RES["correct_prefill"]["fla"])
 
@@ -792,7 +796,7 @@ def main():
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
 
-    v1_default = gdn.PrefillConfig()
+    v1_default = PREVIOUS_PREFILL
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
     first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, v1_default)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
@@ -1172,8 +1176,8 @@ def report() -> str:
          "`v1_*` = the previous kernels, decode `bvN_wM` = V-rows per program and warps.", ""]
     cpf = RES.get("correct_prefill", {})
     if cpf:
-        L += ["### GPU correctness (prefill: fp32 token scan reference, 4 packed sequences 100/777/65/1, random "
-              "initial states, one fresh; bars o <= 4e-3, state <= 3e-3)", "",
+        L += ["### GPU correctness (prefill: fp32 token scan reference, 4 packed sequences 100/777/65/1 (8-row-aligned "
+              "starts), random initial states, one fresh; bars o <= 4e-3, state <= 3e-3)", "",
               "| variant | o rel-L2 | state rel-L2 | untouched slots | ok |", "|---|---|---|---|---|"]
         for k, v in cpf.items():
             L.append(f"| {k} | {fmt(v.get('o_rel'), '.2e')} | {fmt(v.get('state_rel'), '.2e')} | "
@@ -1186,7 +1190,7 @@ def report() -> str:
             for k, v in cd.items()))
         L.append("")
     L += ["### Prefill (GDN core incl. gates and l2norm, initial state read from the pool, final state written back)",
-          "", "| case | WY best µs | WY default µs | v1 (previous) µs | fla µs (a) | best / fla | floor µs | best / floor |",
+          "", "| case | WY best µs | WY default µs | previous default µs | fla µs (a) | best / fla | floor µs | best / floor |",
           "|---|---|---|---|---|---|---|---|"]
     for case in PREFILL_CASES:
         r = RES.get("prefill", {}).get(case, {})
@@ -1201,7 +1205,8 @@ def report() -> str:
                  f"{fmt(best / r['floor_us'] if best and r.get('floor_us') else None, '.1f')} |")
     pf = RES.get("prefill", {})
     L.append("")
-    L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`. "
+    L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
+             f"default: `{PREVIOUS_PREFILL.name}`. "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:

@@ -38,7 +38,7 @@ TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form): P and f per key head, the one-dot bf16 state update (emulated state
 # error ~1.8e-3: inside the 3e-3, fla's 2.2-3.1e-3), the W-form
-WHOLE = [dict(), dict(mgpu="zy"), dict(mgpu="late_y"), dict(prep_mode="solve2"), dict(s_prec="bf16"), dict(tform=False, num_stages=2)]
+WHOLE = [dict(), dict(mgpu=""), dict(mgpu="zy", bv=64), dict(mgpu="late_y"), dict(mgpu="late_y", bv=64)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

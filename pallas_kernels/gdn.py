@@ -132,7 +132,10 @@ class WYConfig:
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
     mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton:
-                                  # "zy" (K H and Q H together) or "late_y" (Q H with the chunk's last products)
+                                  # "zy" (K H and Q H together) or "late_y" (Q H with the chunk's last products), V-block
+                                  # bv if 32 or 64, else gdn_mgpu.pick_bv; "auto": "zy" with pick_bv's V-block wherever
+                                  # gdn_mgpu.applies (starts aligned, dk % 64, dv % 32, rows % 8), the Triton scan
+                                  # elsewhere
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -187,8 +190,10 @@ class DecodeConfig:
 # At 8169ddc solve2 was no faster at 1x8k (576.0 vs 575.8 us, prefill_parts whole), and the headline run with it as
 # the default read 104.4 us at 1x1k against 85.3 us with "solve" at 7ccd469 (1x8k 577.2 vs 588.2, 8x2k 1223.8 vs
 # 1236.2): per key head it has half the programs, ~2 per SM at 1k tokens. So "solve" is the default again.
+# At 66913de (bench/prefill_parts.py whole, H200) the Mosaic GPU scan (gdn_mgpu, V-block 64) took 843.9 us at 8x2k
+# against 1209.6 for the Triton scan, 600.4-612.3 against 576.4 at 1x8k (64 programs of V-block 64 on 132 SMs).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
-                           tform=True)
+                           tform=True, mgpu="auto")
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
 DEFAULT_DECODE = DecodeConfig(vfirst=True)
@@ -898,8 +903,9 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                        num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
                        interpret=interpret)
         if config.mgpu:
+            bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid,
-                                 late_y=config.mgpu == "late_y", interpret=interpret)
+                                 bv=bv, late_y=config.mgpu == "late_y", interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
@@ -961,8 +967,10 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     config = DEFAULT_PREFILL if config is None else config
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     if isinstance(config, WYConfig):
-        if config.mgpu not in ("", "zy", "late_y"):
-            raise ValueError(f"WYConfig.mgpu must be '', 'zy' or 'late_y', got {config.mgpu!r}")
+        if config.mgpu not in ("", "zy", "late_y", "auto"):
+            raise ValueError(f"WYConfig.mgpu must be '', 'zy', 'late_y' or 'auto', got {config.mgpu!r}")
+        if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned):
+            config = dataclasses.replace(config, mgpu="")
         if config.mgpu and not starts_aligned:
             raise ValueError("the Mosaic GPU scan (WYConfig.mgpu) needs sequence starts that are multiples of 8: "
                              "pass starts_aligned=True where they are")

@@ -30,7 +30,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64
 BUFFERS = 2
-BV = 64             # state columns per program (the V-block): one wgmma N tile; N = 32 tiles did not lower
 INPUTS = 6          # q, k, v, T, P, f: one TMA barrier each per buffer
 
 
@@ -47,21 +46,39 @@ def _split(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _rows(vec):
-    """A [64] vector of per-row factors broadcast over a [64, BV] tile."""
-    return lax.broadcast_in_dim(vec, (CHUNK, BV), [0])
+def _rows(vec, bv):
+    """A [64] vector of per-row factors broadcast over a [64, bv] tile."""
+    return lax.broadcast_in_dim(vec, (CHUNK, bv), [0])
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, late_y):
+def _b(ref):
+    """A right operand [K, N] held K-major ([N, K] in shared memory: 128-byte rows for any N, where N-major tiles of
+    N = 32 did not lower)."""
+    return ref.transpose((1, 0))
+
+
+def _store_kmajor(ref, x):
+    """x [K, N] (registers) -> ref [N, K] bf16."""
+    ref.transpose((1, 0))[...] = x.astype(ref.dtype)
+
+
+def _store_split(refs, x):
+    """x [K, N] fp32 -> its bf16 hi and lo parts, K-major, in refs[0] and refs[1]."""
+    hi, lo = _split(x)
+    _store_kmajor(refs[0], hi)
+    _store_kmajor(refs[1], lo)
+
+
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv, late_y):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
     start, length, coff = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n]
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
-    vcols = pl.ds(pl.multiple_of(vb * BV, BV), BV)
+    vcols = pl.ds(pl.multiple_of(vb * bv, bv), bv)
     wg = plgpu.Layout.WGMMA
     row = wg.reduce(1)
-    tile_acc = plgpu.ACC((CHUNK, BV), jnp.float32)
+    tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
     def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
         def fetch(c, slot):
@@ -92,45 +109,45 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             for i in range(INPUTS):
                 plgpu.barrier_wait(bars.at[slot * INPUTS + i])
             qs, ks, fs, ts, ps = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot], p_s.at[slot]
-            h_s[...] = h.astype(jnp.bfloat16)
+            _store_kmajor(h_s, h)
             plgpu.commit_smem()
 
             def zy(z_acc, y_acc=None):                          # Z = K H (and Y = Q H, issued together)
-                plgpu.wgmma(z_acc, ks, h_s)
+                plgpu.wgmma(z_acc, ks, _b(h_s))
                 if y_acc is None:
                     return z_acc[...], None
-                plgpu.wgmma(y_acc, qs, h_s)
+                plgpu.wgmma(y_acc, qs, _b(h_s))
                 return z_acc[...], y_acc[...]
             z, y = pl.run_scoped(zy, *(tile_acc,) * (1 if late_y else 2))
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
             v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
-            x_s[0][...], x_s[1][...] = _split(_rows(beta) * v - _rows(fw) * z)
+            _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
             plgpu.commit_smem()
 
             def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
-                plgpu.wgmma(acc, ts.at[0], x_s[0])
-                plgpu.wgmma(acc, ts.at[0], x_s[1])
-                plgpu.wgmma(acc, ts.at[1], x_s[0])
+                plgpu.wgmma(acc, ts.at[0], _b(x_s[0]))
+                plgpu.wgmma(acc, ts.at[0], _b(x_s[1]))
+                plgpu.wgmma(acc, ts.at[1], _b(x_s[0]))
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
-            x_s[0][...], x_s[1][...] = _split(vnew)              # X is spent: its buffers take Vnew
-            vk_s[0][...], vk_s[1][...] = _split(_rows(fk) * vnew)
+            _store_split(x_s, vnew)                             # X is spent: its buffers take Vnew
+            _store_split(vk_s, _rows(fk, bv) * vnew)
             plgpu.commit_smem()
 
             def pv_update(o_acc, h_acc, y_acc=None):            # the state update and P Vnew (and Y), together
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[0])
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), vk_s[1])
-                plgpu.wgmma(o_acc, ps.at[0], x_s[0])
-                plgpu.wgmma(o_acc, ps.at[0], x_s[1])
-                plgpu.wgmma(o_acc, ps.at[1], x_s[0])
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
+                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[0]))
+                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[1]))
+                plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
                 if y_acc is not None:                           # h_s still holds this chunk's H
-                    plgpu.wgmma(y_acc, qs, h_s)
+                    plgpu.wgmma(y_acc, qs, _b(h_s))
                 return o_acc[...], h_acc[...], None if y_acc is None else y_acc[...]
-            pv, upd, y_late = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, BV), jnp.float32),
+            pv, upd, y_late = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32),
                                             *(tile_acc,) * late_y)
             y = y_late if late_y else y
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
-            o_s[...] = (_rows(fq) * y + pv).astype(o_s.dtype)
+            o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
             return fd * h + upd, fd_next
@@ -141,17 +158,29 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
 
     bf, f32 = jnp.bfloat16, jnp.float32
     tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], dtype) if swz else ())
-    pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]
+    pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]      # B operands, K-major
     pl.run_scoped(
         kernel,
-        tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, BV), bf),
+        tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, bv), bf),
         tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 5, CHUNK), f32, False),
-        tile((dk, BV), bf), pair(CHUNK, BV), pair(CHUNK, BV), tile((CHUNK, BV), o_ref.dtype, False),
+        tile((bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=BUFFERS * INPUTS),
     )
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, late_y=False, interpret=False):
+def applies(total, dk, dv, starts_aligned):
+    """Whether scan() takes these shapes: starts in whole 8-row tiles (its TMA copies into swizzled tiles need them),
+    dk a multiple of 64, dv of 32, total rows of 8."""
+    return bool(starts_aligned) and dk % 64 == 0 and dv % 32 == 0 and total % 8 == 0
+
+
+def pick_bv(n_seq, hv, dv, cores=132):
+    """V-block of the scan: 64 (half the programs of 32, each chunk's products no slower) once the programs of 64
+    fill the SMs, else 32."""
+    return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
+
+
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, late_y=False, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
     [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both with
     split=True, pool. late_y: Q H issued with the last products of the chunk (off the chain K H -> T X -> update)
@@ -161,16 +190,17 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n, mc = starts.shape[0], t.shape[0]
-    if dv % BV or dk % 64 or total % 8:
-        raise ValueError(f"the Mosaic GPU scan needs dv a multiple of {BV}, dk of 64 and total rows of 8; got dv={dv}, "
-                         f"dk={dk}, total={total}")
+    bv = bv or pick_bv(n, hv, dv)
+    if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:
+        raise ValueError(f"the Mosaic GPU scan needs a V-block of 32 or 64 dividing dv, dk a multiple of 64 and total "
+                         f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
     i32 = jnp.int32
     seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
     o_chunks, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, late_y=late_y),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, late_y=late_y),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
-        grid=(n, hv, dv // BV), grid_names=("n", "h", "vb"),
+        grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
     # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row of o_chunks
