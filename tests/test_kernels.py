@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -113,6 +113,68 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
+
+
+MGPU_CASES = {"zy-bv32": dict(mgpu="zy", bv=32), "late_y-bv64": dict(mgpu="late_y", bv=64), "auto": dict()}
+
+
+@pytest.mark.parametrize("case", list(MGPU_CASES))
+def test_mgpu_scan_meets_issue_bars(case):
+    """The Mosaic GPU scan (Mosaic GPU's interpreter: TMA copies, barriers and wgmma emulated) on bf16 inputs at
+    dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks, an empty row and a fresh state:
+    the issue's bars against an fp32 token scan, padding rows zero, other slots untouched."""
+    config = dataclasses.replace(WY, **MGPU_CASES[case])
+    lens_l = [152, 70, 1, 0]
+    n, t = len(lens_l), max(lens_l)
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(13, n, t, 2, 4, 64, 128, dtype=jnp.bfloat16)
+    slots, lens, use = jnp.array([3, 1, 5, 0]), jnp.array(lens_l), jnp.array([True, False, True, False])
+    o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, a, b)]
+    o_ref, new_ref = gdn_reference.gdn_prefill(*f32, A_log, dt_bias, pool, slots, lens, use, method="scan")
+    real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
+    err_o = rel(np.where(real, np.asarray(o, np.float32), 0), np.where(real, o_ref, 0))
+    err_s = rel(new[slots[:-1]], new_ref[slots[:-1]])
+    assert err_o <= 4e-3 and err_s <= 1.5e-3, (err_o, err_s)
+    assert np.all(np.asarray(o, np.float32)[~np.broadcast_to(real, o.shape)] == 0)
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
+    np.testing.assert_array_equal(new[untouched], pool[untouched])
+
+
+def test_mgpu_scan_needs_aligned_starts():
+    """An explicit Mosaic GPU scan refuses starts it cannot prove 8-row aligned; "auto" (the default) runs the Triton
+    scan there, and on shapes the Mosaic scan does not take."""
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(14, 1, 20, 1, 1, 64, 64, dtype=jnp.bfloat16)
+    flat = [x[0] for x in (q, k, v, a, b)]
+    args = (*flat, A_log, dt_bias, pool, jnp.array([0]), jnp.array([20]), jnp.array([2]), jnp.array([True]))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="zy"), interpret=True)
+    with pytest.raises(ValueError, match="mgpu must be"):
+        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="yes"), interpret=True)
+    assert gdn_mgpu.applies(8192, 128, 128, True) and not gdn_mgpu.applies(8192, 128, 128, False)
+    assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
+    assert gdn_mgpu.pick_bv(1, 32, 128) == 32 and gdn_mgpu.pick_bv(8, 32, 128) == 64
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    shapes = [S(x.shape, x.dtype) for x in args]
+    text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=WY), *shapes)      # unaligned: Triton scan
+    assert "mosaic_gpu" not in text and text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_mgpu_scan_cross_lowers_for_cuda():
+    """Both Mosaic GPU scan variants at both V-blocks lower for CUDA (sm_90a) at the 9B shapes, one packed call of 8
+    sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
+    packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
+              S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((9, hv, dv, dk), f32), S((n,), i32), S((n,), i32),
+              S((n,), i32), S((n,), jnp.bool_))
+    cfgs = [dataclasses.replace(WY, mgpu=m, bv=bv) for m in ("zy", "late_y") for bv in (32, 64)]
+    text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
+                          *packed)
+    assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
+    padded = tuple(S((2, 512) + s.shape[1:], s.dtype) for s in packed[:5]) + packed[5:8] + (
+        S((2,), i32), S((2,), i32), S((2,), jnp.bool_))
+    text = lower_for_cuda(gdn.gdn_prefill, *padded)
+    assert "mosaic_gpu" in text and text.count("__gpu$xla.gpu.triton") == 2
 
 def test_wy_solve_per_value_head_equals_per_key_head():
     """The T solve's two grids (a key head's value heads in one program, or one program each) write the same T."""
