@@ -107,9 +107,11 @@ def main():
                     failed.setdefault(c.name, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
                     print(f"   {c.name} at {m}x{k}x{n} failed: {failed[c.name]}", flush=True)
                     continue
+                if err > 1e-3:                 # wrong results: reported, never timed
+                    failed.setdefault(c.name, f"max error {err:.2e} against XLA's dot at {m}x{k}x{n}")
+                    print(f"   {c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot", flush=True)
+                    continue
                 checks.append(err)
-                if err > 1e-3:
-                    raise SystemExit(f"{c.name} at {m}x{k}x{n}: max error {err:.2e} against XLA's dot")
                 row[c.name] = per_call_us(lambda x, w, c=c, lib=lib: lib.matmul(x, w, config=c,
                                                                                 interpret=args.interpret), x, ws)
             frac = (lambda t: f"{k * n * 2 / (t * 1e-6) / bw:.2f}") if bw else (lambda t: "-")

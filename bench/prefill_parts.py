@@ -36,9 +36,9 @@ from pallas_kernels import gdn  # noqa: E402
 SOLVES = [(1, "ieee", False), (1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form): P and f per key head, the one-dot bf16 state update (emulated state
-# error ~1.8e-3: inside the 3e-3, fla's 2.2-3.1e-3), the W-form
-WHOLE = [dict(), dict(mgpu=""), dict(mgpu="zy", bv=64), dict(mgpu="late_y"), dict(mgpu="late_y", bv=64)]
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan
+# at each V-block, P and f per key head
+WHOLE = [dict(), dict(mgpu=""), dict(mgpu="on", bv=64), dict(mgpu="on", bv=32), dict(prep_mode="solve2")]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

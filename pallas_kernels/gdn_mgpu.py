@@ -69,7 +69,7 @@ def _store_split(refs, x):
     _store_kmajor(refs[1], lo)
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv, late_y):
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
@@ -112,13 +112,11 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             _store_kmajor(h_s, h)
             plgpu.commit_smem()
 
-            def zy(z_acc, y_acc=None):                          # Z = K H (and Y = Q H, issued together)
+            def zy(z_acc, y_acc):                               # Z = K H and Y = Q H, issued together
                 plgpu.wgmma(z_acc, ks, _b(h_s))
-                if y_acc is None:
-                    return z_acc[...], None
                 plgpu.wgmma(y_acc, qs, _b(h_s))
                 return z_acc[...], y_acc[...]
-            z, y = pl.run_scoped(zy, *(tile_acc,) * (1 if late_y else 2))
+            z, y = pl.run_scoped(zy, tile_acc, tile_acc)
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
             v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
             _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
@@ -134,18 +132,14 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             _store_split(vk_s, _rows(fk, bv) * vnew)
             plgpu.commit_smem()
 
-            def pv_update(o_acc, h_acc, y_acc=None):            # the state update and P Vnew (and Y), together
+            def pv_update(o_acc, h_acc):                        # the state update and P Vnew, issued together
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
                 plgpu.wgmma(o_acc, ps.at[0], _b(x_s[0]))
                 plgpu.wgmma(o_acc, ps.at[0], _b(x_s[1]))
                 plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
-                if y_acc is not None:                           # h_s still holds this chunk's H
-                    plgpu.wgmma(y_acc, qs, _b(h_s))
-                return o_acc[...], h_acc[...], None if y_acc is None else y_acc[...]
-            pv, upd, y_late = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32),
-                                            *(tile_acc,) * late_y)
-            y = y_late if late_y else y
+                return o_acc[...], h_acc[...]
+            pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
@@ -180,11 +174,10 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, late_y=False, interpret=False):
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
     [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both with
-    split=True, pool. late_y: Q H issued with the last products of the chunk (off the chain K H -> T X -> update)
-    instead of beside K H
+    split=True, pool
     [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from gdn.chunk_map. Returns (o [total, Hv, dv] in v.dtype, rows outside every sequence zero; pool with
     each sequence's final state in its slot)."""
     total, hk, dk = k.shape
@@ -198,7 +191,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
     o_chunks, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv, late_y=late_y),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -115,7 +115,7 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
 
 
 
-MGPU_CASES = {"zy-bv32": dict(mgpu="zy", bv=32), "late_y-bv64": dict(mgpu="late_y", bv=64), "auto": dict()}
+MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64), "auto": dict()}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -147,27 +147,26 @@ def test_mgpu_scan_needs_aligned_starts():
     flat = [x[0] for x in (q, k, v, a, b)]
     args = (*flat, A_log, dt_bias, pool, jnp.array([0]), jnp.array([20]), jnp.array([2]), jnp.array([True]))
     with pytest.raises(ValueError, match="multiples of 8"):
-        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="zy"), interpret=True)
+        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="on"), interpret=True)
     with pytest.raises(ValueError, match="mgpu must be"):
         gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="yes"), interpret=True)
     assert gdn_mgpu.applies(8192, 128, 128, True) and not gdn_mgpu.applies(8192, 128, 128, False)
     assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
     assert gdn_mgpu.pick_bv(1, 32, 128) == 32 and gdn_mgpu.pick_bv(8, 32, 128) == 64
-    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    shapes = [S(x.shape, x.dtype) for x in args]
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=WY), *shapes)      # unaligned: Triton scan
     assert "mosaic_gpu" not in text and text.count("__gpu$xla.gpu.triton") == 3
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """Both Mosaic GPU scan variants at both V-blocks lower for CUDA (sm_90a) at the 9B shapes, one packed call of 8
+    """The Mosaic GPU scan at both V-blocks lowers for CUDA (sm_90a) at the 9B shapes, one packed call of 8
     sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
     packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
               S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((9, hv, dv, dk), f32), S((n,), i32), S((n,), i32),
               S((n,), i32), S((n,), jnp.bool_))
-    cfgs = [dataclasses.replace(WY, mgpu=m, bv=bv) for m in ("zy", "late_y") for bv in (32, 64)]
+    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv) for bv in (32, 64)]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
