@@ -37,8 +37,9 @@ SOLVES = [(1, "ieee", False), (1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan
-# at each V-block, P and f per key head
-WHOLE = [dict(), dict(mgpu=""), dict(mgpu="on", bv=64), dict(mgpu="on", bv=32), dict(prep_mode="solve2")]
+# at each V-block with two buffers and with one
+WHOLE = [dict(), dict(mgpu=""), dict(mgpu="on", bv=64), dict(mgpu="on", bv=32), dict(mgpu="on", bv=32, num_stages=1),
+         dict(mgpu="on", bv=64, num_stages=1)]
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

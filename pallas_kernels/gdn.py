@@ -132,8 +132,8 @@ class WYConfig:
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
     mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton:
-                                  # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's), or "auto": pick_bv's V-block
-                                  # wherever gdn_mgpu.applies (starts aligned, dk % 64, dv % 32, rows % 8), the Triton
+                                  # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
+                                  # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (starts aligned, dk % 64, dv % 32, rows % 8), the Triton
                                   # scan elsewhere
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
@@ -904,7 +904,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid,
-                                 bv=bv, interpret=interpret)
+                                 bv=bv, buffers=config.num_stages or 2, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,

@@ -29,7 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64
-BUFFERS = 2
 INPUTS = 6          # q, k, v, T, P, f: one TMA barrier each per buffer
 
 
@@ -69,7 +68,8 @@ def _store_split(refs, x):
     _store_kmajor(refs[1], lo)
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv):
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
+               buffers):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
@@ -81,12 +81,19 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
     def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
-        def fetch(c, slot):
+        def fetch(c, slot, which=range(INPUTS)):
             row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
             srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
                     v_ref.at[pl.ds(row0, CHUNK), hv, vcols], t_ref.at[cc, hv], p_ref.at[cc, hv], f_ref.at[cc, hv])
-            for i, (src, dst) in enumerate(zip(srcs, (q_s, k_s, v_s, t_s, p_s, f_s))):
-                plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[slot * INPUTS + i])
+            dsts = (q_s, k_s, v_s, t_s, p_s, f_s)
+            for i in which:
+                plgpu.copy_gmem_to_smem(srcs[i], dsts[i].at[slot], bars.at[slot * INPUTS + i])
+
+        def refill(c, which):
+            """One buffer: chunk c + 1's tiles `which` (indices into q, k, v, T, P, f) into the buffer as soon as
+            chunk c is done with them."""
+            if buffers == 1:
+                pl.when(c + 1 < nch)(lambda: fetch(c + 1, 0, which))
 
         @pl.when(nch > 0)
         def _():
@@ -100,11 +107,9 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
         def chunk(c, carry):
             h, fd = carry
             fd_next = fd_at(c + 1)                              # loaded a chunk ahead: off the critical path
-            slot = lax.rem(c, jnp.int32(BUFFERS))
-
-            @pl.when(c + 1 < nch)
-            def _():
-                fetch(c + 1, lax.rem(c + 1, jnp.int32(BUFFERS)))
+            slot = lax.rem(c, jnp.int32(buffers))
+            if buffers > 1:                                     # the next chunk's tiles while this one computes
+                pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, jnp.int32(buffers))))
 
             for i in range(INPUTS):
                 plgpu.barrier_wait(bars.at[slot * INPUTS + i])
@@ -117,10 +122,12 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(y_acc, qs, _b(h_s))
                 return z_acc[...], y_acc[...]
             z, y = pl.run_scoped(zy, tile_acc, tile_acc)
+            refill(c, (0,))                                     # q
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
             v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
             _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
             plgpu.commit_smem()
+            refill(c, (2, 5))                                   # v, f
 
             def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
                 plgpu.wgmma(acc, ts.at[0], _b(x_s[0]))
@@ -128,6 +135,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(acc, ts.at[1], _b(x_s[0]))
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
+            refill(c, (3,))                                     # T
             _store_split(x_s, vnew)                             # X is spent: its buffers take Vnew
             _store_split(vk_s, _rows(fk, bv) * vnew)
             plgpu.commit_smem()
@@ -140,6 +148,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
                 return o_acc[...], h_acc[...]
             pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
+            refill(c, (1, 4))                                   # k, P
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
@@ -155,10 +164,10 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]      # B operands, K-major
     pl.run_scoped(
         kernel,
-        tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, dk), bf), tile((BUFFERS, CHUNK, bv), bf),
-        tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 2, CHUNK, CHUNK), bf), tile((BUFFERS, 5, CHUNK), f32, False),
+        tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, bv), bf),
+        tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 5, CHUNK), f32, False),
         tile((bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((CHUNK, bv), o_ref.dtype, False),
-        plgpu.Barrier(num_barriers=BUFFERS * INPUTS),
+        plgpu.Barrier(num_barriers=buffers * INPUTS),
     )
 
 
@@ -174,16 +183,19 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, interpret=False):
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, buffers=2, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
     [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both with
-    split=True, pool
+    split=True, pool. buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon
+    as the chunk is done with it (half the shared memory: at V-block 32, two programs per SM)
     [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from gdn.chunk_map. Returns (o [total, Hv, dv] in v.dtype, rows outside every sequence zero; pool with
     each sequence's final state in its slot)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n, mc = starts.shape[0], t.shape[0]
     bv = bv or pick_bv(n, hv, dv)
+    if buffers not in (1, 2):
+        raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers, got {buffers}")
     if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:
         raise ValueError(f"the Mosaic GPU scan needs a V-block of 32 or 64 dividing dv, dk a multiple of 64 and total "
                          f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
@@ -191,7 +203,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
     o_chunks, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

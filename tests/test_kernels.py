@@ -115,7 +115,8 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
 
 
 
-MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64), "auto": dict()}
+MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
+              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict()}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -159,14 +160,14 @@ def test_mgpu_scan_needs_aligned_starts():
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """The Mosaic GPU scan at both V-blocks lowers for CUDA (sm_90a) at the 9B shapes, one packed call of 8
+    """The Mosaic GPU scan at both V-blocks, one or two buffers, lowers for CUDA (sm_90a) at the 9B shapes, one packed call of 8
     sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
     packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
               S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((9, hv, dv, dk), f32), S((n,), i32), S((n,), i32),
               S((n,), i32), S((n,), jnp.bool_))
-    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv) for bv in (32, 64)]
+    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s) for bv in (32, 64) for s in (1, 2)]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
