@@ -1,4 +1,5 @@
-"""Pallas (Triton) kernels of the gated delta rule: chunked prefill and the in-place decode step.
+"""Pallas kernels of the gated delta rule (Triton; the prefill scan also in Mosaic GPU): chunked prefill and the
+in-place decode step.
 
 Contract: pallas_kernels/gdn_reference.py (the pure-jnp oracle beside this file). State pool fp32, V-first
 [slots, Hv, dv, dk]; value head hv reads key head hv // (Hv // Hk); gates, l2norm and the dk^-0.5 scale are
@@ -40,6 +41,11 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    H200 (bench/prefill_parts.py). Dots on the tensor cores are waited for one at a time by Triton (a wait right
    after each wgmma), so each dot in the chunk loop costs its full latency: the scan is bound by that, not by the
    state dependency (a scan whose state never changes took 355 vs 381 us).
+4. The Mosaic GPU scan (WYConfig.mgpu; "auto", the default since c123fba, wherever its shapes allow):
+   pallas_kernels/gdn_mgpu.py, the same T-form math with TMA loads a chunk ahead and independent products issued
+   together; the solve and the prep then write T and P as bf16 hi + lo parts (split=True), ready tensor-core
+   operands. Whole prefill on the H200 (bench/RESULTS.md, 2026-12-02): 453.6 vs 578.6 us at 1x8k, 840.9 vs 1197.1
+   at 8x2k against the Triton scan; final state 2.2e-5 from the fp32 token scan against 2.1e-4.
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
@@ -133,8 +139,8 @@ class WYConfig:
                                   # waits after every dot. The T-form scan always runs this way.
     mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton:
                                   # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
-                                  # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (starts aligned, dk % 64, dv % 32, rows % 8), the Triton
-                                  # scan elsewhere
+                                  # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
+                                  # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -968,7 +974,7 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     if isinstance(config, WYConfig):
         if config.mgpu not in ("", "on", "auto"):
             raise ValueError(f"WYConfig.mgpu must be '', 'on' or 'auto', got {config.mgpu!r}")
-        if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned):
+        if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned, v.dtype):
             config = dataclasses.replace(config, mgpu="")
         if config.mgpu and not starts_aligned:
             raise ValueError("the Mosaic GPU scan (WYConfig.mgpu) needs sequence starts that are multiples of 8: "

@@ -171,10 +171,12 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     )
 
 
-def applies(total, dk, dv, starts_aligned):
-    """Whether scan() takes these shapes: starts in whole 8-row tiles (its TMA copies into swizzled tiles need them),
-    dk a multiple of 64, dv of 32, total rows of 8."""
-    return bool(starts_aligned) and dk % 64 == 0 and dv % 32 == 0 and total % 8 == 0
+def applies(total, dk, dv, starts_aligned, dtype=jnp.bfloat16):
+    """Whether scan() takes these inputs: bf16 (its products are bf16 ones: fp32 models keep the Triton scan's
+    tf32x3), starts in whole 8-row tiles (its TMA copies into swizzled tiles need them), dk a multiple of 64, dv of
+    32, total rows of 8."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and bool(starts_aligned) and dk % 64 == 0 and dv % 32 == 0
+            and total % 8 == 0)
 
 
 def pick_bv(n_seq, hv, dv, cores=132):
@@ -194,6 +196,8 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     hv, dv = v.shape[1:]
     n, mc = starts.shape[0], t.shape[0]
     bv = bv or pick_bv(n, hv, dv)
+    if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
+        raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
     if buffers not in (1, 2):
         raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers, got {buffers}")
     if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:

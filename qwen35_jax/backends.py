@@ -1,10 +1,12 @@
 """Which implementation of the GDN / conv / decode-attention operations the model runs (`kernel_backend`).
 
-"reference": the pure-jnp references (any platform); "pallas": the Pallas-Triton kernels, compiled (GPU only);
+"reference": the pure-jnp references (any platform); "pallas": the Pallas kernels, compiled (GPU only);
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
 
-Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`: a
-parallel prep kernel + a four-dot chunk scan, the fastest configuration of the H200 sweep) and the decode step
+Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`:
+parallel Triton kernels for T and P, then the chunk scan as a Mosaic GPU kernel, pallas_kernels/gdn_mgpu.py,
+wherever its shapes allow, which the model's always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan
+instead, the previous default) and the decode step
 `gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
@@ -14,14 +16,15 @@ paged_attention.config_sweep() another configuration. Decode projections (T = 1)
 `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
 `matmul.choose`, XLA's dot where none fits, logged once per shape; another name in matmul.RULES picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
-Mosaic GPU kernel instead: TMA loads and asynchronous wgmma, untimed on the H200 so far). Side by side in one
-process (bench/ab_decode.py, bench/RESULTS.md, 7733060) the Triton kernel equals XLA's step within 0.03 ms at
-batch 16 and 64 under every rule, so it stays opt-in: the GEMM under our control for tuning. (A fused decode
+Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
+bench/RESULTS.md, 7733060 and ffdcd27) the Triton kernel equals XLA's step within 0.03 ms at batch 16 and 64 under
+every rule, the Mosaic GPU one within 0.04 ms, so both stay opt-in: the GEMM under our control for tuning. (A fused decode
 gate/up + SiLU kernel, QWEN35_DECODE_MLP=fused, measured the same, -0.027 / +0.043 ms, and was removed in
 a6e6c0b.)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -37,7 +40,8 @@ BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
 def prefill_variants() -> dict:
-    return {"wy": gdn.DEFAULT_PREFILL, "v1": gdn.PrefillConfig(), **{c.name: c for c in gdn.prefill_sweep()}}
+    return {"wy": gdn.DEFAULT_PREFILL, "wy_triton": dataclasses.replace(gdn.DEFAULT_PREFILL, mgpu=""),
+            "v1": gdn.PrefillConfig(), **{c.name: c for c in gdn.prefill_sweep()}}
 
 
 def decode_variants() -> dict:

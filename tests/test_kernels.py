@@ -152,6 +152,7 @@ def test_mgpu_scan_needs_aligned_starts():
     with pytest.raises(ValueError, match="mgpu must be"):
         gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="yes"), interpret=True)
     assert gdn_mgpu.applies(8192, 128, 128, True) and not gdn_mgpu.applies(8192, 128, 128, False)
+    assert not gdn_mgpu.applies(8192, 128, 128, True, jnp.float32)           # fp32 models: the Triton scan
     assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
     assert gdn_mgpu.pick_bv(1, 32, 128) == 32 and gdn_mgpu.pick_bv(8, 32, 128) == 64
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
