@@ -137,7 +137,7 @@ class WYConfig:
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
                                   # loaded a chunk ahead and the chunk decay as a scalar (no reduction); Triton still
                                   # waits after every dot. The T-form scan always runs this way.
-    mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py) instead of Triton:
+    mgpu: str = ""                # tform: the scan as a Mosaic GPU kernel (pallas_kernels/gdn_mgpu.py), not Triton:
                                   # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
                                   # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
@@ -150,7 +150,8 @@ class WYConfig:
         inv = "" if self.solve_prec == "tf32x3" else f"_{self.solve_prec}"
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
-                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "") + (f"_mg_{self.mgpu}" if self.mgpu else "")
+                + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
+                + (f"_mg_{self.mgpu}" if self.mgpu else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))

@@ -2,21 +2,23 @@
 
 Why: the Triton scan (gdn._wy_scan_kernel, tform) waits for every tensor-core product right after issuing it, one
 4-warp program per SM, so each of its six products per chunk costs its whole latency (bench/RESULTS.md, 2026-12-01
-readings). Here the chunk's inputs arrive by TMA a chunk ahead (two buffers), products that do not depend on each
-other are issued together (K H with Q H; P Vnew with the state update), and T and P arrive as bf16 hi + lo parts,
-ready tensor-core operands. The same math as the Triton T-form scan, per chunk with state H [dk, BV] fp32 in registers:
+readings). Here the chunk's inputs arrive by TMA a chunk ahead (two buffers; or one, reloaded tile by tile), the
+products that do not depend on each other are issued together (K H with Q H; P Vnew with the state update), and T
+and P arrive as bf16 hi + lo parts, ready tensor-core operands. The math of the Triton T-form scan, per chunk, with
+the state H [dk, BV] fp32 in registers:
 
     Z = K H, Y = Q H                        bf16 products (H rounded to bf16, as h_prec "bf16")
     X = beta V - fw Z                       fp32, row factors from the prep (f rows 3, 4)
-    Vnew = T X                              T and X each split into bf16 hi + lo: three products (~tf32x3)
-    O = fq Y + P Vnew                       P and Vnew split likewise
-    H = e^gamma_C H + K^T (fk Vnew)         fk Vnew split into bf16 hi + lo: two products (as s_prec "bf16x2")
+    Vnew = T X                              T and X each as bf16 hi + lo: three products (~tf32x3)
+    O = fq Y + P Vnew                       P and Vnew likewise
+    H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
-Inputs are those of the Triton T-form scan with T and P split: T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
-split=True), P likewise and f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per chunk, [chunks, Hv, 64, dv]
-(TMA cannot mask the rows of a tail chunk, which belong to the next sequence), and gathered to [total, Hv, dv]
-outside; the initial and final states travel as [N, Hv, dk, dv] (the state's K-major tile is the product's
-accumulator) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
+Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
+split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per
+chunk, [chunks, 64, Hv, dv] (TMA cannot mask the rows of a tail chunk, which belong to the next sequence), and
+gathered to [total, Hv, dv] outside; the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
+orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
+H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs".
 """
 from __future__ import annotations
 
@@ -160,12 +162,14 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
         plgpu.wait_smem_to_gmem(0)
 
     bf, f32 = jnp.bfloat16, jnp.float32
-    tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], dtype) if swz else ())
+    tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype,
+                                                     transforms=_swizzle(shape[-1], dtype) if swz else ())
     pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]      # B operands, K-major
     pl.run_scoped(
         kernel,
         tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, bv), bf),
-        tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 5, CHUNK), f32, False),
+        tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf),
+        tile((buffers, 5, CHUNK), f32, False),
         tile((bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * INPUTS),
     )
@@ -185,13 +189,15 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, buffers=2, interpret=False):
+def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, buffers=2,
+         interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
-    [total, Hk, dk] and v [total, Hv, dv] raw, t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both with
-    split=True, pool. buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon
-    as the chunk is done with it (half the shared memory: at V-block 32, two programs per SM)
-    [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from gdn.chunk_map. Returns (o [total, Hv, dv] in v.dtype, rows outside every sequence zero; pool with
-    each sequence's final state in its slot)."""
+    [total, Hk, dk] and v [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve /
+    gdn.wy_prep(pf_only=True), both with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from
+    gdn.chunk_map. bv: the V-block (None: pick_bv). buffers: 2, the next chunk's tiles load while a chunk computes;
+    1, each tile reloads as soon as the chunk is done with it (half the shared memory: two programs per SM at
+    V-block 32). Returns (o [total, Hv, dv] in v.dtype, zero outside every sequence; pool with each sequence's
+    final state in its slot)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n, mc = starts.shape[0], t.shape[0]
@@ -205,10 +211,11 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
                          f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
     i32 = jnp.int32
     seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
-    h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)   # [N, Hv, dk, dv]
+    h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o_chunks, h_out = plgpu.kernel(
         functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers),
-        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype), jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype),
+                  jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)

@@ -18,8 +18,8 @@ paged_attention.config_sweep() another configuration. Decode projections (T = 1)
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
 Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
 bench/RESULTS.md, 7733060 and ffdcd27) the Triton kernel equals XLA's step within 0.03 ms at batch 16 and 64 under
-every rule, the Mosaic GPU one within 0.04 ms, so both stay opt-in: the GEMM under our control for tuning. (A fused decode
-gate/up + SiLU kernel, QWEN35_DECODE_MLP=fused, measured the same, -0.027 / +0.043 ms, and was removed in
+every rule, the Mosaic GPU one within 0.04 ms, so both stay opt-in: the GEMMs under our control for tuning. (A fused
+decode gate/up + SiLU kernel, QWEN35_DECODE_MLP=fused, measured the same, -0.027 / +0.043 ms, and was removed in
 a6e6c0b.)
 """
 from __future__ import annotations

@@ -97,22 +97,27 @@ def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     output error includes the bf16 rounding of o itself (~1.2e-3 rel-L2), so the state is the sharper check: the
     default WY path is held to 1.5e-3 (its CPU emulation at 9B head dims gives ~3e-4)."""
     config, lens_l, state_bar = BF16_CASES[case]
+    n = len(lens_l)
+    check_bf16_prefill(config, lens_l, 11, 32, 32, [3, 1, 5, 9, 2, 7, 0][-n:], [True] * (n - 1) + [False],
+                       min(3e-3, state_bar))
+
+
+def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
+    """bf16 inputs (2 key heads, 4 value heads) through gdn_prefill against the fp32 token scan: o rel-L2 <= 4e-3,
+    the final states of all rows but the last <= state_bar, padding rows written as zeros, other slots untouched."""
     n, t = len(lens_l), max(lens_l)
-    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(11, n, t, 2, 4, 32, 32, dtype=jnp.bfloat16)
-    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])[-n:]
-    lens = jnp.array(lens_l)
-    use = jnp.array([True] * (n - 1) + [False])
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(seed, n, t, 2, 4, dk, dv, dtype=jnp.bfloat16)
+    slots, lens, use = jnp.array(slots), jnp.array(lens_l), jnp.array(use)
     o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, a, b)]
     o_ref, new_ref = gdn_reference.gdn_prefill(*f32, A_log, dt_bias, pool, slots, lens, use, method="scan")
     real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
     err_o = rel(np.where(real, np.asarray(o, np.float32), 0), np.where(real, o_ref, 0))
     err_s = rel(new[slots[:-1]], new_ref[slots[:-1]])
-    assert err_o <= 4e-3 and err_s <= min(3e-3, state_bar), (err_o, err_s)
+    assert err_o <= 4e-3 and err_s <= state_bar, (err_o, err_s)
     assert np.all(np.asarray(o, np.float32)[~np.broadcast_to(real, o.shape)] == 0)
     untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
     np.testing.assert_array_equal(new[untouched], pool[untouched])
-
 
 
 MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
@@ -125,20 +130,7 @@ def test_mgpu_scan_meets_issue_bars(case):
     dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks, an empty row and a fresh state:
     the issue's bars against an fp32 token scan, padding rows zero, other slots untouched."""
     config = dataclasses.replace(WY, **MGPU_CASES[case])
-    lens_l = [152, 70, 1, 0]
-    n, t = len(lens_l), max(lens_l)
-    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(13, n, t, 2, 4, 64, 128, dtype=jnp.bfloat16)
-    slots, lens, use = jnp.array([3, 1, 5, 0]), jnp.array(lens_l), jnp.array([True, False, True, False])
-    o, new = _prefill_fn(config)(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, a, b)]
-    o_ref, new_ref = gdn_reference.gdn_prefill(*f32, A_log, dt_bias, pool, slots, lens, use, method="scan")
-    real = (np.arange(t)[None] < np.asarray(lens)[:, None])[..., None, None]
-    err_o = rel(np.where(real, np.asarray(o, np.float32), 0), np.where(real, o_ref, 0))
-    err_s = rel(new[slots[:-1]], new_ref[slots[:-1]])
-    assert err_o <= 4e-3 and err_s <= 1.5e-3, (err_o, err_s)
-    assert np.all(np.asarray(o, np.float32)[~np.broadcast_to(real, o.shape)] == 0)
-    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
-    np.testing.assert_array_equal(new[untouched], pool[untouched])
+    check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False], 1.5e-3)
 
 
 def test_mgpu_scan_needs_aligned_starts():
@@ -161,8 +153,8 @@ def test_mgpu_scan_needs_aligned_starts():
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """The Mosaic GPU scan at both V-blocks, one or two buffers, lowers for CUDA (sm_90a) at the 9B shapes, one packed call of 8
-    sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
+    """The Mosaic GPU scan at both V-blocks, one or two buffers, lowers for CUDA (sm_90a) at the 9B shapes, one
+    packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
     packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
