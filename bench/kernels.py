@@ -343,7 +343,6 @@ def fla_free():
 PREFILL_CASES = ({"1x1k": [100], "1x8k": [130], "1x32k": [200], "8x2k": [70] * 3} if DRY else
                  {"1x1k": [1024], "1x8k": [8192], "1x32k": [32768], "8x2k": [2048] * 8})
 SWEEP_CASE = "1x8k"
-PREVIOUS_PREFILL = dataclasses.replace(gdn.DEFAULT_PREFILL, mgpu="")    # the Triton T-form scan
 
 
 def prefill_floor_us(tokens, n_seq):
@@ -796,7 +795,7 @@ def main():
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
 
-    v1_default = PREVIOUS_PREFILL
+    v1_default = gdn.TRITON_PREFILL
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
     first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, v1_default)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
@@ -1206,7 +1205,7 @@ def report() -> str:
     pf = RES.get("prefill", {})
     L.append("")
     L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
-             f"default: `{PREVIOUS_PREFILL.name}`. "
+             f"default: `{gdn.TRITON_PREFILL.name}`. "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:

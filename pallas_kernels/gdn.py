@@ -196,10 +196,11 @@ class DecodeConfig:
 # At 8169ddc solve2 was no faster at 1x8k (576.0 vs 575.8 us, prefill_parts whole), and the headline run with it as
 # the default read 104.4 us at 1x1k against 85.3 us with "solve" at 7ccd469 (1x8k 577.2 vs 588.2, 8x2k 1223.8 vs
 # 1236.2): per key head it has half the programs, ~2 per SM at 1k tokens. So "solve" is the default again.
-# At 66913de (bench/prefill_parts.py whole, H200) the Mosaic GPU scan (gdn_mgpu, V-block 64) took 843.9 us at 8x2k
-# against 1209.6 for the Triton scan, 600.4-612.3 against 576.4 at 1x8k (64 programs of V-block 64 on 132 SMs).
+# At c123fba (bench/prefill_parts.py whole, H200) the Mosaic GPU scan (gdn_mgpu) took 453.6 us at 1x8k against
+# 578.6 for the Triton scan, 840.9 against 1197.1 at 8x2k.
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto")
+TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="")   # the previous default: the Triton T-form scan
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
 DEFAULT_DECODE = DecodeConfig(vfirst=True)
@@ -268,10 +269,8 @@ def _mm(a, b, contract, prec, interpret):
     if prec == "bf16":
         return dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))
     if prec == "bf16x2":
+        hi, lo = gdn_mgpu.split_bf16(b.astype(jnp.float32))
         a = a.astype(jnp.bfloat16)
-        b = b.astype(jnp.float32)
-        hi = b.astype(jnp.bfloat16)
-        lo = (b - hi.astype(jnp.float32)).astype(jnp.bfloat16)
         return dot(a, lo) + dot(a, hi)
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if interpret and prec == "tf32":           # reproduce the GPU's operand rounding on the CPU
@@ -334,9 +333,9 @@ def _store_t(ref, lead, tile, x):
     if ref.dtype == jnp.float32:
         ref[lead + tile] = x
         return
-    hi = x.astype(ref.dtype)
+    hi, lo = gdn_mgpu.split_bf16(x)
     ref[lead + (0,) + tile] = hi
-    ref[lead + (1,) + tile] = (x - hi.astype(jnp.float32)).astype(ref.dtype)
+    ref[lead + (1,) + tile] = lo
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
@@ -361,7 +360,8 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
-                    _store_t(t_ref, (c, hv), (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)), inv[i, j] if j <= i else zero)
+                    _store_t(t_ref, (c, hv), (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)),
+                             inv[i, j] if j <= i else zero)
             return carry
 
         jax.lax.fori_loop(0, heads, per_head, 0)

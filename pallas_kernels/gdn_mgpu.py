@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-CHUNK = 64
+CHUNK = 64          # = gdn.CHUNK (gdn imports this module)
 INPUTS = 6          # q, k, v, T, P, f: one TMA barrier each per buffer
 
 
@@ -41,8 +41,8 @@ def _swizzle(cols: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _split(x):
-    """fp32 -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative."""
+def split_bf16(x):
+    """fp32 -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative (also gdn's "bf16x2" products and split outputs)."""
     hi = x.astype(jnp.bfloat16)
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
@@ -65,7 +65,7 @@ def _store_kmajor(ref, x):
 
 def _store_split(refs, x):
     """x [K, N] fp32 -> its bf16 hi and lo parts, K-major, in refs[0] and refs[1]."""
-    hi, lo = _split(x)
+    hi, lo = split_bf16(x)
     _store_kmajor(refs[0], hi)
     _store_kmajor(refs[1], lo)
 

@@ -24,7 +24,6 @@ a6e6c0b.)
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -40,7 +39,7 @@ BACKENDS = ("reference", "pallas", "pallas_interpret")
 
 
 def prefill_variants() -> dict:
-    return {"wy": gdn.DEFAULT_PREFILL, "wy_triton": dataclasses.replace(gdn.DEFAULT_PREFILL, mgpu=""),
+    return {"wy": gdn.DEFAULT_PREFILL, "wy_triton": gdn.TRITON_PREFILL,
             "v1": gdn.PrefillConfig(), **{c.name: c for c in gdn.prefill_sweep()}}
 
 
