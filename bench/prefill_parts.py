@@ -11,15 +11,18 @@ Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls 
   (ABLATIONS: the same loop with parts removed, one sequence of whole chunks, plain loads), which tell whether the
   sequential chain's latency (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
 - pf: the T-form's prep (P and f only);
-- whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE.
+- whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE;
+- kernels: the default whole prefill under the profiler, its device time by kernel (XLA's glue included).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import kernels as kb  # noqa: E402
 from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
+from qwen35_jax import profile_trace  # noqa: E402
 
 # (warps, precision of the merge dots, one program per value head): the default's is (1, "tf32x3", False); per value
 # head, K K^T is computed twice but the sm_90 compile spills 40 B instead of 344 B
@@ -100,7 +104,7 @@ def main():
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
     ap.add_argument("--parts", default=DEFAULT_PARTS,
-                    help="comma-separated subset of solve, tile, scan, pf, whole, ablations")
+                    help="comma-separated subset of solve, tile, scan, pf, whole, kernels, ablations")
     args = ap.parse_args()
     kb.RES["ceilings"] = {}
     pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
@@ -198,6 +202,31 @@ def main():
                 log(f"| {c.name} | {kb.rel(o, o_d):.1e} | {kb.rel(s, s_d):.1e} | {pr.full_us(c):.1f} |")
             except Exception as e:  # noqa: BLE001
                 log(f"| {c.name} | failed: {repr(e)[:200]} | | |")
+        log("")
+
+    if "kernels" in parts:        # where the default's time goes, kernel by kernel (one trace of `calls` calls)
+        calls = 5
+        q, k, v, a, b, slots = pr.sets[0]
+        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=d, starts_aligned=pr.aligned,
+                                        **kb.kernel_kw()), donate_argnums=7)
+        inputs = lambda pool: (q, k, v, a, b, pr.A_log, pr.dt_bias, pool, pr.starts, pr.lens_a, slots, pr.use)
+        o, pool = run(*inputs(pr.pool()))
+        jax.block_until_ready(o)
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                for _ in range(calls):
+                    o, pool = run(*inputs(pool))
+                jax.block_until_ready(o)
+            events = profile_trace.load_trace(tmp).events
+        us = collections.Counter()
+        for e in events:
+            us[e.name] += e.self_ns / 1e3 / calls
+        log(f"| kernel of the default (device time per call, {calls} calls traced) | us | share |")
+        log("|---|---|---|")
+        total = sum(us.values())
+        for name, t in us.most_common(12):
+            log(f"| {name[:90]} | {t:.1f} | {t / total:.0%} |")
+        log(f"| all {len(us)} | {total:.1f} | |")
         log("")
 
     if "ablations" in parts and pr.n == 1:

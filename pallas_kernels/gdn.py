@@ -910,7 +910,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                        interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
-            return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid,
+            return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
                                  bv=bv, buffers=config.num_stages or 2, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)

@@ -14,9 +14,9 @@ the state H [dk, BV] fp32 in registers:
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
-split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per
-chunk, [chunks, 64, Hv, dv] (TMA cannot mask the rows of a tail chunk, which belong to the next sequence), and
-gathered to [total, Hv, dv] outside; the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
+split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output goes out by TMA straight into
+[total, Hv, dv], a tail chunk's valid rows as power-of-two pieces (TMA cannot mask rows, and the rows after a tail
+belong to the next sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
 orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
 H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs".
 """
@@ -75,7 +75,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
-    start, length, coff = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n]
+    start, length, coff, span = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n], seq_ref[3, n]
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
     vcols = pl.ds(pl.multiple_of(vb * bv, bv), bv)
     wg = plgpu.Layout.WGMMA
@@ -83,6 +83,21 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
     def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
+        def store_rows(row, nrows):
+            """o_s rows [0, nrows) (nrows <= 64) -> o rows [row, row + nrows) of this program's columns. TMA cannot
+            mask rows and the rows after a tail chunk belong to the next sequence: a partial tile goes out as
+            power-of-two pieces."""
+            out = lambda r, m: o_ref.at[pl.ds(r, m), hv, vcols]
+            pl.when(nrows == CHUNK)(lambda: plgpu.copy_smem_to_gmem(o_s, out(row, CHUNK)))
+
+            @pl.when(nrows < CHUNK)
+            def _():
+                off = 0
+                for m in (32, 16, 8, 4, 2, 1):
+                    pl.when(lax.bitwise_and(nrows, m) != 0)(
+                        lambda off=off, m=m: plgpu.copy_smem_to_gmem(o_s.at[pl.ds(off, m)], out(row + off, m)))
+                    off = off + lax.bitwise_and(nrows, m)
+
         def fetch(c, slot, which=range(INPUTS)):
             row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
             srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
@@ -154,11 +169,21 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
+            store_rows(start + c * CHUNK, jnp.minimum(length - c * CHUNK, CHUNK))
             return fd * h + upd, fd_next
 
         h, _ = lax.fori_loop(0, nch, chunk, (h, fd_at(0)))
         h_ref.at[n, hv, :, vcols][...] = h
+
+        @pl.when(span > length)                                 # rows [len, span): zeros (padding of a padded batch)
+        def _():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
+            plgpu.commit_smem()
+            pad, row = span - length, start + length
+            lax.fori_loop(0, lax.div(pad, jnp.int32(CHUNK)),
+                          lambda i, _: store_rows(row + i * CHUNK, jnp.int32(CHUNK)), None)
+            store_rows(row + pad - lax.rem(pad, jnp.int32(CHUNK)), lax.rem(pad, jnp.int32(CHUNK)))
         plgpu.wait_smem_to_gmem(0)
 
     bf, f32 = jnp.bfloat16, jnp.float32
@@ -189,18 +214,18 @@ def pick_bv(n_seq, hv, dv, cores=132):
     return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
 
 
-def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0, nvalid, *, bv=None, buffers=2,
+def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
          interpret=False):
-    """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform, spans = lens): q, k
-    [total, Hk, dk] and v [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve /
-    gdn.wy_prep(pf_only=True), both with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off, row0, nvalid from
-    gdn.chunk_map. bv: the V-block (None: pick_bv). buffers: 2, the next chunk's tiles load while a chunk computes;
-    1, each tile reloads as soon as the chunk is done with it (half the shared memory: two programs per SM at
-    V-block 32). Returns (o [total, Hv, dv] in v.dtype, zero outside every sequence; pool with each sequence's
+    """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
+    [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
+    with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
+    buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
+    with it (half the shared memory: two programs per SM at V-block 32). Returns (o [total, Hv, dv] in v.dtype:
+    rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
     final state in its slot)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
-    n, mc = starts.shape[0], t.shape[0]
+    n = starts.shape[0]
     bv = bv or pick_bv(n, hv, dv)
     if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
         raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -209,20 +234,13 @@ def scan(q, k, v, t, p, f, pool, starts, lens, slots, use_state, chunk_off, row0
     if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:
         raise ValueError(f"the Mosaic GPU scan needs a V-block of 32 or 64 dividing dv, dk a multiple of 64 and total "
                          f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
-    i32 = jnp.int32
-    seq = jnp.stack([starts, lens, chunk_off]).astype(i32)
+    seq = jnp.stack([starts, lens, chunk_off, spans]).astype(jnp.int32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
-    o_chunks, h_out = plgpu.kernel(
+    o, h_out = plgpu.kernel(
         functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers),
-        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv), v.dtype),
+        out_type=(jax.ShapeDtypeStruct((total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
-    # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row of o_chunks
-    cid = jnp.arange(mc, dtype=i32)[:, None] * CHUNK + jnp.arange(CHUNK, dtype=i32)[None, :]
-    tok = jnp.where(jnp.arange(CHUNK)[None, :] < nvalid[:, None], row0[:, None] + jnp.arange(CHUNK)[None, :], total)
-    src = jnp.full((total,), mc * CHUNK, i32).at[tok.reshape(-1)].set(cid.reshape(-1), mode="drop")
-    flat = jnp.concatenate([o_chunks.reshape(mc * CHUNK, hv, dv), jnp.zeros((1, hv, dv), v.dtype)])
-    o = flat[src]
     return o, pool.at[slots].set(h_out.swapaxes(-1, -2))
