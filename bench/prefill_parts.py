@@ -12,7 +12,7 @@ Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls 
   sequential chain's latency (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
 - pf: the T-form's prep (P and f only);
 - whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE;
-- kernels: the default whole prefill under the profiler, its device time by kernel (XLA's glue included).
+- kernels: whole prefills (KERNELS) under the profiler, their device time by kernel (XLA's glue included).
 """
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ SOLVES = [(1, "ieee", False), (1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan
-# at each V-block with two buffers and with one
-WHOLE = [dict(), dict(mgpu=""), dict(mgpu="on", bv=64), dict(mgpu="on", bv=32), dict(mgpu="on", bv=32, num_stages=1),
-         dict(mgpu="on", bv=64, num_stages=1)]
+# computing P itself at each V-block (and one buffer at 32), the prep of P and f per key head
+WHOLE = [dict(), dict(mgpu=""), dict(scan_p=True), dict(mgpu="on", bv=32, scan_p=True),
+         dict(mgpu="on", bv=64, scan_p=True), dict(mgpu="on", bv=32, num_stages=1, scan_p=True),
+         dict(prep_mode="solve2")]
+KERNELS = [dict(), dict(scan_p=True)]              # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",
@@ -204,10 +206,10 @@ def main():
                 log(f"| {c.name} | failed: {repr(e)[:200]} | | |")
         log("")
 
-    if "kernels" in parts:        # where the default's time goes, kernel by kernel (one trace of `calls` calls)
-        calls = 5
+    for kw in KERNELS if "kernels" in parts else ():   # where the time goes, kernel by kernel (a trace of 5 calls)
+        calls, cfg = 5, dataclasses.replace(d, **kw)
         q, k, v, a, b, slots = pr.sets[0]
-        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=d, starts_aligned=pr.aligned,
+        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=cfg, starts_aligned=pr.aligned,
                                         **kb.kernel_kw()), donate_argnums=7)
         inputs = lambda pool: (q, k, v, a, b, pr.A_log, pr.dt_bias, pool, pr.starts, pr.lens_a, slots, pr.use)
         o, pool = run(*inputs(pr.pool()))
@@ -221,7 +223,7 @@ def main():
         us = collections.Counter()
         for e in events:
             us[e.name] += e.self_ns / 1e3 / calls
-        log(f"| kernel of the default (device time per call, {calls} calls traced) | us | share |")
+        log(f"| kernel of {cfg.name} (device time per call, {calls} calls traced) | us | share |")
         log("|---|---|---|")
         total = sum(us.values())
         for name, t in us.most_common(12):
