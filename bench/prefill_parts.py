@@ -40,12 +40,10 @@ from qwen35_jax import profile_trace  # noqa: E402
 SOLVES = [(1, "ieee", False), (1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan
-# computing P itself at each V-block (and one buffer at 32), the prep of P and f per key head
-WHOLE = [dict(), dict(mgpu=""), dict(scan_p=True), dict(mgpu="on", bv=32, scan_p=True),
-         dict(mgpu="on", bv=64, scan_p=True), dict(mgpu="on", bv=32, num_stages=1, scan_p=True),
-         dict(prep_mode="solve2")]
-KERNELS = [dict(), dict(scan_p=True)]              # the configurations the kernels part profiles
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the prep of P and f
+# per key head
+WHOLE = [dict(), dict(mgpu=""), dict(prep_mode="solve2")]
+KERNELS = [dict()]                                 # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

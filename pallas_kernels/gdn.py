@@ -141,7 +141,6 @@ class WYConfig:
                                   # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
                                   # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
-    scan_p: bool = False          # the Mosaic GPU scan computes P = Q^ K^T * Gamma itself (the prep writes f only)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -152,7 +151,7 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
-                + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_sp" if self.scan_p else "")
+                + (f"_mg_{self.mgpu}" if self.mgpu else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -548,10 +547,9 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
     solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead.
-    pf_only (the T-form): only P and f, with f's rows 3, 4 = beta e^gamma |k|^-1 and beta, 5, 6 = gamma + log |q|^-1
-    scale and log |k|^-1 - gamma (refs = (p, f)), or f only (refs = (f,): the scan computes P, WYConfig.scan_p)."""
+    pf_only (the T-form): only P and f, with f's rows 3, 4 = beta e^gamma |k|^-1 and beta (refs = (p, f))."""
     if pf_only:                  # tform: P and f only (the scan applies T itself)
-        (p_ref, f_ref), t_in_ref = (refs if len(refs) == 2 else (None, refs[0])), None
+        (p_ref, f_ref), t_in_ref = refs, None
     else:
         t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
     c, pid1 = pl.program_id(0), pl.program_id(1)
@@ -577,7 +575,7 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         qt = _load(q_ref.at[pl.ds(row0, CHUNK), kh, :], full)
         rk = jax.lax.rsqrt(jnp.sum(jnp.square(kt.astype(jnp.float32)), axis=1) + 1e-6)
         rq = jax.lax.rsqrt(jnp.sum(jnp.square(qt.astype(jnp.float32)), axis=1) + 1e-6) * scale
-        qk = None if p_ref is None else mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
+        qk = mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
         heads = [pid1] if per_value_head else [kh * ratio + r for r in range(ratio)]
         gates = []
         for hv in heads:
@@ -587,17 +585,14 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
             gam, beta = jnp.cumsum(jnp.where(valid64, g, 0.0)), jnp.where(valid64, beta, 0.0)
             g_last = jnp.min(gam)                            # gamma at the last valid row (non-increasing)
             gates.append((gam, beta))
-            if p_ref is not None:
-                _store_t(p_ref, (c, hv), (slice(None), slice(None)),
-                         jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0))
+            _store_t(p_ref, (c, hv), (slice(None), slice(None)),
+                     jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0))
             f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
             f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
             f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
             if pf_only:
                 f_ref[c, hv, 3, :] = beta * jnp.exp(gam) * rk
                 f_ref[c, hv, 4, :] = beta
-                f_ref[c, hv, 5, :] = gam + jnp.log(rq)                  # P_ij = S_ij e^(f5_i + f6_j), i >= j
-                f_ref[c, hv, 6, :] = jnp.log(rk) - gam
         if pf_only:
             return
 
@@ -832,30 +827,28 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, with_p=True, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
     the "tile" kernel from T (per value head / per key head).
-    pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 7, 64] only, f's rows 3 and 4 = beta e^gamma
-    |k|^-1 and beta, 5 and 6 the log factors of P (_prep_kernel); no T, W or U (grid (chunk, value head); (chunk,
-    key head) for mode "solve2"); split: P as bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]; with_p=False: f only
-    (returned as (None, f))."""
+    pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
+    |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
+    bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]."""
     if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
         per_kh = mode == "solve2"
-        p_shape = jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
-                                       jnp.bfloat16 if split else f32)
-        outs = pl.pallas_call(
+        return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True),
-            out_shape=((p_shape,) if with_p else ()) + (jax.ShapeDtypeStruct((mc, hv, 7, CHUNK), f32),),
+            out_shape=(jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
+                                            jnp.bfloat16 if split else f32),
+                       jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret, name="gdn_wy_prep_pf" if with_p else "gdn_wy_prep_f",
+            interpret=interpret, name="gdn_wy_prep_pf",
         )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
-        return tuple(outs) if with_p else (None, outs[0])
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
     mc = row0.shape[0]
@@ -912,10 +905,9 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             raise ValueError("tform needs prep_mode 'solve' or 'solve2' (T from wy_solve)")
         t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
                      inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
-        own_p = config.scan_p and bool(config.mgpu)
         p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                        num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
-                       with_p=not own_p, interpret=interpret)
+                       interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,

@@ -70,8 +70,8 @@ def _store_split(refs, x):
     _store_kmajor(refs[1], lo)
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, own_p):
-    p_ref, (f_ref, fd_ref, h0_ref, o_ref, h_ref) = (None, refs) if own_p else (refs[0], refs[1:])
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
+               buffers):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
@@ -79,7 +79,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, o
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
     vcols = pl.ds(pl.multiple_of(vb * bv, bv), bv)
     wg = plgpu.Layout.WGMMA
-    row, col = wg.reduce(1), wg.reduce(0)
+    row = wg.reduce(1)
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
     def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
@@ -101,14 +101,10 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, o
         def fetch(c, slot, which=range(INPUTS)):
             row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
             srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
-                    v_ref.at[pl.ds(row0, CHUNK), hv, vcols], t_ref.at[cc, hv],
-                    None if own_p else p_ref.at[cc, hv], f_ref.at[cc, hv])
+                    v_ref.at[pl.ds(row0, CHUNK), hv, vcols], t_ref.at[cc, hv], p_ref.at[cc, hv], f_ref.at[cc, hv])
             dsts = (q_s, k_s, v_s, t_s, p_s, f_s)
-            for i in loaded(which):
+            for i in which:
                 plgpu.copy_gmem_to_smem(srcs[i], dsts[i].at[slot], bars.at[slot * INPUTS + i])
-
-        def loaded(which):          # own_p: P is computed here, not loaded
-            return [i for i in which if not (own_p and i == 4)]
 
         def refill(c, which):
             """One buffer: chunk c + 1's tiles `which` (indices into q, k, v, T, P, f) into the buffer as soon as
@@ -132,24 +128,19 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, o
             if buffers > 1:                                     # the next chunk's tiles while this one computes
                 pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, jnp.int32(buffers))))
 
-            for i in loaded(range(INPUTS)):
+            for i in range(INPUTS):
                 plgpu.barrier_wait(bars.at[slot * INPUTS + i])
-            qs, ks, fs, ts = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot]
-            ps = p_s.at[0 if own_p else slot]
+            qs, ks, fs, ts, ps = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot], p_s.at[slot]
             _store_kmajor(h_s, h)
             plgpu.commit_smem()
 
-            def zy(z_acc, y_acc, *s_acc):                       # Z = K H and Y = Q H (and S = Q K^T), issued together
+            def zy(z_acc, y_acc):                               # Z = K H and Y = Q H, issued together
                 plgpu.wgmma(z_acc, ks, _b(h_s))
                 plgpu.wgmma(y_acc, qs, _b(h_s))
-                if own_p:
-                    plgpu.wgmma(s_acc[0], qs, _b(ks))
-                return z_acc[...], y_acc[...], *(a[...] for a in s_acc)
-            z, y, *s = pl.run_scoped(zy, tile_acc, tile_acc, *[plgpu.ACC((CHUNK, CHUNK), jnp.float32)] * own_p)
+                return z_acc[...], y_acc[...]
+            z, y = pl.run_scoped(zy, tile_acc, tile_acc)
             refill(c, (0,))                                     # q
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
-            if own_p:                                           # P's log factors, before f's buffer is refilled
-                fp_row, fp_col = plgpu.load(fs.at[5], layout=row), plgpu.load(fs.at[6], layout=col)
             v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
             _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
             plgpu.commit_smem()
@@ -159,14 +150,6 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, o
                 plgpu.wgmma(acc, ts.at[0], _b(x_s[0]))
                 plgpu.wgmma(acc, ts.at[0], _b(x_s[1]))
                 plgpu.wgmma(acc, ts.at[1], _b(x_s[0]))
-                if own_p:                                       # P while the products run: S e^(f5_i + f6_j), i >= j
-                    i = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0, layout=wg)
-                    j = plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1, layout=wg)
-                    e = (lax.broadcast_in_dim(fp_row, (CHUNK, CHUNK), [0])
-                         + lax.broadcast_in_dim(fp_col, (CHUNK, CHUNK), [1]))
-                    hi, lo = split_bf16(jnp.where(i >= j, s[0] * jnp.exp(jnp.where(i >= j, e, 0.0)), 0.0))
-                    ps.at[0][...] = hi
-                    ps.at[1][...] = lo
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
             refill(c, (3,))                                     # T
@@ -210,8 +193,8 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, *refs, ratio, bv, buffers, o
     pl.run_scoped(
         kernel,
         tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, bv), bf),
-        tile((buffers, 2, CHUNK, CHUNK), bf), tile((1 if own_p else buffers, 2, CHUNK, CHUNK), bf),
-        tile((buffers, 7, CHUNK), f32, False),
+        tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf),
+        tile((buffers, 5, CHUNK), f32, False),
         tile((bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * INPUTS),
     )
@@ -235,7 +218,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
          interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
-    with split=True (p None: the kernel computes P from Q K^T and f's rows 5 and 6, WYConfig.scan_p); pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
+    with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
     with it (half the shared memory: two programs per SM at V-block 32). Returns (o [total, Hv, dv] in v.dtype:
     rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
@@ -254,10 +237,10 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     seq = jnp.stack([starts, lens, chunk_off, spans]).astype(jnp.int32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, own_p=p is None),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers),
         out_type=(jax.ShapeDtypeStruct((total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(seq, q, k, v, t, *([] if p is None else [p]), f, f[:, :, 2, 0], h0)
+    )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
     return o, pool.at[slots].set(h_out.swapaxes(-1, -2))
