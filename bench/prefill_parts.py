@@ -35,14 +35,17 @@ from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from qwen35_jax import profile_trace  # noqa: E402
 
-# (warps, precision of the merge dots, one program per value head): the default's is (1, "tf32x3", False); per value
-# head, K K^T is computed twice but the sm_90 compile spills 40 B instead of 344 B
-SOLVES = [(1, "ieee", False), (1, "tf32x3", False), (1, "tf32x3", True)]
+# (warps, precision of the merge dots, one program per value head, value heads' substitutions interleaved): the
+# default's is (1, "tf32x3", False, False); per value head, K K^T is computed twice but the sm_90 compile spills 40 B
+# instead of 344 B. T is written as the default pipeline writes it (bf16 hi + lo for the Mosaic GPU scan).
+SOLVES = [(1, "tf32x3", False, False), (1, "tf32x3", False, True), (2, "tf32x3", False, False),
+          (2, "tf32x3", False, True), (1, "tf32x3", True, False)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the prep of P and f
-# per key head
-WHOLE = [dict(), dict(mgpu=""), dict(prep_mode="solve2")]
+# per key head, the solve with interleaved value heads
+WHOLE = [dict(), dict(mgpu=""), dict(prep_mode="solve2"), dict(solve_interleave=True),
+         dict(prep_mode="solve2", solve_interleave=True)]
 KERNELS = [dict()]                                 # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
@@ -120,7 +123,7 @@ def main():
     precs = d.precisions(jnp.bfloat16)
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], per_value_head=cfg[2],
-                                                   **kb.kernel_kw())
+                                                   interleave=cfg[3], split=bool(d.mgpu), **kb.kernel_kw())
     zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve
@@ -131,7 +134,8 @@ def main():
         # lower entries all ~1: its powers grow binomially while T stays small)
         hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
         t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
-        log("| solve (warps, merge dots, per value head) | T rel-L2 vs the first | same, repeated keys | us |")
+        log("| solve (warps, merge dots, per value head, interleaved) | T rel-L2 vs the first | same, repeated keys "
+            "| us |")
         log("|---|---|---|---|")
         for cfg in SOLVES:
             try:
@@ -140,7 +144,7 @@ def main():
                 err_hard = kb.rel(jax.jit(functools.partial(solve, cfg))(*hard)[used], t_hard[used])
 
                 def call(c, q, k, v, a, b, slots, cfg=cfg):
-                    return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0])[0, 0, 0, :1]
+                    return c + 0.0 * solve(cfg, k, a, b, pr.dt_bias + c[0]).reshape(-1)[:1].astype(jnp.float32)
                 us, _ = kb.time_calls(call, zero(), pr.sets, calls=(2, 10))
                 log(f"| {cfg} | {err:.1e} | {err_hard:.1e} | {us:.1f} |")
             except Exception as e:  # noqa: BLE001
