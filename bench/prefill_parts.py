@@ -35,17 +35,16 @@ from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from qwen35_jax import profile_trace  # noqa: E402
 
-# (warps, precision of the merge dots, one program per value head, value heads' substitutions interleaved): the
-# default's is (1, "tf32x3", False, False); per value head, K K^T is computed twice but the sm_90 compile spills 40 B
-# instead of 344 B. T is written as the default pipeline writes it (bf16 hi + lo for the Mosaic GPU scan).
-SOLVES = [(1, "tf32x3", False, False), (1, "tf32x3", False, True), (2, "tf32x3", False, False),
-          (2, "tf32x3", False, True), (1, "tf32x3", True, False)]
+# (warps, precision of the merge dots, one program per value head): the default's is (1, "tf32x3", False); per value
+# head, K K^T is computed twice but the sm_90 compile spills 40 B instead of 344 B. T is written as the default
+# pipeline writes it (bf16 hi + lo for the Mosaic GPU scan). At 027d96e two warps took 178.6 / 308.2 us at 1x8k /
+# 8x2k against 106.8 / 197.8, the value heads' substitutions interleaved in one row loop 231.0 / 498.0 (removed).
+SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the prep of P and f
-# per key head, the solve with interleaved value heads
-WHOLE = [dict(), dict(mgpu=""), dict(prep_mode="solve2"), dict(solve_interleave=True),
-         dict(prep_mode="solve2", solve_interleave=True)]
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan's
+# output as whole tiles per chunk gathered afterwards, the prep of P and f per key head
+WHOLE = [dict(), dict(mgpu=""), dict(mgpu_out="chunks"), dict(prep_mode="solve2")]
 KERNELS = [dict()]                                 # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
@@ -123,7 +122,7 @@ def main():
     precs = d.precisions(jnp.bfloat16)
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], per_value_head=cfg[2],
-                                                   interleave=cfg[3], split=bool(d.mgpu), **kb.kernel_kw())
+                                                   split=bool(d.mgpu), **kb.kernel_kw())
     zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve
@@ -134,8 +133,7 @@ def main():
         # lower entries all ~1: its powers grow binomially while T stays small)
         hard = (jnp.broadcast_to(k0[:1], k0.shape), jnp.full_like(a0, -8.0), jnp.full_like(b0, 8.0), pr.dt_bias)
         t_hard = jax.jit(functools.partial(solve, SOLVES[0]))(*hard)
-        log("| solve (warps, merge dots, per value head, interleaved) | T rel-L2 vs the first | same, repeated keys "
-            "| us |")
+        log("| solve (warps, merge dots, per value head) | T rel-L2 vs the first | same, repeated keys | us |")
         log("|---|---|---|---|")
         for cfg in SOLVES:
             try:

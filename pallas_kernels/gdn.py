@@ -141,7 +141,8 @@ class WYConfig:
                                   # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
                                   # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
-    solve_interleave: bool = False  # the solve's substitutions of a key head's value heads in one row loop
+    mgpu_out: str = "direct"      # the Mosaic scan's output: "direct" (TMA into o's rows) | "chunks" (whole tiles
+                                  # per chunk, gathered by XLA): gdn_mgpu.scan
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -152,10 +153,9 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
-                + (f"_mg_{self.mgpu}" if self.mgpu else "")
+                + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_och" if self.mgpu_out == "chunks" else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
-                + ("_il" if self.solve_interleave else "")
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -224,8 +224,7 @@ def prefill_sweep():
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
-            dataclasses.replace(DEFAULT_PREFILL, solve_interleave=True),
-            dataclasses.replace(DEFAULT_PREFILL, solve_interleave=True, solve_warps=2),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_out="chunks"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
@@ -343,10 +342,8 @@ def _store_t(ref, lead, tile, x):
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
-                  inv_prec="ieee", per_value_head=False, interleave=False):
-    """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head).
-    interleave: the value heads' diagonal-block substitutions in one row loop (4 x ratio independent chains per
-    step instead of 4), then each head's merges."""
+                  inv_prec="ieee", per_value_head=False):
+    """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head)."""
     c, h = pl.program_id(0), pl.program_id(1)
     kh, heads = (h // ratio, 1) if per_value_head else (h, ratio)
     nvalid = nvalid_ref[c]
@@ -359,26 +356,15 @@ def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         # raw K K^T: exact on bf16 tensor cores for bf16 inputs
         _, _, valid, kk = _k_blocks(k_ref, row0, kh, nvalid, "bf16" if k_ref.dtype == jnp.bfloat16 else prec, mm)
 
-        def store(hv, inv):
+        def per_head(r, carry):                              # the value heads sharing this key head
+            hv = h if per_value_head else kh * ratio + r
+            gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
+            inv = _unit_lower_inverse(kk, gam, betas, interpret, inv_prec)
             zero = jnp.zeros((SUB, SUB), jnp.float32)
             for i in range(nb):
                 for j in range(nb):
                     _store_t(t_ref, (c, hv), (pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)),
                              inv[i, j] if j <= i else zero)
-
-        if interleave and not per_value_head:
-            hvs = [kh * ratio + r for r in range(ratio)]
-            gates = [_chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])[:2] for hv in hvs]
-            diag = _inv_unit_lower([_a_block(kk, *g, i, i) for g in gates for i in range(nb)])
-            for r, hv in enumerate(hvs):
-                off = {(i, j): _a_block(kk, *gates[r], i, j) for i in range(nb) for j in range(i)}
-                store(hv, _merge_inverse(off, diag[r * nb:(r + 1) * nb], interpret, inv_prec))
-            return
-
-        def per_head(r, carry):                              # the value heads sharing this key head
-            hv = h if per_value_head else kh * ratio + r
-            gam, betas, _ = _chunk_gates(a_ref, b_ref, row0, hv, valid, alog_ref[hv], dtb_ref[hv])
-            store(hv, _unit_lower_inverse(kk, gam, betas, interpret, inv_prec))
             return carry
 
         jax.lax.fori_loop(0, heads, per_head, 0)
@@ -492,19 +478,20 @@ def _k_blocks(k_ref, row0, kh, nvalid, raw, mm):
     return ks, rks, valid, kk
 
 
-def _a_block(kk, gam, betas, i, j):
-    """Block (i, j), j <= i, of A = strict_lower(beta K^ K^T * Gamma) (kk: the blocks of K^ K^T)."""
-    diff = gam[i][:, None] - gam[j][None, :]
-    if i > j:
-        return betas[i][:, None] * kk[i, j] * jnp.exp(diff)
-    idx = jnp.arange(SUB, dtype=jnp.int32)
-    strict = idx[:, None] > idx[None, :]                     # mask before exp: above the diagonal would overflow
-    return jnp.where(strict, betas[i][:, None] * kk[i, j] * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-
-
 def _a_blocks(kk, gam, betas):
-    """A as 16x16 blocks {(i, j): block, j <= i}."""
-    return {(i, j): _a_block(kk, gam, betas, i, j) for i in range(len(gam)) for j in range(i + 1)}
+    """A = strict_lower(beta K^ K^T * Gamma) as 16x16 blocks {(i, j): block, j <= i} (kk: the blocks of K^ K^T)."""
+    idx = jnp.arange(SUB, dtype=jnp.int32)
+    strict = idx[:, None] > idx[None, :]
+    blocks = {}
+    for i in range(len(gam)):
+        for j in range(i + 1):
+            diff = gam[i][:, None] - gam[j][None, :]
+            if i == j:                                       # mask before exp: i < j would overflow
+                blocks[i, j] = jnp.where(
+                    strict, betas[i][:, None] * kk[i, j] * jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+            else:
+                blocks[i, j] = betas[i][:, None] * kk[i, j] * jnp.exp(diff)
+    return blocks
 
 
 def _merge_inverse(blocks, diag, interpret, prec="ieee"):
@@ -825,17 +812,16 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
 
 
 def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", per_value_head=False,
-             split=False, interleave=False, interpret=False):
+             split=False, interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
     the key head's value heads in a loop, or per_value_head: grid (chunk, value head), K K^T computed per value
     head; few warps: its 16x16 row loops and reductions stay within one or two). split: T as bf16 hi and lo parts,
-    [chunks, Hv, 2, 64, 64] (the Mosaic GPU scan's operands). interleave: the value heads' substitutions in one row
-    loop (_solve_kernel)."""
+    [chunks, Hv, 2, 64, 64] (the Mosaic GPU scan's operands)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
     shape = (row0.shape[0], hv) + ((2,) if split else ()) + (CHUNK, CHUNK)
     return pl.pallas_call(
         functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec,
-                          per_value_head=per_value_head, interleave=interleave),
+                          per_value_head=per_value_head),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.bfloat16 if split else f32),
         grid=(row0.shape[0], hv if per_value_head else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -921,15 +907,15 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
         if config.prep_mode not in ("solve", "solve2"):
             raise ValueError("tform needs prep_mode 'solve' or 'solve2' (T from wy_solve)")
         t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                     inv_prec=config.solve_prec, split=bool(config.mgpu), interleave=config.solve_interleave,
-                     interpret=interpret)
+                     inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
         p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                        num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
                        interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
-                                 bv=bv, buffers=config.num_stages or 2, interpret=interpret)
+                                 bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, row0=row0,
+                                 nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,

@@ -71,7 +71,7 @@ def _store_split(refs, x):
 
 
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
-               buffers):
+               buffers, chunked):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
@@ -169,13 +169,16 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
-            store_rows(start + c * CHUNK, jnp.minimum(length - c * CHUNK, CHUNK))
+            if chunked:                                         # whole tiles per chunk, gathered outside
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
+            else:
+                store_rows(start + c * CHUNK, jnp.minimum(length - c * CHUNK, CHUNK))
             return fd * h + upd, fd_next
 
         h, _ = lax.fori_loop(0, nch, chunk, (h, fd_at(0)))
         h_ref.at[n, hv, :, vcols][...] = h
 
-        @pl.when(span > length)                                 # rows [len, span): zeros (padding of a padded batch)
+        @pl.when(span > length if not chunked else False)      # rows [len, span): zeros (padding of a padded batch)
         def _():
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
@@ -215,12 +218,14 @@ def pick_bv(n_seq, hv, dv, cores=132):
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         interpret=False):
+         out="direct", row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
     with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
-    with it (half the shared memory: two programs per SM at V-block 32). Returns (o [total, Hv, dv] in v.dtype:
+    with it (half the shared memory: two programs per SM at V-block 32). out: "direct", o by TMA straight into
+    its rows; "chunks", whole [64, bv] tiles per chunk gathered into rows by XLA afterwards (row0 and nvalid from
+    gdn.chunk_map; every row outside a sequence zero). Returns (o [total, Hv, dv] in v.dtype:
     rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
     final state in its slot)."""
     total, hk, dk = k.shape
@@ -234,13 +239,22 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:
         raise ValueError(f"the Mosaic GPU scan needs a V-block of 32 or 64 dividing dv, dk a multiple of 64 and total "
                          f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
-    seq = jnp.stack([starts, lens, chunk_off, spans]).astype(jnp.int32)
+    if out not in ("direct", "chunks"):
+        raise ValueError(f"the Mosaic GPU scan's out is 'direct' or 'chunks', got {out!r}")
+    chunked, mc, i32 = out == "chunks", t.shape[0], jnp.int32
+    seq = jnp.stack([starts, lens, chunk_off, spans]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers),
-        out_type=(jax.ShapeDtypeStruct((total, hv, dv), v.dtype),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked),
+        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
+    if chunked:           # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row
+        cid = jnp.arange(mc * CHUNK, dtype=i32).reshape(mc, CHUNK)
+        j = jnp.arange(CHUNK, dtype=i32)[None, :]
+        tok = jnp.where(j < nvalid[:, None], row0[:, None] + j, total)
+        src = jnp.full((total,), mc * CHUNK, i32).at[tok.reshape(-1)].set(cid.reshape(-1), mode="drop")
+        o = jnp.concatenate([o.reshape(mc * CHUNK, hv, dv), jnp.zeros((1, hv, dv), v.dtype)])[src]
     return o, pool.at[slots].set(h_out.swapaxes(-1, -2))
