@@ -43,8 +43,8 @@ SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan's
-# output as whole tiles per chunk gathered afterwards, the prep of P and f per key head
-WHOLE = [dict(), dict(mgpu=""), dict(mgpu_out="chunks"), dict(prep_mode="solve2")]
+# output stored straight into its rows, the prep of P and f per key head
+WHOLE = [dict(), dict(mgpu=""), dict(mgpu_out="direct"), dict(prep_mode="solve2")]
 KERNELS = [dict()]                                 # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {

@@ -141,8 +141,9 @@ class WYConfig:
                                   # "on" (V-block bv if 32 or 64, else gdn_mgpu.pick_bv's; num_stages TMA buffers, 2 if
                                   # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
-    mgpu_out: str = "direct"      # the Mosaic scan's output: "direct" (TMA into o's rows) | "chunks" (whole tiles
-                                  # per chunk, gathered by XLA): gdn_mgpu.scan
+    mgpu_out: str = "chunks"      # the Mosaic scan's output: "chunks" (whole tiles per chunk, gathered by XLA) |
+                                  # "direct" (TMA into o's rows, a tail chunk in power-of-two row pieces): gdn_mgpu.scan;
+                                  # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
 
@@ -153,7 +154,7 @@ class WYConfig:
         return (f"wy_bv{self.bv or 'auto'}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
-                + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_och" if self.mgpu_out == "chunks" else "")
+                + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -224,7 +225,7 @@ def prefill_sweep():
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
-            dataclasses.replace(DEFAULT_PREFILL, mgpu_out="chunks"),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3

@@ -14,9 +14,10 @@ the state H [dk, BV] fp32 in registers:
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
-split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output goes out by TMA straight into
-[total, Hv, dv], a tail chunk's valid rows as power-of-two pieces (TMA cannot mask rows, and the rows after a tail
-belong to the next sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
+split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per
+chunk, [chunks, 64, Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its
+rows, a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next
+sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
 orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
 H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs".
 """
@@ -218,14 +219,15 @@ def pick_bv(n_seq, hv, dv, cores=132):
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         out="direct", row0=None, nvalid=None, interpret=False):
+         out="chunks", row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
     with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
-    with it (half the shared memory: two programs per SM at V-block 32). out: "direct", o by TMA straight into
-    its rows; "chunks", whole [64, bv] tiles per chunk gathered into rows by XLA afterwards (row0 and nvalid from
-    gdn.chunk_map; every row outside a sequence zero). Returns (o [total, Hv, dv] in v.dtype:
+    with it (half the shared memory: two programs per SM at V-block 32). out: "chunks", whole [64, bv] tiles per
+    chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
+    zero); "direct", o by TMA straight into its rows (slower on the H200: the tail's conditional stores in the
+    chunk loop cost more than the gather, bench/RESULTS.md). Returns (o [total, Hv, dv] in v.dtype:
     rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
     final state in its slot)."""
     total, hk, dk = k.shape

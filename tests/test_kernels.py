@@ -121,14 +121,17 @@ def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
 
 
 MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
-              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict()}
+              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),
+              "bv32-direct-out": dict(mgpu="on", bv=32, mgpu_out="direct"),
+              "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
 def test_mgpu_scan_meets_issue_bars(case):
     """The Mosaic GPU scan (Mosaic GPU's interpreter: TMA copies, barriers and wgmma emulated) on bf16 inputs at
-    dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks, an empty row and a fresh state:
-    the issue's bars against an fp32 token scan, padding rows zero, other slots untouched."""
+    dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks (out="direct": stored as row
+    pieces of 16 + 8, 4 + 2 and 1), an empty row and a fresh state: the issue's bars against an fp32 token scan,
+    padding rows zero, other slots untouched."""
     config = dataclasses.replace(WY, **MGPU_CASES[case])
     check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False], 1.5e-3)
 
@@ -153,14 +156,15 @@ def test_mgpu_scan_needs_aligned_starts():
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """The Mosaic GPU scan at both V-blocks, one or two buffers, lowers for CUDA (sm_90a) at the 9B shapes, one
+    """The Mosaic GPU scan at both V-blocks, one or two buffers, either output path, lowers for CUDA (sm_90a) at the 9B shapes, one
     packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
     packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
               S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((9, hv, dv, dk), f32), S((n,), i32), S((n,), i32),
               S((n,), i32), S((n,), jnp.bool_))
-    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s) for bv in (32, 64) for s in (1, 2)]
+    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
+            for o in ("chunks", "direct")]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
