@@ -46,6 +46,10 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    together; the solve and the prep then write T and P as bf16 hi + lo parts (split=True), ready tensor-core
    operands. Whole prefill on the H200 (bench/RESULTS.md, 2026-12-02): 453.6 vs 578.6 us at 1x8k, 840.9 vs 1197.1
    at 8x2k against the Triton scan; final state 2.2e-5 from the fp32 token scan against 2.1e-4.
+5. prep_mode "fused" (an option, not yet timed on a GPU): one Triton kernel per (chunk, value head) writes T, P and
+   f, T by recursive doubling on the whole [64, 64] tile (`_doubling_inverse`: six steps of two full-tile
+   products) instead of the solve kernel's 16x16 substitutions and merges (one warp, 86 layout conversions, ~50 us
+   per program on the H200: the solve and the prep were 41-46% of the Mosaic-scan prefill, bench/RESULTS.md).
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
@@ -56,9 +60,9 @@ slot's state (zeros where use_state is False) and writes its final state back in
 The padded-batch contract of the model (`gdn_prefill`) is the packed call with row n starting at n * T.
 
 Dot precisions ("bf16", "bf16x2" = a bf16 hi + lo split of the fp32 operand against an exact bf16 operand,
-"tf32", "tf32x3", "ieee"): fp32 model inputs select "tf32x3" everywhere (their logits must match the reference
-closely); interpret mode (CPU) reproduces the operand rounding of "bf16", "bf16x2" and "tf32" and computes the
-others in fp32.
+"bf16x3" = both operands split, "tf32", "tf32x3", "ieee"): fp32 model inputs select "tf32x3" everywhere (their
+logits must match the reference closely); interpret mode (CPU) reproduces the operand rounding of "bf16", "bf16x2",
+"bf16x3" and "tf32" and computes the others in fp32.
 
 Decode: one program per (row, value head or key head group, V-block); see DecodeConfig.
 """
@@ -119,7 +123,10 @@ class WYConfig:
                solve's row loops and 16x16 reductions stay within one or two warps; T costs 2 x 16 KB of
                traffic per chunk and head);
                "solve2": the same with the value heads of a key head in one program given T (q, k and Q K^T
-               once per key head)."""
+               once per key head);
+               "fused" (tform only): one kernel per (chunk, value head) writes T, P and f, T by recursive doubling
+               on the whole [64, 64] tile (gdn._doubling_inverse: twelve full-tile products in solve_prec instead
+               of the solve kernel's 16x16 substitutions and merges)."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int | None = 1    # None: 2 while the scan's programs fit in one wave on the SMs, else 1 (smaller
@@ -142,10 +149,10 @@ class WYConfig:
                                   # None), or "auto": pick_bv's V-block wherever gdn_mgpu.applies (bf16, starts aligned,
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
     mgpu_out: str = "chunks"      # the Mosaic scan's output: "chunks" (whole tiles per chunk, gathered by XLA) |
-                                  # "direct" (TMA into o's rows, a tail chunk in power-of-two row pieces): gdn_mgpu.scan;
+                                  # "direct" (TMA into o's rows, a tail chunk as power-of-two row pieces): gdn_mgpu;
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
-                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py)
+                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" (prep_mode "fused")
 
     @property
     def name(self):
@@ -226,6 +233,8 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
@@ -267,7 +276,8 @@ def _round_tf32(x):
 
 def _mm(a, b, contract, prec, interpret):
     """2-D dot with fp32 accumulation. contract = (lhs axis, rhs axis).
-    "bf16x2": a is taken as bf16 (meant for an exact bf16 operand), b as a bf16 hi + lo pair (two dots)."""
+    "bf16x2": a is taken as bf16 (meant for an exact bf16 operand), b as a bf16 hi + lo pair (two dots);
+    "bf16x3": a and b as bf16 hi + lo pairs (three dots, the lo x lo term dropped)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
     dot = functools.partial(jax.lax.dot_general, dimension_numbers=dims, preferred_element_type=jnp.float32)
     if prec == "bf16":
@@ -276,6 +286,9 @@ def _mm(a, b, contract, prec, interpret):
         hi, lo = gdn_mgpu.split_bf16(b.astype(jnp.float32))
         a = a.astype(jnp.bfloat16)
         return dot(a, lo) + dot(a, hi)
+    if prec == "bf16x3":                      # both operands as bf16 hi + lo: ~2^-16 relative, three bf16 products
+        (ah, al), (bh, bl) = gdn_mgpu.split_bf16(a.astype(jnp.float32)), gdn_mgpu.split_bf16(b.astype(jnp.float32))
+        return dot(ah, bl) + dot(al, bh) + dot(ah, bh)
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if interpret and prec == "tf32":           # reproduce the GPU's operand rounding on the CPU
         a, b, precision = _round_tf32(a), _round_tf32(b), HIGHEST
@@ -517,6 +530,23 @@ def _unit_lower_inverse(kk, gam, betas, interpret, prec="ieee"):
     return _merge_inverse(blocks, _inv_unit_lower([blocks[i, i] for i in range(len(gam))]), interpret, prec)
 
 
+def _doubling_inverse(a, mm):
+    """T = (I + A)^-1 of a strictly lower [64, 64] A on the whole tile, by recursive doubling: with X_b the inverse of
+    I + A's diagonal blocks of size b, the blocks of size 2b are [[X0, 0], [-X1 C X0, X1]], i.e.
+    X_2b = X_b - X_b (M_b X_b) where M_b keeps A's entries in the lower-left b x b quarter of each 2b block. Six steps
+    from X_1 = I, two full-tile products each (mm: their precision); no power of A is formed, so nothing grows (the
+    product form (I - A)(I + A^2)... lost 1.5e-4 of T on repeated keys)."""
+    n = a.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+
+    def step(s, x):                       # a loop, not unrolled: the six masked copies of A never live at once
+        lower, upper = ((idx >> s) & 1) == 1, ((idx >> s) & 1) == 0
+        quarter = ((idx >> (s + 1))[:, None] == (idx >> (s + 1))[None, :]) & lower[:, None] & upper[None, :]
+        return x - mm(x, mm(jnp.where(quarter, a, 0.0), x))
+
+    return jax.lax.fori_loop(0, n.bit_length() - 1, step, (idx[:, None] == idx[None, :]).astype(jnp.float32))
+
+
 def _hcat(a, b):
     """[m, n] and [m, n] -> [m, 2n] (join + transpose + reshape: Triton-legal, no reordering concatenate)."""
     m, n = a.shape
@@ -544,16 +574,19 @@ def _assemble(blocks, nb):
 
 
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs, ratio, prec,
-                 interpret, per_value_head=False, solved=False, pf_only=False):
+                 interpret, per_value_head=False, solved=False, pf_only=False, t_prec="tf32x3"):
     """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
     (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
     exact merges), assembled into one [64, 64] tile; then W = T X_w, U = T (beta V) and P = Q^ K^T * Gamma as
     full-tile products, stored whole: W [64, dk], U [64, dv], P [64, 64], f [3, 64] = (fq, fk, e^gamma_C).
     solved: T comes in (refs[0], [chunks, Hv, 64, 64] from `_solve_kernel`, prep_mode "solve") instead.
-    pf_only (the T-form): only P and f, with f's rows 3, 4 = beta e^gamma |k|^-1 and beta (refs = (p, f))."""
+    pf_only (the T-form): only P and f, with f's rows 3, 4 = beta e^gamma |k|^-1 and beta (refs = (p, f)); or
+    T, P and f (refs = (t, p, f), prep_mode "fused": T by `_doubling_inverse` on the whole tile, from the k tile
+    and the gates this kernel has anyway, its products in t_prec: no solve kernel)."""
+    t_out_ref = None
     if pf_only:                  # tform: P and f only (the scan applies T itself)
-        (p_ref, f_ref), t_in_ref = refs, None
+        (t_out_ref, p_ref, f_ref), t_in_ref = (refs if len(refs) == 3 else (None, *refs)), None
     else:
         t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
     c, pid1 = pl.program_id(0), pl.program_id(1)
@@ -580,6 +613,8 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         rk = jax.lax.rsqrt(jnp.sum(jnp.square(kt.astype(jnp.float32)), axis=1) + 1e-6)
         rq = jax.lax.rsqrt(jnp.sum(jnp.square(qt.astype(jnp.float32)), axis=1) + 1e-6) * scale
         qk = mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
+        # fused: K^ K^T here too, so that the q and k tiles die now (exact bf16 products for bf16 inputs)
+        kk = None if t_out_ref is None else mm(kt, kt, (1, 1), raw) * (rk[:, None] * rk[None, :])
         heads = [pid1] if per_value_head else [kh * ratio + r for r in range(ratio)]
         gates = []
         for hv in heads:
@@ -597,6 +632,13 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
             if pf_only:
                 f_ref[c, hv, 3, :] = beta * jnp.exp(gam) * rk
                 f_ref[c, hv, 4, :] = beta
+        if t_out_ref is not None:                            # fused: T per head from K^ K^T
+            strict = rows[:, None] > rows[None, :]
+            tmm = functools.partial(mm, contract=(1, 0), prec=t_prec)
+            for hv, (gam, beta) in zip(heads, gates):
+                a = jnp.where(strict, beta[:, None] * kk * jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :],
+                                                                                  0.0)), 0.0)
+                _store_t(t_out_ref, (c, hv), (slice(None), slice(None)), _doubling_inverse(a, tmm))
         if pf_only:
             return
 
@@ -831,27 +873,27 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, with_t=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
     the "tile" kernel from T (per value head / per key head).
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
     |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
-    bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]."""
+    bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]. with_t (pf_only): T too, by recursive doubling in the same
+    kernel (`_doubling_inverse`, its products in solve_prec), returned first: (T, P, f), T shaped as P."""
     if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
         per_kh = mode == "solve2"
+        tile = jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK), jnp.bfloat16 if split else f32)
         return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
-                              pf_only=True),
-            out_shape=(jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
-                                            jnp.bfloat16 if split else f32),
-                       jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
+                              pf_only=True, t_prec=solve_prec),
+            out_shape=(tile,) * (2 if with_t else 1) + (jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32),),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret, name="gdn_wy_prep_pf",
+            interpret=interpret, name="gdn_wy_prep_tpf" if with_t else "gdn_wy_prep_pf",
         )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
     hk, dk = k.shape[1:]
     hv, dv = v.shape[1:]
@@ -905,13 +947,18 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     if config.tform:
-        if config.prep_mode not in ("solve", "solve2"):
-            raise ValueError("tform needs prep_mode 'solve' or 'solve2' (T from wy_solve)")
-        t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                     inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
-        p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                       num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
-                       interpret=interpret)
+        if config.prep_mode not in ("solve", "solve2", "fused"):
+            raise ValueError("tform needs prep_mode 'solve', 'solve2' (T from wy_solve) or 'fused'")
+        if config.prep_mode == "fused":
+            t, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
+                              num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
+                              split=bool(config.mgpu), with_t=True, interpret=interpret)
+        else:
+            t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
+                         inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
+            p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
+                           num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
+                           interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,

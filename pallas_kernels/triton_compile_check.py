@@ -5,8 +5,9 @@ further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.dec
 paged_attention.config_sweep() / the decode matmul's matmul.RULES at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
-memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots and how many loads
-became asynchronous copies (the software pipeliner's work). jaxlib bundles its
+memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots, how many loads
+became asynchronous copies (the software pipeliner's work) and how many layout conversions the TTGIR holds (a static
+count: a loop body counts once); the TTGIR is saved beside each .ttir. jaxlib bundles its
 own Triton, so PyPI Triton's passes are a close proxy, not the exact compiler the GPU run uses.
 
   python pallas_kernels/triton_compile_check.py dump /tmp/ttir              # the project's venv (jax)
@@ -115,12 +116,15 @@ def compile_all(paths):
             smem = k.metadata.shared
             per_sm = min(227 * 1024 // max(smem, 1), 65536 // max(reg * 32 * nw, 1), 32)
             ttgir = k.asm["ttgir"]
+            open(path[:-5] + ".ttgir", "w").write(ttgir)
+            converts = len(re.findall(r"ttg\.convert_layout ", ttgir))      # layout changes (most via shared memory)
             wgmma = len(re.findall(r"ttng\.warp_group_dot ", ttgir))
             other = len(re.findall(r"= tt\.dot ", ttgir))
             # loads the software pipeliner turned into asynchronous global -> shared copies (cp.async / TMA)
             async_copies = len(re.findall(r"async_copy_global_to_local|async_tma_copy_global_to_local", ttgir))
             print(f"{os.path.basename(path)[:-5]:60s} warps={nw} stages={ns} smem={smem:6d} regs={reg:3d} "
-                  f"spill={local} programs/SM={per_sm} wgmma={wgmma} other_dots={other} async_copies={async_copies}",
+                  f"spill={local} programs/SM={per_sm} wgmma={wgmma} other_dots={other} async_copies={async_copies} "
+                  f"converts={converts}",
                   flush=True)
         except Exception as e:  # noqa: BLE001
             failed += 1

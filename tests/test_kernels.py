@@ -51,8 +51,10 @@ WY, V1 = gdn.DEFAULT_PREFILL, gdn.PrefillConfig()
                                                        (3, 16, 32, V1, [65, 130, 1, 0]),
                                                        (2, 16, 32, gdn.WYConfig(prep_mode="tile"), [70, 130, 1, 0]),
                                                        (2, 16, 32, dataclasses.replace(WY, tform=False),
+                                                        [70, 130, 1, 0]),
+                                                       (2, 16, 32, dataclasses.replace(WY, prep_mode="fused"),
                                                         [70, 130, 1, 0])],
-                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-tile-prep-r2", "wy-wform-r2"])
+                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-tile-prep-r2", "wy-wform-r2", "wy-fused-prep-r2"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
     n, t = len(lens_l), max(lens_l)
@@ -85,6 +87,8 @@ BF16_CASES = {
     "wy-tile-prep": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False), [130, 1, 0], 1.5e-3),
     "wy-tform-pf-per-value-head": (dataclasses.replace(WY, prep_mode="solve"), [130, 1, 0], 1.5e-3),
     "wy-wform": (dataclasses.replace(WY, tform=False), [130, 1, 0], 1.5e-3),
+    "wy-tform-fused-prep-bf16x3": (dataclasses.replace(WY, prep_mode="fused", solve_prec="bf16x3"), [130, 1, 0],
+                                   1.5e-3),
     "wy-overlap-solve2-exact-merges": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False, overlap=True,
                                                     prep_mode="solve2", solve_warps=1, solve_prec="ieee"),
                                        [130, 1, 0], 1.5e-3),
@@ -122,6 +126,7 @@ def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
 
 MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
               "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),
+              "bv32-fused-prep": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3"),
               "bv32-direct-out": dict(mgpu="on", bv=32, mgpu_out="direct"),
               "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct")}
 
@@ -134,6 +139,27 @@ def test_mgpu_scan_meets_issue_bars(case):
     padding rows zero, other slots untouched."""
     config = dataclasses.replace(WY, **MGPU_CASES[case])
     check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False], 1.5e-3)
+
+
+@pytest.mark.parametrize("solve_prec,bar", [("ieee", 1e-6), ("bf16x3", 1e-4)])
+def test_fused_prep_t_matches_the_solve_kernel(solve_prec, bar):
+    """prep_mode "fused": T by recursive doubling on the whole tile equals the solve kernel's (16x16 substitutions and
+    exact merges) on random keys and on the hard case of one key repeated (beta ~ 1, no decay: A's strictly lower
+    entries all ~1), and its P and f equal the P / f prep's."""
+    q, k, v, a, b, A_log, dt_bias, _ = gdn_inputs(3, 1, 200, 2, 4, 64, 64, dtype=jnp.bfloat16)
+    q, k, v, a, b = (x[0] for x in (q, k, v, a, b))
+    _, row0, nvalid = gdn.chunk_map(jnp.array([0]), jnp.array([200]), 5)
+    used = np.asarray(nvalid) > 0
+    hard = (jnp.broadcast_to(k[:1], k.shape), jnp.full_like(a, -8.0), jnp.full_like(b, 8.0))
+    for kk, aa, bb in ((k, a, b), hard):
+        t_ref = gdn.wy_solve(kk, aa, bb, A_log, dt_bias, row0, nvalid, prec="tf32", num_warps=1, inv_prec="ieee",
+                             interpret=True)
+        kw = dict(w_dtype=jnp.bfloat16, prec="tf32", pf_only=True, interpret=True)
+        t, p, f = gdn.wy_prep(q, kk, v, aa, bb, A_log, dt_bias, row0, nvalid, with_t=True, solve_prec=solve_prec, **kw)
+        p_ref, f_ref = gdn.wy_prep(q, kk, v, aa, bb, A_log, dt_bias, row0, nvalid, **kw)
+        assert rel(t[used], t_ref[used]) <= bar
+        np.testing.assert_array_equal(p[used], p_ref[used])
+        np.testing.assert_array_equal(f[used], f_ref[used])
 
 
 def test_mgpu_scan_needs_aligned_starts():
