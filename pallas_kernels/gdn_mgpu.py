@@ -122,7 +122,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
 
         fd_at = lambda c: fd_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv]   # a chunk's decay (HBM)
 
-        def chunk(c, carry):
+        def chunk(c, carry, tail=False):
             h, fd = carry
             fd_next = fd_at(c + 1)                              # loaded a chunk ahead: off the critical path
             slot = lax.rem(c, jnp.int32(buffers))
@@ -172,11 +172,16 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             plgpu.commit_smem()
             if chunked:                                         # whole tiles per chunk, gathered outside
                 plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
+            elif tail:                                          # the last, partial chunk: its valid rows only
+                store_rows(start + c * CHUNK, length - c * CHUNK)
             else:
-                store_rows(start + c * CHUNK, jnp.minimum(length - c * CHUNK, CHUNK))
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols])
             return fd * h + upd, fd_next
 
-        h, _ = lax.fori_loop(0, nch, chunk, (h, fd_at(0)))
+        # direct: the whole chunks in one loop (no conditional store in it), a partial last chunk in a loop of one
+        full = nch if chunked else lax.div(length, jnp.int32(CHUNK))
+        carry = lax.fori_loop(0, full, chunk, (h, fd_at(0)))
+        h, _ = carry if chunked else lax.fori_loop(full, nch, functools.partial(chunk, tail=True), carry)
         h_ref.at[n, hv, :, vcols][...] = h
 
         @pl.when(span > length if not chunked else False)      # rows [len, span): zeros (padding of a padded batch)
@@ -226,8 +231,9 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
     with it (half the shared memory: two programs per SM at V-block 32). out: "chunks", whole [64, bv] tiles per
     chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
-    zero); "direct", o by TMA straight into its rows (slower on the H200: the tail's conditional stores in the
-    chunk loop cost more than the gather, bench/RESULTS.md). Returns (o [total, Hv, dv] in v.dtype:
+    zero); "direct", o by TMA straight into its rows, the whole chunks in one loop and a partial last chunk after it
+    (at d2ba6e9, with the tail's conditional stores inside the one chunk loop, 3-3.5% slower on the H200 than
+    the gather, bench/RESULTS.md; this form is untimed). Returns (o [total, Hv, dv] in v.dtype:
     rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
     final state in its slot)."""
     total, hk, dk = k.shape
