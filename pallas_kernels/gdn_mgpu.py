@@ -184,8 +184,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
         h, _ = carry if chunked else lax.fori_loop(full, nch, functools.partial(chunk, tail=True), carry)
         h_ref.at[n, hv, :, vcols][...] = h
 
-        @pl.when(span > length if not chunked else False)      # rows [len, span): zeros (padding of a padded batch)
-        def _():
+        def zero_padding():                                     # direct: rows [len, span) (a padded batch's)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_s[...] = jnp.zeros((CHUNK, bv), o_s.dtype)
             plgpu.commit_smem()
@@ -193,6 +192,9 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             lax.fori_loop(0, lax.div(pad, jnp.int32(CHUNK)),
                           lambda i, _: store_rows(row + i * CHUNK, jnp.int32(CHUNK)), None)
             store_rows(row + pad - lax.rem(pad, jnp.int32(CHUNK)), lax.rem(pad, jnp.int32(CHUNK)))
+
+        if not chunked:
+            pl.when(span > length)(zero_padding)
         plgpu.wait_smem_to_gmem(0)
 
     bf, f32 = jnp.bfloat16, jnp.float32
