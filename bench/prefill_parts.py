@@ -44,9 +44,9 @@ TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan's
 # output stored straight into its rows, the prep of P and f per key head, T, P and f from one kernel (T by recursive
-# doubling, its products in tf32x3 or bf16x3)
+# doubling, its products in tf32x3 or bf16x3; per value head or per key head)
 WHOLE = [dict(), dict(mgpu=""), dict(mgpu_out="direct"), dict(prep_mode="solve2"), dict(prep_mode="fused"),
-         dict(prep_mode="fused", solve_prec="bf16x3")]
+         dict(prep_mode="fused", solve_prec="bf16x3"), dict(prep_mode="fused2", solve_prec="bf16x3")]
 KERNELS = [dict(), dict(prep_mode="fused", solve_prec="bf16x3")]     # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {

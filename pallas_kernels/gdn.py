@@ -126,7 +126,8 @@ class WYConfig:
                once per key head);
                "fused" (tform only): one kernel per (chunk, value head) writes T, P and f, T by recursive doubling
                on the whole [64, 64] tile (gdn._doubling_inverse: twelve full-tile products in solve_prec instead
-               of the solve kernel's 16x16 substitutions and merges)."""
+               of the solve kernel's 16x16 substitutions and merges); "fused2": the same per (chunk, key head),
+               Q K^T and K K^T once for its value heads."""
     bv: int | None = None
     num_warps: int = 4
     num_stages: int | None = 1    # None: 2 while the scan's programs fit in one wave on the SMs, else 1 (smaller
@@ -152,7 +153,7 @@ class WYConfig:
                                   # "direct" (TMA into o's rows, a tail chunk as power-of-two row pieces): gdn_mgpu;
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
-                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" (prep_mode "fused")
+                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
 
     @property
     def name(self):
@@ -235,6 +236,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
             nopf(bv=32, num_stages=2, s_prec="bf16"),      # one-dot state update; emulated state error ~1.8e-3
@@ -947,12 +949,13 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     if config.tform:
-        if config.prep_mode not in ("solve", "solve2", "fused"):
-            raise ValueError("tform needs prep_mode 'solve', 'solve2' (T from wy_solve) or 'fused'")
-        if config.prep_mode == "fused":
+        if config.prep_mode not in ("solve", "solve2", "fused", "fused2"):
+            raise ValueError("tform needs prep_mode 'solve', 'solve2' (T from wy_solve), 'fused' or 'fused2'")
+        if config.prep_mode in ("fused", "fused2"):
             t, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                               num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
-                              split=bool(config.mgpu), with_t=True, interpret=interpret)
+                              mode="solve2" if config.prep_mode == "fused2" else "solve", split=bool(config.mgpu),
+                              with_t=True, interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
                          inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)

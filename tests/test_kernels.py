@@ -89,6 +89,8 @@ BF16_CASES = {
     "wy-wform": (dataclasses.replace(WY, tform=False), [130, 1, 0], 1.5e-3),
     "wy-tform-fused-prep-bf16x3": (dataclasses.replace(WY, prep_mode="fused", solve_prec="bf16x3"), [130, 1, 0],
                                    1.5e-3),
+    "wy-tform-fused2-prep-bf16x3": (dataclasses.replace(WY, prep_mode="fused2", solve_prec="bf16x3"), [70, 1, 0],
+                                    1.5e-3),
     "wy-overlap-solve2-exact-merges": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False, overlap=True,
                                                     prep_mode="solve2", solve_warps=1, solve_prec="ieee"),
                                        [130, 1, 0], 1.5e-3),
