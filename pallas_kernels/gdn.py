@@ -856,6 +856,12 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
     return bv
 
 
+def _chunk_tiles(chunks, hv, split):
+    """The [chunks, Hv, 64, 64] fp32 T or P output, or its bf16 hi and lo parts [chunks, Hv, 2, 64, 64] (split)."""
+    return jax.ShapeDtypeStruct((chunks, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
+                                jnp.bfloat16 if split else jnp.float32)
+
+
 def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", per_value_head=False,
              split=False, interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
@@ -863,11 +869,10 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
     head; few warps: its 16x16 row loops and reductions stay within one or two). split: T as bf16 hi and lo parts,
     [chunks, Hv, 2, 64, 64] (the Mosaic GPU scan's operands)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
-    shape = (row0.shape[0], hv) + ((2,) if split else ()) + (CHUNK, CHUNK)
     return pl.pallas_call(
         functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec,
                           per_value_head=per_value_head),
-        out_shape=jax.ShapeDtypeStruct(shape, jnp.bfloat16 if split else f32),
+        out_shape=_chunk_tiles(row0.shape[0], hv, split),
         grid=(row0.shape[0], hv if per_value_head else hk),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_solve",
@@ -888,11 +893,11 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
         per_kh = mode == "solve2"
-        tile = jax.ShapeDtypeStruct((mc, hv) + ((2,) if split else ()) + (CHUNK, CHUNK), jnp.bfloat16 if split else f32)
         return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True, t_prec=solve_prec),
-            out_shape=(tile,) * (2 if with_t else 1) + (jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32),),
+            out_shape=(_chunk_tiles(mc, hv, split),) * (2 if with_t else 1)
+                      + (jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32),),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=interpret, name="gdn_wy_prep_tpf" if with_t else "gdn_wy_prep_pf",
@@ -969,6 +974,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                                  nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
+    if config.prep_mode in ("fused", "fused2"):
+        raise ValueError(f"prep_mode {config.prep_mode!r} writes T, P and f for the T-form scan: it needs tform=True")
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
                          solve_prec=config.solve_prec,
