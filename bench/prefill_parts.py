@@ -42,12 +42,12 @@ from qwen35_jax import profile_trace  # noqa: E402
 SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the Triton scan, the Mosaic scan's
-# output stored straight into its rows, the prep of P and f per key head, T, P and f from one kernel (T by recursive
-# doubling, its products in tf32x3 or bf16x3; per value head or per key head)
-WHOLE = [dict(), dict(mgpu=""), dict(mgpu_out="direct"), dict(prep_mode="solve2"), dict(prep_mode="fused"),
-         dict(prep_mode="fused", solve_prec="bf16x3"), dict(prep_mode="fused2", solve_prec="bf16x3")]
-KERNELS = [dict(), dict(prep_mode="fused", solve_prec="bf16x3")]     # the configurations the kernels part profiles
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): two warpgroups per scan program
+# (each its own V-block of 16 or 32 columns on shared tiles), the prep of P and f per key head, T, P and f from one
+# kernel (T by recursive doubling in bf16x3 products; at c757fe0 slower from 1x8k up: 628.3 vs 481.9 us)
+WHOLE = [dict(), dict(mgpu="on", bv=16, mgpu_wgs=2), dict(mgpu="on", bv=32, mgpu_wgs=2), dict(prep_mode="solve2"),
+         dict(prep_mode="solve2", mgpu_wgs=2), dict(prep_mode="fused", solve_prec="bf16x3")]
+KERNELS = [dict(), dict(mgpu_wgs=2)]     # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

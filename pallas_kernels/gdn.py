@@ -152,6 +152,8 @@ class WYConfig:
     mgpu_out: str = "chunks"      # the Mosaic scan's output: "chunks" (whole tiles per chunk, gathered by XLA) |
                                   # "direct" (TMA into o's rows, a tail chunk as power-of-two row pieces): gdn_mgpu;
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
+    mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
+                                  # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
 
@@ -163,6 +165,7 @@ class WYConfig:
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
+                + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -234,6 +237,7 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -968,9 +972,10 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                            num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
                            interpret=interpret)
         if config.mgpu:
-            bv = None if config.mgpu == "auto" or config.bv not in (32, 64) else config.bv
+            bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
-                                 bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, row0=row0,
+                                 bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, wgs=config.mgpu_wgs,
+                                 row0=row0,
                                  nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)

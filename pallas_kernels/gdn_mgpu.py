@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CHUNK = 64          # = gdn.CHUNK (gdn imports this module)
-INPUTS = 6          # q, k, v, T, P, f: one TMA barrier each per buffer
+SHARED = ("q", "k", "t", "p", "f")   # the tiles a program's warpgroups share: one TMA barrier each per buffer
 
 
 def _swizzle(cols: int, dtype) -> tuple:
@@ -72,20 +72,26 @@ def _store_split(refs, x):
 
 
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
-               buffers, chunked):
+               buffers, chunked, wgs):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
+    wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
     start, length, coff, span = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n], seq_ref[3, n]
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
-    vcols = pl.ds(pl.multiple_of(vb * bv, bv), bv)
-    wg = plgpu.Layout.WGMMA
-    row = wg.reduce(1)
+    vcols = pl.ds(pl.multiple_of((vb * wgs + wg) * bv, bv), bv)
+    wgl = plgpu.Layout.WGMMA
+    row = wgl.reduce(1)
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
-    def kernel(q_s, k_s, v_s, t_s, p_s, f_s, h_s, x_s, vk_s, o_s, bars):
+    def kernel(q_s, k_s, t_s, p_s, f_s, v_s, h_s, x_s, vk_s, o_s, bars, vbars, *consumed):
+        # this warpgroup's own tiles (v, the state and product operands, o); q, k, T, P, f are the program's
+        v_s, h_s, o_s = v_s.at[wg], h_s.at[wg], o_s.at[wg]
+        x_s, vk_s = [r.at[wg] for r in x_s], [r.at[wg] for r in vk_s]
+        vbar = lambda slot: vbars.at[wg * buffers + slot]
+
         def store_rows(row, nrows):
-            """o_s rows [0, nrows) (nrows <= 64) -> o rows [row, row + nrows) of this program's columns. TMA cannot
+            """o_s rows [0, nrows) (nrows <= 64) -> o rows [row, row + nrows) of this warpgroup's columns. TMA cannot
             mask rows and the rows after a tail chunk belong to the next sequence: a partial tile goes out as
             power-of-two pieces."""
             out = lambda r, m: o_ref.at[pl.ds(r, m), hv, vcols]
@@ -99,17 +105,27 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                         lambda off=off, m=m: plgpu.copy_smem_to_gmem(o_s.at[pl.ds(off, m)], out(row + off, m)))
                     off = off + lax.bitwise_and(nrows, m)
 
-        def fetch(c, slot, which=range(INPUTS)):
+        def fetch(c, slot, which=SHARED + ("v",)):
+            """Chunk c's tiles `which` into buffer `slot`: the shared ones by warpgroup 0 (once warpgroup 1 is done
+            with the buffer's previous chunk), v by each warpgroup for its own columns."""
             row0, cc = pl.multiple_of(start + c * CHUNK, 8), coff + c      # starts are multiples of 8: scan()
-            srcs = (q_ref.at[pl.ds(row0, CHUNK), kh], k_ref.at[pl.ds(row0, CHUNK), kh],
-                    v_ref.at[pl.ds(row0, CHUNK), hv, vcols], t_ref.at[cc, hv], p_ref.at[cc, hv], f_ref.at[cc, hv])
-            dsts = (q_s, k_s, v_s, t_s, p_s, f_s)
-            for i in which:
-                plgpu.copy_gmem_to_smem(srcs[i], dsts[i].at[slot], bars.at[slot * INPUTS + i])
+            srcs = dict(q=q_ref.at[pl.ds(row0, CHUNK), kh], k=k_ref.at[pl.ds(row0, CHUNK), kh], t=t_ref.at[cc, hv],
+                        p=p_ref.at[cc, hv], f=f_ref.at[cc, hv])
+            dsts = dict(q=q_s, k=k_s, t=t_s, p=p_s, f=f_s)
+            if "v" in which:
+                plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row0, CHUNK), hv, vcols], v_s.at[slot], vbar(slot))
+
+            def shared():
+                if consumed:
+                    pl.when(c >= buffers)(lambda: plgpu.barrier_wait(consumed[0].at[slot]))
+                for name in which:
+                    if name != "v":
+                        i = SHARED.index(name)
+                        plgpu.copy_gmem_to_smem(srcs[name], dsts[name].at[slot], bars.at[slot * len(SHARED) + i])
+            pl.when(wg == 0)(shared) if wgs > 1 else shared()
 
         def refill(c, which):
-            """One buffer: chunk c + 1's tiles `which` (indices into q, k, v, T, P, f) into the buffer as soon as
-            chunk c is done with them."""
+            """One buffer: chunk c + 1's tiles `which` into the buffer as soon as chunk c is done with them."""
             if buffers == 1:
                 pl.when(c + 1 < nch)(lambda: fetch(c + 1, 0, which))
 
@@ -118,7 +134,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             fetch(0, 0)
 
         # the initial state H [dk, BV] fp32 (zeros where the sequence starts fresh: set outside)
-        h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wg, optimized=False)
+        h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wgl, optimized=False)
 
         fd_at = lambda c: fd_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv]   # a chunk's decay (HBM)
 
@@ -129,8 +145,9 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             if buffers > 1:                                     # the next chunk's tiles while this one computes
                 pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, jnp.int32(buffers))))
 
-            for i in range(INPUTS):
-                plgpu.barrier_wait(bars.at[slot * INPUTS + i])
+            for i in range(len(SHARED)):
+                plgpu.barrier_wait(bars.at[slot * len(SHARED) + i])
+            plgpu.barrier_wait(vbar(slot))
             qs, ks, fs, ts, ps = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot], p_s.at[slot]
             _store_kmajor(h_s, h)
             plgpu.commit_smem()
@@ -140,12 +157,12 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(y_acc, qs, _b(h_s))
                 return z_acc[...], y_acc[...]
             z, y = pl.run_scoped(zy, tile_acc, tile_acc)
-            refill(c, (0,))                                     # q
+            refill(c, ("q",))
             fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
-            v = plgpu.load(v_s.at[slot], layout=wg).astype(jnp.float32)
+            v = plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32)
             _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
             plgpu.commit_smem()
-            refill(c, (2, 5))                                   # v, f
+            refill(c, ("v", "f"))
 
             def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
                 plgpu.wgmma(acc, ts.at[0], _b(x_s[0]))
@@ -153,7 +170,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(acc, ts.at[1], _b(x_s[0]))
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
-            refill(c, (3,))                                     # T
+            refill(c, ("t",))
             _store_split(x_s, vnew)                             # X is spent: its buffers take Vnew
             _store_split(vk_s, _rows(fk, bv) * vnew)
             plgpu.commit_smem()
@@ -166,7 +183,9 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
                 return o_acc[...], h_acc[...]
             pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
-            refill(c, (1, 4))                                   # k, P
+            if consumed:              # this warpgroup is done with the shared tiles (where the buffer is refilled)
+                pl.when(c + buffers < nch)(lambda: plgpu.barrier_arrive(consumed[0].at[slot]))
+            refill(c, ("k", "p"))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
             o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
             plgpu.commit_smem()
@@ -200,16 +219,17 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     bf, f32 = jnp.bfloat16, jnp.float32
     tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype,
                                                      transforms=_swizzle(shape[-1], dtype) if swz else ())
-    pair = lambda rows, cols: [tile((rows, cols), bf), tile((rows, cols), bf)]      # B operands, K-major
+    pair = lambda rows, cols: [tile((wgs, rows, cols), bf), tile((wgs, rows, cols), bf)]   # B operands, K-major
     pl.run_scoped(
         kernel,
-        tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, bv), bf),
+        tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf),
         tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf),
-        tile((buffers, 5, CHUNK), f32, False),
-        tile((bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((CHUNK, bv), o_ref.dtype, False),
-        plgpu.Barrier(num_barriers=buffers * INPUTS),
+        tile((buffers, 5, CHUNK), f32, False), tile((wgs, buffers, CHUNK, bv), bf),
+        tile((wgs, bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((wgs, CHUNK, bv), o_ref.dtype, False),
+        plgpu.Barrier(num_barriers=buffers * len(SHARED)), plgpu.Barrier(num_barriers=wgs * buffers),
+        *([plgpu.Barrier(num_arrivals=wgs, num_barriers=buffers)] if wgs > 1 else []),
+        collective_axes="wg" if wgs > 1 else None,      # one allocation for the program's warpgroups
     )
-
 
 def applies(total, dk, dv, starts_aligned, dtype=jnp.bfloat16):
     """Whether scan() takes these inputs: bf16 (its products are bf16 ones: fp32 models keep the Triton scan's
@@ -219,19 +239,22 @@ def applies(total, dk, dv, starts_aligned, dtype=jnp.bfloat16):
             and total % 8 == 0)
 
 
-def pick_bv(n_seq, hv, dv, cores=132):
+def pick_bv(n_seq, hv, dv, cores=132, wgs=1):
     """V-block of the scan: 64 (half the programs of 32, each chunk's products no slower) once the programs of 64
-    fill the SMs, else 32."""
-    return 64 if dv % 64 == 0 and n_seq * hv * (dv // 64) >= cores else 32
+    fill the SMs, else 32. Two warpgroups: 32 each once programs of 64 columns fill the SMs, else 16."""
+    wide = 64 // wgs
+    return wide if dv % (wide * wgs) == 0 and n_seq * hv * (dv // (wide * wgs)) >= cores else wide // 2
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         out="chunks", row0=None, nvalid=None, interpret=False):
+         out="chunks", wgs=1, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
     with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
-    with it (half the shared memory: two programs per SM at V-block 32). out: "chunks", whole [64, bv] tiles per
+    with it (half the shared memory: two programs per SM at V-block 32). wgs: warpgroups per program, each its own
+    V-block of bv columns (and its own chain of dependent products) on the q, k, T, P, f tiles they share (loaded
+    once, by warpgroup 0, after both are done with the buffer's previous chunk); 2 needs 2 buffers. out: "chunks", whole [64, bv] tiles per
     chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
     zero); "direct", o by TMA straight into its rows, the whole chunks in one loop and a partial last chunk after it
     (at d2ba6e9, with the tail's conditional stores inside the one chunk loop, 3-3.5% slower on the H200 than
@@ -241,24 +264,26 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n = starts.shape[0]
-    bv = bv or pick_bv(n, hv, dv)
+    bv = bv or pick_bv(n, hv, dv, wgs=wgs)
     if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
         raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if buffers not in (1, 2):
-        raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers, got {buffers}")
-    if bv not in (32, 64) or dv % bv or dk % 64 or total % 8:
-        raise ValueError(f"the Mosaic GPU scan needs a V-block of 32 or 64 dividing dv, dk a multiple of 64 and total "
-                         f"rows of 8; got bv={bv}, dv={dv}, dk={dk}, total={total}")
+    if buffers not in (1, 2) or wgs not in (1, 2) or (wgs == 2 and buffers != 2):
+        raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers and 1 or 2 warpgroups (2 with 2 buffers), got "
+                         f"buffers={buffers}, wgs={wgs}")
+    if bv not in (16, 32, 64) or dv % (bv * wgs) or dk % 64 or total % 8:
+        raise ValueError(f"the Mosaic GPU scan needs a V-block of 16, 32 or 64 (times wgs) dividing dv, dk a multiple "
+                         f"of 64 and total rows of 8; got bv={bv}, wgs={wgs}, dv={dv}, dk={dk}, total={total}")
     if out not in ("direct", "chunks"):
         raise ValueError(f"the Mosaic GPU scan's out is 'direct' or 'chunks', got {out!r}")
     chunked, mc, i32 = out == "chunks", t.shape[0], jnp.int32
     seq = jnp.stack([starts, lens, chunk_off, spans]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
-        grid=(n, hv, dv // bv), grid_names=("n", "h", "vb"),
+        grid=(n, hv, dv // (bv * wgs)), grid_names=("n", "h", "vb"),
+        num_threads=wgs if wgs > 1 else None, thread_name="wg" if wgs > 1 else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
     if chunked:           # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row

@@ -130,7 +130,9 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
               "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),
               "bv32-fused-prep": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3"),
               "bv32-direct-out": dict(mgpu="on", bv=32, mgpu_out="direct"),
-              "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct")}
+              "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct"),
+              "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
+              "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -184,7 +186,8 @@ def test_mgpu_scan_needs_aligned_starts():
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """The Mosaic GPU scan at both V-blocks, one or two buffers, either output path, lowers for CUDA (sm_90a) at the 9B shapes, one
+    """The Mosaic GPU scan at both V-blocks, one or two buffers, either output path (and with two warpgroups at
+    V-blocks 16 and 32), lowers for CUDA (sm_90a) at the 9B shapes, one
     packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
@@ -193,6 +196,8 @@ def test_mgpu_scan_cross_lowers_for_cuda():
               S((n,), i32), S((n,), jnp.bool_))
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
+    cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_wgs=2, mgpu_out=o) for bv in (16, 32)
+             for o in ("chunks", "direct")]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
