@@ -46,10 +46,11 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    together; the solve and the prep then write T and P as bf16 hi + lo parts (split=True), ready tensor-core
    operands. Whole prefill on the H200 (bench/RESULTS.md, 2026-12-02): 453.6 vs 578.6 us at 1x8k, 840.9 vs 1197.1
    at 8x2k against the Triton scan; final state 2.2e-5 from the fp32 token scan against 2.1e-4.
-5. prep_mode "fused" (an option, not yet timed on a GPU): one Triton kernel per (chunk, value head) writes T, P and
-   f, T by recursive doubling on the whole [64, 64] tile (`_doubling_inverse`: six steps of two full-tile
-   products) instead of the solve kernel's 16x16 substitutions and merges (one warp, 86 layout conversions, ~50 us
-   per program on the H200: the solve and the prep were 41-46% of the Mosaic-scan prefill, bench/RESULTS.md).
+5. prep_mode "fused": one Triton kernel per (chunk, value head) writes T, P and f, T by recursive doubling on the
+   whole [64, 64] tile (`_doubling_inverse`: six steps of two full-tile products) instead of the solve kernel's
+   16x16 substitutions and merges (one warp, ~45 us per program on the H200). Faster while its programs fit in a
+   few waves (1x1k: 83.4-89.0 vs 102.0-119.6 us), slower past that (1x8k: 628-633 vs 482-484 us): prep_mode "auto"
+   (the default) picks it for few chunks and "solve2" (T solve + P / f per key head) otherwise.
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
@@ -124,6 +125,7 @@ class WYConfig:
                traffic per chunk and head);
                "solve2": the same with the value heads of a key head in one program given T (q, k and Q K^T
                once per key head);
+               "auto": "fused" (bf16x3) for few chunks, else "solve2" (resolve_prep);
                "fused" (tform only): one kernel per (chunk, value head) writes T, P and f, T by recursive doubling
                on the whole [64, 64] tile (gdn._doubling_inverse: twelve full-tile products in solve_prec instead
                of the solve kernel's 16x16 substitutions and merges); "fused2": the same per (chunk, key head),
@@ -167,7 +169,7 @@ class WYConfig:
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
                 + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
-                + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2") else "") + inv
+                + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -212,8 +214,24 @@ class DecodeConfig:
 # 1236.2): per key head it has half the programs, ~2 per SM at 1k tokens. So "solve" is the default again.
 # At c123fba (bench/prefill_parts.py whole, H200) the Mosaic GPU scan (gdn_mgpu) took 453.6 us at 1x8k against
 # 578.6 for the Triton scan, 840.9 against 1197.1 at 8x2k.
-DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="solve", solve_warps=1, overlap=True,
+# At c757fe0 / a1f01f0 (two runs, bench/prefill_parts.py whole, H200) the fused T / P / f prep in bf16x3 took 89.0 /
+# 83.4 us at 1x1k against 102.0 / 119.6 for "solve", but 628.3 / 632.5 at 1x8k against 481.9 / 484.0 (its doubling
+# products outgrow the solve once its programs pass a few waves), and "solve2" 475.3 / 475.4 at 1x8k, 815.4 / 840.3
+# at 8x2k against 838.9 / 838.5: hence prep_mode "auto" (resolve_prep).
+DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto")
+FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
+
+
+def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
+    """prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3) while its (chunk, value head)
+    programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the T-form; else T from the solve kernel and P, f per key
+    head ("solve2")."""
+    if config.prep_mode != "auto":
+        return config
+    if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
+        return dataclasses.replace(config, prep_mode="fused", solve_prec="bf16x3")
+    return dataclasses.replace(config, prep_mode="solve2")
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="")   # the previous default: the Triton T-form scan
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
@@ -235,6 +253,7 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, overlap=True), nopf(bv=32, num_stages=2, overlap=True, num_warps=8),
             nopf(bv=16, num_stages=2, overlap=True),
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
@@ -954,6 +973,7 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
 
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
                 config: WYConfig, interpret):
+    config = resolve_prep(config, max_chunks, v.shape[1], v.dtype)
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32

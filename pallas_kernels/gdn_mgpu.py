@@ -228,7 +228,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
         tile((wgs, bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((wgs, CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * len(SHARED)), plgpu.Barrier(num_barriers=wgs * buffers),
         *([plgpu.Barrier(num_arrivals=wgs, num_barriers=buffers)] if wgs > 1 else []),
-        collective_axes="wg" if wgs > 1 else None,      # one allocation for the program's warpgroups
+        **(dict(collective_axes="wg") if wgs > 1 else {}),    # one allocation for the program's warpgroups
     )
 
 def applies(total, dk, dv, starts_aligned, dtype=jnp.bfloat16):

@@ -180,9 +180,10 @@ def test_mgpu_scan_needs_aligned_starts():
     assert not gdn_mgpu.applies(8192, 128, 128, True, jnp.float32)           # fp32 models: the Triton scan
     assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
     assert gdn_mgpu.pick_bv(1, 32, 128) == 32 and gdn_mgpu.pick_bv(8, 32, 128) == 64
+    assert gdn_mgpu.pick_bv(1, 32, 128, wgs=2) == 16 and gdn_mgpu.pick_bv(8, 32, 128, wgs=2) == 32
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=WY), *shapes)      # unaligned: Triton scan
-    assert "mosaic_gpu" not in text and text.count("__gpu$xla.gpu.triton") == 3
+    assert "mosaic_gpu" not in text and text.count("__gpu$xla.gpu.triton") == 2        # two chunks: the fused prep
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
@@ -203,8 +204,8 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
     padded = tuple(S((2, 512) + s.shape[1:], s.dtype) for s in packed[:5]) + packed[5:8] + (
         S((2,), i32), S((2,), i32), S((2,), jnp.bool_))
-    text = lower_for_cuda(gdn.gdn_prefill, *padded)
-    assert "mosaic_gpu" in text and text.count("__gpu$xla.gpu.triton") == 2
+    text = lower_for_cuda(gdn.gdn_prefill, *padded)          # 16 chunks x 32 heads: the fused prep, one kernel
+    assert "mosaic_gpu" in text and text.count("__gpu$xla.gpu.triton") == 1
 
 def test_wy_solve_per_value_head_equals_per_key_head():
     """The T solve's two grids (a key head's value heads in one program, or one program each) write the same T."""
@@ -411,6 +412,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
     resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
+    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf) if isinstance(c, gdn.WYConfig) else c
+                for c in resolved]
     kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2")) for c in resolved)   # prep, scan (+ T)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
@@ -634,3 +637,15 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
     for step in (1, 2):
         err = np.abs(got[step][:2, :cfg.vocab_size] - ref[step][:2, :cfg.vocab_size]).max()
         assert err <= 1e-6 * scale, f"decode step {step}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
+
+
+def test_prep_auto_picks_the_fused_prep_for_few_chunks():
+    """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on bf16
+    T-form inputs only; the solve kernel + the per-key-head P / f prep otherwise; explicit modes pass through."""
+    few, many = gdn.FUSED_PREP_PROGRAMS // 32, gdn.FUSED_PREP_PROGRAMS // 32 + 1
+    fused = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)
+    assert (fused.prep_mode, fused.solve_prec) == ("fused", "bf16x3")
+    assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16).prep_mode == "solve2"
+    assert gdn.resolve_prep(WY, few, 32, jnp.float32).prep_mode == "solve2"
+    assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
+    assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve"), few, 32, jnp.bfloat16).prep_mode == "solve"
