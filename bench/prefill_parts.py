@@ -42,12 +42,12 @@ from qwen35_jax import profile_trace  # noqa: E402
 SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): two warpgroups per scan program
-# (each its own V-block of 16 or 32 columns on shared tiles), the prep of P and f per key head, T, P and f from one
-# kernel (T by recursive doubling in bf16x3 products; at c757fe0 slower from 1x8k up: 628.3 vs 481.9 us)
-WHOLE = [dict(), dict(mgpu="on", bv=16, mgpu_wgs=2), dict(mgpu="on", bv=32, mgpu_wgs=2), dict(prep_mode="solve2"),
-         dict(prep_mode="solve2", mgpu_wgs=2), dict(prep_mode="fused", solve_prec="bf16x3")]
-KERNELS = [dict(), dict(mgpu_wgs=2)]     # the configurations the kernels part profiles
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the scan carrying the next chunk's
+# K H (lookahead, V-block 32), and the plain scan at V-block 32 (its baseline where the default picks 64). At a1f01f0
+# two warpgroups per program (V-blocks 16 / 32 on shared tiles) took 517.8 / 590.9 us at 1x8k against 484.0, 1052.0 /
+# 835.6 at 8x2k against 838.5; the fused prep 632.5 and 1146.4 (83.4 against 119.6 at 1x1k).
+WHOLE = [dict(), dict(mgpu_lookahead=True), dict(mgpu="on", bv=32)]
+KERNELS = [dict(), dict(mgpu_lookahead=True)]     # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

@@ -156,6 +156,8 @@ class WYConfig:
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
                                   # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
+    mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
+                                  # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
 
@@ -167,7 +169,7 @@ class WYConfig:
                 + ('_pf' if self.prefetch else '')
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
-                + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "")
+                + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "") + ("_la" if self.mgpu_lookahead else "")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -257,6 +259,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -995,6 +998,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
                                  bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, wgs=config.mgpu_wgs,
+                                 lookahead=config.mgpu_lookahead,
                                  row0=row0,
                                  nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,

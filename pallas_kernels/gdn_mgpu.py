@@ -72,7 +72,7 @@ def _store_split(refs, x):
 
 
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
-               buffers, chunked, wgs):
+               buffers, chunked, wgs, lookahead):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
@@ -84,7 +84,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     row = wgl.reduce(1)
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
-    def kernel(q_s, k_s, t_s, p_s, f_s, v_s, h_s, x_s, vk_s, o_s, bars, vbars, *consumed):
+    def kernel(q_s, k_s, t_s, p_s, f_s, v_s, h_s, x_s, vk_s, o_s, bars, vbars, consumed=None, m_s=None, kbars=None):
         # this warpgroup's own tiles (v, the state and product operands, o); q, k, T, P, f are the program's
         v_s, h_s, o_s = v_s.at[wg], h_s.at[wg], o_s.at[wg]
         x_s, vk_s = [r.at[wg] for r in x_s], [r.at[wg] for r in vk_s]
@@ -116,13 +116,18 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.copy_gmem_to_smem(v_ref.at[pl.ds(row0, CHUNK), hv, vcols], v_s.at[slot], vbar(slot))
 
             def shared():
-                if consumed:
-                    pl.when(c >= buffers)(lambda: plgpu.barrier_wait(consumed[0].at[slot]))
+                if consumed is not None:
+                    pl.when(c >= buffers)(lambda: plgpu.barrier_wait(consumed.at[slot]))
                 for name in which:
                     if name != "v":
                         i = SHARED.index(name)
                         plgpu.copy_gmem_to_smem(srcs[name], dsts[name].at[slot], bars.at[slot * len(SHARED) + i])
             pl.when(wg == 0)(shared) if wgs > 1 else shared()
+
+        def fetch_k(c):                                         # lookahead: chunk c's keys into the ring of three
+            kslot = lax.rem(c, 3)
+            row0 = pl.multiple_of(start + c * CHUNK, 8)
+            plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(row0, CHUNK), kh], k_s.at[kslot], kbars.at[kslot])
 
         def refill(c, which):
             """One buffer: chunk c + 1's tiles `which` into the buffer as soon as chunk c is done with them."""
@@ -131,12 +136,27 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
 
         @pl.when(nch > 0)
         def _():
-            fetch(0, 0)
+            fetch(0, 0, ("q", "t", "p", "f", "v") if lookahead else SHARED + ("v",))
+            if lookahead:
+                fetch_k(0)
+                pl.when(nch > 1)(lambda: fetch_k(1))
 
         # the initial state H [dk, BV] fp32 (zeros where the sequence starts fresh: set outside)
         h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wgl, optimized=False)
 
         fd_at = lambda c: fd_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv]   # a chunk's decay (HBM)
+
+        def put_o(c, o, tail):
+            """Chunk c's output tile o -> o_s -> o (a whole tile per chunk, or its rows; a tail's valid ones)."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
+            o_s[...] = o.astype(o_s.dtype)
+            plgpu.commit_smem()
+            if chunked:                                         # whole tiles per chunk, gathered outside
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
+            elif tail:                                          # the last, partial chunk: its valid rows only
+                store_rows(start + c * CHUNK, length - c * CHUNK)
+            else:
+                plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols])
 
         def chunk(c, carry, tail=False):
             h, fd = carry
@@ -183,24 +203,79 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
                 return o_acc[...], h_acc[...]
             pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
-            if consumed:              # this warpgroup is done with the shared tiles (where the buffer is refilled)
-                pl.when(c + buffers < nch)(lambda: plgpu.barrier_arrive(consumed[0].at[slot]))
+            if consumed is not None:  # this warpgroup is done with the shared tiles (where the buffer is refilled)
+                pl.when(c + buffers < nch)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
             refill(c, ("k", "p"))
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous chunk's output has left o_s
-            o_s[...] = (_rows(fq, bv) * y + pv).astype(o_s.dtype)
-            plgpu.commit_smem()
-            if chunked:                                         # whole tiles per chunk, gathered outside
-                plgpu.copy_smem_to_gmem(o_s, o_ref.at[coff + c, :, hv, vcols])
-            elif tail:                                          # the last, partial chunk: its valid rows only
-                store_rows(start + c * CHUNK, length - c * CHUNK)
-            else:
-                plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols])
+            put_o(c, _rows(fq, bv) * y + pv, tail)
             return fd * h + upd, fd_next
+
+        def chunk_ahead(c, carry, tail=False):
+            """lookahead: Z = K H arrives from the previous chunk as Z' = e^gamma_C K' H + M (fk Vnew) with
+            M = K' K^T (K' the next chunk's keys), so the chain from one chunk's Z to the next one's is two rounds of
+            products (T X, then M (fk Vnew)) instead of three (K H, T X, K^T (fk Vnew)). K comes in a ring of three
+            buffers, a chunk further ahead than the rest (M needs the next chunk's keys)."""
+            h, z, fd = carry
+            fd_next = fd_at(c + 1)
+            slot, ks_, kn_ = lax.rem(c, 2), lax.rem(c, 3), lax.rem(c + 1, 3)
+            pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, 2), ("q", "t", "p", "f", "v")))
+            pl.when(c + 2 < nch)(lambda: fetch_k(c + 2))
+            for name in ("q", "t", "p", "f"):
+                plgpu.barrier_wait(bars.at[slot * len(SHARED) + SHARED.index(name)])
+            plgpu.barrier_wait(vbar(slot))
+            pl.when(c + 1 < nch)(lambda: plgpu.barrier_wait(kbars.at[kn_]))
+            # the last chunk's M and K' H read a stale key buffer: their results are not used
+            qs, ks, kn, fs, ts, ps = q_s.at[slot], k_s.at[ks_], k_s.at[kn_], f_s.at[slot], t_s.at[slot], p_s.at[slot]
+            fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
+            v = plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32)
+
+            def products(m_acc, vnew_acc, y_acc, a_acc, zn_acc, o_acc, h_acc):
+                plgpu.wgmma(m_acc, kn, _b(ks))                  # M = K' K^T: keys only, ahead of the chain
+                _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
+                _store_kmajor(h_s, h)
+                plgpu.commit_smem()
+                plgpu.wgmma(vnew_acc, ts.at[0], _b(x_s[0]))     # Vnew = T X (the chain), then Q H and K' H
+                plgpu.wgmma(vnew_acc, ts.at[0], _b(x_s[1]))
+                plgpu.wgmma(vnew_acc, ts.at[1], _b(x_s[0]))
+                plgpu.wgmma(y_acc, qs, _b(h_s))
+                plgpu.wgmma(a_acc, kn, _b(h_s))
+                m_s[...] = plgpu.wgmma_accumulator_load(m_acc, wait_n=5).astype(m_s.dtype)
+                vnew = plgpu.wgmma_accumulator_load(vnew_acc, wait_n=2)
+                _store_split(x_s, vnew)                         # X is spent: its buffers take Vnew
+                _store_split(vk_s, _rows(fk, bv) * vnew)
+                plgpu.commit_smem()
+                plgpu.wgmma(zn_acc, m_s, _b(vk_s[0]))           # M (fk Vnew) (the chain), the state update, P Vnew
+                plgpu.wgmma(zn_acc, m_s, _b(vk_s[1]))
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
+                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
+                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[0]))
+                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[1]))
+                plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
+                zn = plgpu.wgmma_accumulator_load(zn_acc, wait_n=5)
+                z_next = fd * plgpu.wgmma_accumulator_load(a_acc, wait_n=None) + zn
+                y = plgpu.wgmma_accumulator_load(y_acc, wait_n=None)
+                return z_next, y, plgpu.wgmma_accumulator_load(o_acc), plgpu.wgmma_accumulator_load(h_acc)
+            z_next, y, pv, upd = pl.run_scoped(products, plgpu.ACC((CHUNK, CHUNK), jnp.float32), tile_acc, tile_acc,
+                                               tile_acc, tile_acc, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
+            put_o(c, _rows(fq, bv) * y + pv, tail)
+            return fd * h + upd, z_next, fd_next
 
         # direct: the whole chunks in one loop (no conditional store in it), a partial last chunk in a loop of one
         full = nch if chunked else lax.div(length, jnp.int32(CHUNK))
-        carry = lax.fori_loop(0, full, chunk, (h, fd_at(0)))
-        h, _ = carry if chunked else lax.fori_loop(full, nch, functools.partial(chunk, tail=True), carry)
+        if lookahead:                                           # Z of the first chunk (an empty row: unused)
+            pl.when(nch > 0)(lambda: plgpu.barrier_wait(kbars.at[0]))
+            _store_kmajor(h_s, h)
+            plgpu.commit_smem()
+
+            def z0(acc):
+                plgpu.wgmma(acc, k_s.at[0], _b(h_s))
+                return acc[...]
+            carry, step = (h, pl.run_scoped(z0, tile_acc), fd_at(0)), chunk_ahead
+        else:
+            carry, step = (h, fd_at(0)), chunk
+        carry = lax.fori_loop(0, full, step, carry)
+        if not chunked:
+            carry = lax.fori_loop(full, nch, functools.partial(step, tail=True), carry)
+        h = carry[0]
         h_ref.at[n, hv, :, vcols][...] = h
 
         def zero_padding():                                     # direct: rows [len, span) (a padded batch's)
@@ -222,12 +297,13 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     pair = lambda rows, cols: [tile((wgs, rows, cols), bf), tile((wgs, rows, cols), bf)]   # B operands, K-major
     pl.run_scoped(
         kernel,
-        tile((buffers, CHUNK, dk), bf), tile((buffers, CHUNK, dk), bf),
+        tile((buffers, CHUNK, dk), bf), tile((3 if lookahead else buffers, CHUNK, dk), bf),
         tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf),
         tile((buffers, 5, CHUNK), f32, False), tile((wgs, buffers, CHUNK, bv), bf),
         tile((wgs, bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((wgs, CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * len(SHARED)), plgpu.Barrier(num_barriers=wgs * buffers),
-        *([plgpu.Barrier(num_arrivals=wgs, num_barriers=buffers)] if wgs > 1 else []),
+        **(dict(consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=buffers)) if wgs > 1 else {}),
+        **(dict(m_s=tile((CHUNK, CHUNK), bf), kbars=plgpu.Barrier(num_barriers=3)) if lookahead else {}),
         **(dict(collective_axes="wg") if wgs > 1 else {}),    # one allocation for the program's warpgroups
     )
 
@@ -247,14 +323,16 @@ def pick_bv(n_seq, hv, dv, cores=132, wgs=1):
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         out="chunks", wgs=1, row0=None, nvalid=None, interpret=False):
+         out="chunks", wgs=1, lookahead=False, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
     with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
     with it (half the shared memory: two programs per SM at V-block 32). wgs: warpgroups per program, each its own
     V-block of bv columns (and its own chain of dependent products) on the q, k, T, P, f tiles they share (loaded
-    once, by warpgroup 0, after both are done with the buffer's previous chunk); 2 needs 2 buffers. out: "chunks", whole [64, bv] tiles per
+    once, by warpgroup 0, after both are done with the buffer's previous chunk); 2 needs 2 buffers. lookahead: the
+    next chunk's K H from this chunk's (two rounds of products on the chain per chunk instead of three; one
+    warpgroup, 2 buffers, V-block 16 or 32: _scan_body's chunk_ahead). out: "chunks", whole [64, bv] tiles per
     chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
     zero); "direct", o by TMA straight into its rows, the whole chunks in one loop and a partial last chunk after it
     (at d2ba6e9, with the tail's conditional stores inside the one chunk loop, 3-3.5% slower on the H200 than
@@ -264,12 +342,15 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n = starts.shape[0]
-    bv = bv or pick_bv(n, hv, dv, wgs=wgs)
+    bv = bv or min(pick_bv(n, hv, dv, wgs=wgs), 32 if lookahead else 64)
     if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
         raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
     if buffers not in (1, 2) or wgs not in (1, 2) or (wgs == 2 and buffers != 2):
         raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers and 1 or 2 warpgroups (2 with 2 buffers), got "
                          f"buffers={buffers}, wgs={wgs}")
+    if lookahead and (wgs != 1 or buffers != 2 or bv > 32):
+        raise ValueError(f"the Mosaic GPU scan's lookahead takes one warpgroup, 2 buffers and a V-block of 16 or 32, "
+                         f"got wgs={wgs}, buffers={buffers}, bv={bv}")
     if bv not in (16, 32, 64) or dv % (bv * wgs) or dk % 64 or total % 8:
         raise ValueError(f"the Mosaic GPU scan needs a V-block of 16, 32 or 64 (times wgs) dividing dv, dk a multiple "
                          f"of 64 and total rows of 8; got bv={bv}, wgs={wgs}, dv={dv}, dk={dk}, total={total}")
@@ -279,7 +360,8 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     seq = jnp.stack([starts, lens, chunk_off, spans]).astype(i32)
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
-        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs),
+        functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs,
+                          lookahead=lookahead),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // (bv * wgs)), grid_names=("n", "h", "vb"),

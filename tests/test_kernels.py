@@ -132,7 +132,9 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
               "bv32-direct-out": dict(mgpu="on", bv=32, mgpu_out="direct"),
               "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct"),
               "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
-              "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct")}
+              "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct"),
+              "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
+              "bv16-lookahead-direct-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="direct")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -197,8 +199,8 @@ def test_mgpu_scan_cross_lowers_for_cuda():
               S((n,), i32), S((n,), jnp.bool_))
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
-    cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_wgs=2, mgpu_out=o) for bv in (16, 32)
-             for o in ("chunks", "direct")]
+    cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
+             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
