@@ -4,7 +4,8 @@
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
 
 Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`:
-parallel Triton kernels for T and P, then the chunk scan as a Mosaic GPU kernel, pallas_kernels/gdn_mgpu.py,
+parallel Triton kernels for T and P (one fused kernel for few chunks, else a T solve and a P prep per key head:
+`gdn.resolve_prep`), then the chunk scan as a Mosaic GPU kernel, pallas_kernels/gdn_mgpu.py,
 wherever its shapes allow, which the model's always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan
 instead, the previous default) and the decode step
 `gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
