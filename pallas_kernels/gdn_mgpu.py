@@ -19,7 +19,12 @@ chunk, [chunks, 64, Hv, dv], and gathered to [total, Hv, dv] outside (out="chunk
 rows, a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next
 sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
 orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
-H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs".
+
+Two options on the chain of dependent products (Z -> Vnew -> H -> the next chunk's Z, three rounds of products, each
+behind a shared-memory store and a fence): wgs=2 runs two warpgroups per program, each its own V-block and chain on
+shared tiles (measured slower at 1x8k, even at 8x2k: bench/RESULTS.md, "Readings of the 2026-12-02 evening H200
+runs"); lookahead carries the next chunk's Z (two rounds per chunk; untimed on a GPU so far).
+H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs" and later readings.
 """
 from __future__ import annotations
 
