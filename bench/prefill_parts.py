@@ -43,11 +43,13 @@ SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): the scan carrying the next chunk's
-# K H (lookahead, V-block 32), and the plain scan at V-block 32 (its baseline where the default picks 64). At a1f01f0
-# two warpgroups per program (V-blocks 16 / 32 on shared tiles) took 517.8 / 590.9 us at 1x8k against 484.0, 1052.0 /
-# 835.6 at 8x2k against 838.5; the fused prep 632.5 and 1146.4 (83.4 against 119.6 at 1x1k).
-WHOLE = [dict(), dict(mgpu_lookahead=True), dict(mgpu="on", bv=32)]
-KERNELS = [dict(), dict(mgpu_lookahead=True)]     # the configurations the kernels part profiles
+# K H (lookahead, V-block 32), T and P as bf16 hi alone (tp_split=False), both, and the plain scan at V-block 32 (its
+# baseline where the default picks 64). At a1f01f0 two warpgroups per program (V-blocks 16 / 32 on shared tiles)
+# took 517.8 / 590.9 us at 1x8k against 484.0, 1052.0 / 835.6 at 8x2k against 838.5; the fused prep 632.5 and 1146.4
+# (83.4 against 119.6 at 1x1k).
+WHOLE = [dict(), dict(mgpu_lookahead=True), dict(tp_split=False), dict(mgpu_lookahead=True, tp_split=False),
+         dict(mgpu="on", bv=32)]
+KERNELS = [dict(), dict(mgpu_lookahead=True, tp_split=False)]     # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",
@@ -124,7 +126,7 @@ def main():
     precs = d.precisions(jnp.bfloat16)
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], per_value_head=cfg[2],
-                                                   split=bool(d.mgpu), **kb.kernel_kw())
+                                                   split=2 if d.mgpu else 0, **kb.kernel_kw())
     zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve

@@ -43,7 +43,7 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    state dependency (a scan whose state never changes took 355 vs 381 us).
 4. The Mosaic GPU scan (WYConfig.mgpu; "auto", the default since c123fba, wherever its shapes allow):
    pallas_kernels/gdn_mgpu.py, the same T-form math with TMA loads a chunk ahead and independent products issued
-   together; the solve and the prep then write T and P as bf16 hi + lo parts (split=True), ready tensor-core
+   together; the solve and the prep then write T and P as bf16 hi + lo parts (split=2), ready tensor-core
    operands. Whole prefill on the H200 (bench/RESULTS.md, 2026-12-02): 453.6 vs 578.6 us at 1x8k, 840.9 vs 1197.1
    at 8x2k against the Triton scan; final state 2.2e-5 from the fp32 token scan against 2.1e-4.
 5. prep_mode "fused": one Triton kernel per (chunk, value head) writes T, P and f, T by recursive doubling on the
@@ -156,6 +156,9 @@ class WYConfig:
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
                                   # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
+    tp_split: bool = True         # the Mosaic scan's T and P as bf16 hi + lo parts (~tf32x3 products with the split
+                                  # operand), or hi alone (False: T and P rounded to bf16 as fla's, half their traffic,
+                                  # one product fewer each per chunk)
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
@@ -170,6 +173,7 @@ class WYConfig:
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
                 + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "") + ("_la" if self.mgpu_lookahead else "")
+                + ("" if self.tp_split else "_tp1")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -260,6 +264,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
+            dataclasses.replace(DEFAULT_PREFILL, tp_split=False),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -373,14 +378,16 @@ def _inv_unit_lower(blocks):
 
 
 def _store_t(ref, lead, tile, x):
-    """ref[lead + tile] = x (fp32), or where ref is bf16 with a [2] axis after lead: its hi and lo parts (x = hi + lo
-    to ~2^-16 relative; the Mosaic GPU scan's bf16 tensor-core operands, gdn_mgpu)."""
+    """ref[lead + tile] = x (fp32), or where ref is bf16 with a parts axis after lead: its hi and lo parts (x = hi +
+    lo to ~2^-16 relative), or hi alone where that axis has one entry (the Mosaic GPU scan's bf16 tensor-core
+    operands, gdn_mgpu)."""
     if ref.dtype == jnp.float32:
         ref[lead + tile] = x
         return
     hi, lo = gdn_mgpu.split_bf16(x)
     ref[lead + (0,) + tile] = hi
-    ref[lead + (1,) + tile] = lo
+    if ref.shape[len(lead)] == 2:
+        ref[lead + (1,) + tile] = lo
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
@@ -883,17 +890,20 @@ def pick_bv_wy(n_seq, hv, dv, cores=132):
 
 
 def _chunk_tiles(chunks, hv, split):
-    """The [chunks, Hv, 64, 64] fp32 T or P output, or its bf16 hi and lo parts [chunks, Hv, 2, 64, 64] (split)."""
-    return jax.ShapeDtypeStruct((chunks, hv) + ((2,) if split else ()) + (CHUNK, CHUNK),
+    """The [chunks, Hv, 64, 64] fp32 T or P output (split 0), or its bf16 parts [chunks, Hv, split, 64, 64]: hi and
+    lo (split 2) or hi alone (split 1)."""
+    if split not in (0, 1, 2):
+        raise ValueError(f"split is 0 (fp32), 1 (bf16 hi) or 2 (bf16 hi + lo), got {split!r}")
+    return jax.ShapeDtypeStruct((chunks, hv) + ((split,) if split else ()) + (CHUNK, CHUNK),
                                 jnp.bfloat16 if split else jnp.float32)
 
 
 def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_prec="tf32x3", per_value_head=False,
-             split=False, interpret=False):
+             split=0, interpret=False):
     """T = (I + A)^-1 [chunks, Hv, 64, 64] fp32 for every flat chunk by `_solve_kernel` (grid (chunk, key head),
     the key head's value heads in a loop, or per_value_head: grid (chunk, value head), K K^T computed per value
     head; few warps: its 16x16 row loops and reductions stay within one or two). split: T as bf16 hi and lo parts,
-    [chunks, Hv, 2, 64, 64] (the Mosaic GPU scan's operands)."""
+    [chunks, Hv, 2, 64, 64], or 1: hi alone (the Mosaic GPU scan's operands; _chunk_tiles)."""
     hk, hv, f32 = k.shape[1], a.shape[1], jnp.float32
     return pl.pallas_call(
         functools.partial(_solve_kernel, ratio=hv // hk, prec=prec, interpret=interpret, inv_prec=inv_prec,
@@ -906,14 +916,14 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=False, with_t=False, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=0, with_t=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
     the "tile" kernel from T (per value head / per key head).
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
     |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
-    bf16 hi and lo parts, [chunks, Hv, 2, 64, 64]. with_t (pf_only): T too, by recursive doubling in the same
+    bf16 parts as wy_solve's T. with_t (pf_only): T too, by recursive doubling in the same
     kernel (`_doubling_inverse`, its products in solve_prec), returned first: (T, P, f), T shaped as P."""
     if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
@@ -977,6 +987,7 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
                 config: WYConfig, interpret):
     config = resolve_prep(config, max_chunks, v.shape[1], v.dtype)
+    split = (2 if config.tp_split else 1) if config.mgpu else 0
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
@@ -986,13 +997,13 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
         if config.prep_mode in ("fused", "fused2"):
             t, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                               num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
-                              mode="solve2" if config.prep_mode == "fused2" else "solve", split=bool(config.mgpu),
+                              mode="solve2" if config.prep_mode == "fused2" else "solve", split=split,
                               with_t=True, interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                         inv_prec=config.solve_prec, split=bool(config.mgpu), interpret=interpret)
+                         inv_prec=config.solve_prec, split=split, interpret=interpret)
             p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                           num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=bool(config.mgpu),
+                           num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=split,
                            interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv

@@ -14,8 +14,8 @@ the state H [dk, BV] fp32 in registers:
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
-split=True), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=True). The output is written per
-chunk, [chunks, 64, Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its
+split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2); or T and P as hi alone (split=1,
+WYConfig.tp_split=False: one product fewer each). The output is written per chunk, [chunks, 64, Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its
 rows, a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next
 sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
 orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
@@ -76,12 +76,22 @@ def _store_split(refs, x):
     _store_kmajor(refs[1], lo)
 
 
+def _products(acc, a_parts, b_parts):
+    """acc += A B from A's bf16 parts (a_parts [parts, M, K]: hi and lo, or hi alone) and B's hi and lo (K-major):
+    hi hi + hi lo (+ lo hi). Returns the number of products issued (wgmma groups, for wgmma_accumulator_load)."""
+    plgpu.wgmma(acc, a_parts.at[0], _b(b_parts[0]))
+    plgpu.wgmma(acc, a_parts.at[0], _b(b_parts[1]))
+    if a_parts.shape[0] == 2:
+        plgpu.wgmma(acc, a_parts.at[1], _b(b_parts[0]))
+    return a_parts.shape[0] + 1
+
+
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
                buffers, chunked, wgs, lookahead):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
-    dk = q_ref.shape[-1]
+    dk, parts = q_ref.shape[-1], t_ref.shape[2]
     start, length, coff, span = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n], seq_ref[3, n]
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
     vcols = pl.ds(pl.multiple_of((vb * wgs + wg) * bv, bv), bv)
@@ -190,9 +200,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             refill(c, ("v", "f"))
 
             def tx(acc):                                        # Vnew = T X, ~tf32x3 from bf16 parts
-                plgpu.wgmma(acc, ts.at[0], _b(x_s[0]))
-                plgpu.wgmma(acc, ts.at[0], _b(x_s[1]))
-                plgpu.wgmma(acc, ts.at[1], _b(x_s[0]))
+                _products(acc, ts, x_s)
                 return acc[...]
             vnew = pl.run_scoped(tx, tile_acc)
             refill(c, ("t",))
@@ -203,9 +211,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             def pv_update(o_acc, h_acc):                        # the state update and P Vnew, issued together
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
-                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[0]))
-                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[1]))
-                plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
+                _products(o_acc, ps, x_s)
                 return o_acc[...], h_acc[...]
             pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
             if consumed is not None:  # this warpgroup is done with the shared tiles (where the buffer is refilled)
@@ -238,12 +244,10 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
                 _store_kmajor(h_s, h)
                 plgpu.commit_smem()
-                plgpu.wgmma(vnew_acc, ts.at[0], _b(x_s[0]))     # Vnew = T X (the chain), then Q H and K' H
-                plgpu.wgmma(vnew_acc, ts.at[0], _b(x_s[1]))
-                plgpu.wgmma(vnew_acc, ts.at[1], _b(x_s[0]))
+                tx = _products(vnew_acc, ts, x_s)               # Vnew = T X (the chain), then Q H and K' H
                 plgpu.wgmma(y_acc, qs, _b(h_s))
                 plgpu.wgmma(a_acc, kn, _b(h_s))
-                m_s[...] = plgpu.wgmma_accumulator_load(m_acc, wait_n=5).astype(m_s.dtype)
+                m_s[...] = plgpu.wgmma_accumulator_load(m_acc, wait_n=tx + 2).astype(m_s.dtype)
                 vnew = plgpu.wgmma_accumulator_load(vnew_acc, wait_n=2)
                 _store_split(x_s, vnew)                         # X is spent: its buffers take Vnew
                 _store_split(vk_s, _rows(fk, bv) * vnew)
@@ -252,10 +256,8 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 plgpu.wgmma(zn_acc, m_s, _b(vk_s[1]))
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
                 plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
-                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[0]))
-                plgpu.wgmma(o_acc, ps.at[0], _b(x_s[1]))
-                plgpu.wgmma(o_acc, ps.at[1], _b(x_s[0]))
-                zn = plgpu.wgmma_accumulator_load(zn_acc, wait_n=5)
+                pv = _products(o_acc, ps, x_s)
+                zn = plgpu.wgmma_accumulator_load(zn_acc, wait_n=2 + pv)
                 z_next = fd * plgpu.wgmma_accumulator_load(a_acc, wait_n=None) + zn
                 y = plgpu.wgmma_accumulator_load(y_acc, wait_n=None)
                 return z_next, y, plgpu.wgmma_accumulator_load(o_acc), plgpu.wgmma_accumulator_load(h_acc)
@@ -303,7 +305,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     pl.run_scoped(
         kernel,
         tile((buffers, CHUNK, dk), bf), tile((3 if lookahead else buffers, CHUNK, dk), bf),
-        tile((buffers, 2, CHUNK, CHUNK), bf), tile((buffers, 2, CHUNK, CHUNK), bf),
+        tile((buffers, parts, CHUNK, CHUNK), bf), tile((buffers, parts, CHUNK, CHUNK), bf),
         tile((buffers, 5, CHUNK), f32, False), tile((wgs, buffers, CHUNK, bv), bf),
         tile((wgs, bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((wgs, CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * len(SHARED)), plgpu.Barrier(num_barriers=wgs * buffers),
@@ -331,7 +333,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
          out="chunks", wgs=1, lookahead=False, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
-    with split=True; pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
+    with split=2 (bf16 hi + lo: three products each) or 1 (hi alone: two); pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
     with it (half the shared memory: two programs per SM at V-block 32). wgs: warpgroups per program, each its own
     V-block of bv columns (and its own chain of dependent products) on the q, k, T, P, f tiles they share (loaded
@@ -350,6 +352,9 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     bv = bv or min(pick_bv(n, hv, dv, wgs=wgs), 32 if lookahead else 64)
     if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
         raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if t.dtype != jnp.bfloat16 or t.ndim != 5 or t.shape[2] not in (1, 2) or p.shape != t.shape:
+        raise ValueError(f"the Mosaic GPU scan takes T and P as bf16 parts [chunks, Hv, 1 or 2, 64, 64] (wy_solve / "
+                         f"wy_prep split=1 or 2), got T {t.dtype}{list(t.shape)}, P {p.dtype}{list(p.shape)}")
     if buffers not in (1, 2) or wgs not in (1, 2) or (wgs == 2 and buffers != 2):
         raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers and 1 or 2 warpgroups (2 with 2 buffers), got "
                          f"buffers={buffers}, wgs={wgs}")

@@ -134,7 +134,9 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
               "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
               "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct"),
               "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
-              "bv16-lookahead-direct-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="direct")}
+              "bv16-lookahead-direct-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="direct"),
+              "bv32-bf16-t-p": dict(mgpu="on", bv=32, tp_split=False),
+              "bv32-lookahead-bf16-t-p": dict(mgpu="on", bv=32, mgpu_lookahead=True, tp_split=False)}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -200,7 +202,7 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
-             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True))]
+             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(tp_split=False))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
