@@ -226,6 +226,7 @@ class DecodeConfig:
 # at 8x2k against 838.9 / 838.5: hence prep_mode "auto" (resolve_prep).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto")
+TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="")   # the previous default: the Triton T-form scan
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
 
 
@@ -238,7 +239,8 @@ def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
     if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
         return dataclasses.replace(config, prep_mode="fused", solve_prec="bf16x3")
     return dataclasses.replace(config, prep_mode="solve2")
-TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="")   # the previous default: the Triton T-form scan
+
+
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
 # tile in (row, head, V-block) order, 70.5 vs 76.1 us at batch 64.
 DEFAULT_DECODE = DecodeConfig(vfirst=True)
@@ -1009,9 +1011,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
                                  bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, wgs=config.mgpu_wgs,
-                                 lookahead=config.mgpu_lookahead,
-                                 row0=row0,
-                                 nvalid=nvalid, interpret=interpret)
+                                 lookahead=config.mgpu_lookahead, row0=row0, nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     if config.prep_mode in ("fused", "fused2"):

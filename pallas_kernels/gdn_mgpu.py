@@ -173,6 +173,17 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             else:
                 plgpu.copy_smem_to_gmem(o_s, o_ref.at[pl.ds(start + c * CHUNK, CHUNK), hv, vcols])
 
+        def wait_tiles(slot, names):
+            """Wait for buffer slot's shared tiles `names` and this warpgroup's v tile."""
+            for name in names:
+                plgpu.barrier_wait(bars.at[slot * len(SHARED) + SHARED.index(name)])
+            plgpu.barrier_wait(vbar(slot))
+
+        def row_factors_and_v(slot):
+            """fq, fk, fw, beta (f rows 0, 1, 3, 4; per-row factors) and the v tile in fp32, from buffer slot."""
+            factors = [plgpu.load(f_s.at[slot].at[i], layout=row) for i in (0, 1, 3, 4)]
+            return (*factors, plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32))
+
         def chunk(c, carry, tail=False):
             h, fd = carry
             fd_next = fd_at(c + 1)                              # loaded a chunk ahead: off the critical path
@@ -180,10 +191,8 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             if buffers > 1:                                     # the next chunk's tiles while this one computes
                 pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, jnp.int32(buffers))))
 
-            for i in range(len(SHARED)):
-                plgpu.barrier_wait(bars.at[slot * len(SHARED) + i])
-            plgpu.barrier_wait(vbar(slot))
-            qs, ks, fs, ts, ps = q_s.at[slot], k_s.at[slot], f_s.at[slot], t_s.at[slot], p_s.at[slot]
+            wait_tiles(slot, SHARED)
+            qs, ks, ts, ps = q_s.at[slot], k_s.at[slot], t_s.at[slot], p_s.at[slot]
             _store_kmajor(h_s, h)
             plgpu.commit_smem()
 
@@ -193,8 +202,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 return z_acc[...], y_acc[...]
             z, y = pl.run_scoped(zy, tile_acc, tile_acc)
             refill(c, ("q",))
-            fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
-            v = plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32)
+            fq, fk, fw, beta, v = row_factors_and_v(slot)
             _store_split(x_s, _rows(beta, bv) * v - _rows(fw, bv) * z)
             plgpu.commit_smem()
             refill(c, ("v", "f"))
@@ -230,14 +238,11 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             slot, ks_, kn_ = lax.rem(c, 2), lax.rem(c, 3), lax.rem(c + 1, 3)
             pl.when(c + 1 < nch)(lambda: fetch(c + 1, lax.rem(c + 1, 2), ("q", "t", "p", "f", "v")))
             pl.when(c + 2 < nch)(lambda: fetch_k(c + 2))
-            for name in ("q", "t", "p", "f"):
-                plgpu.barrier_wait(bars.at[slot * len(SHARED) + SHARED.index(name)])
-            plgpu.barrier_wait(vbar(slot))
+            wait_tiles(slot, ("q", "t", "p", "f"))
             pl.when(c + 1 < nch)(lambda: plgpu.barrier_wait(kbars.at[kn_]))
             # the last chunk's M and K' H read a stale key buffer: their results are not used
-            qs, ks, kn, fs, ts, ps = q_s.at[slot], k_s.at[ks_], k_s.at[kn_], f_s.at[slot], t_s.at[slot], p_s.at[slot]
-            fq, fk, fw, beta = (plgpu.load(fs.at[i], layout=row) for i in (0, 1, 3, 4))
-            v = plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32)
+            qs, ks, kn, ts, ps = q_s.at[slot], k_s.at[ks_], k_s.at[kn_], t_s.at[slot], p_s.at[slot]
+            fq, fk, fw, beta, v = row_factors_and_v(slot)
 
             def products(m_acc, vnew_acc, y_acc, a_acc, zn_acc, o_acc, h_acc):
                 plgpu.wgmma(m_acc, kn, _b(ks))                  # M = K' K^T: keys only, ahead of the chain
