@@ -384,6 +384,10 @@ class PrefillProblem:
             o, pool = gdn.gdn_prefill_packed(q, k, v, a, b, self.A_log, self.dt_bias, c[0], self.starts,
                                              self.lens_a, slots, self.use, config=config,
                                              starts_aligned=self.aligned, **kernel_kw())
+            # the barrier makes every row of o be computed: without it XLA fuses the slice below into the XLA ops
+            # that form o (the Mosaic scan's chunk-tile gather), which then compute one row (the figures of
+            # mgpu_out="chunks" timed up to c257dc4 left the gather out: 45 us at 1x8k, 91 at 8x2k)
+            o = jax.lax.optimization_barrier(o)
             return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
         us, _ = time_calls(call, self.carry(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
         return us
@@ -395,6 +399,17 @@ class PrefillProblem:
                                             **kernel_kw()))(
             q, k, v, a, b, self.A_log, self.dt_bias, self.pool(), self.starts, self.lens_a, slots, self.use)
         return o, pool[slots]
+
+    def reference(self):
+        """(o, the sequences' final states) of the fp32 token scan (gdn_reference) on the first input set, from the
+        first pool: what outputs() returns, exact."""
+        q, k, v, a, b, slots = self.sets[0]
+        tmax = max(self.lens)
+        padded = [jnp.stack([jnp.pad(x[s0:s0 + ln].astype(jnp.float32), [(0, tmax - ln)] + [(0, 0)] * (x.ndim - 1))
+                             for s0, ln in zip(np.asarray(self.starts).tolist(), self.lens)]) for x in (q, k, v, a, b)]
+        o, pool = jax.jit(functools.partial(gdn_reference.gdn_prefill, method="scan"))(
+            *padded, self.A_log, self.dt_bias, self.pool(), slots, self.lens_a, self.use)
+        return jnp.concatenate([o[i, :ln] for i, ln in enumerate(self.lens)]), pool[slots]
 
     def prep_outputs(self, config):
         precs = config.precisions(jnp.bfloat16)

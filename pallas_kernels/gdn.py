@@ -156,9 +156,10 @@ class WYConfig:
                                   # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
     mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
                                   # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
-    tp_split: bool = True         # the Mosaic scan's T and P as bf16 hi + lo parts (~tf32x3 products with the split
-                                  # operand), or hi alone (False: T and P rounded to bf16 as fla's, half their traffic,
-                                  # one product fewer each per chunk)
+    t_parts: int = 2              # the Mosaic scan's T as bf16 hi + lo parts (2: ~tf32x3 products with the split
+                                  # operand) or hi alone (1: T rounded to bf16 as fla's A, half its traffic, one
+                                  # product fewer per chunk)
+    p_parts: int = 2              # the same for P (its rounding reaches o alone, not the state)
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
@@ -173,7 +174,8 @@ class WYConfig:
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
                 + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "") + ("_la" if self.mgpu_lookahead else "")
-                + ("" if self.tp_split else "_tp1")
+                + ("" if self.t_parts == 2 else f"_t{self.t_parts}")
+                + ("" if self.p_parts == 2 else f"_p{self.p_parts}")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -266,7 +268,8 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
-            dataclasses.replace(DEFAULT_PREFILL, tp_split=False),
+            dataclasses.replace(DEFAULT_PREFILL, t_parts=1, p_parts=1),
+            dataclasses.replace(DEFAULT_PREFILL, t_parts=1),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -918,7 +921,8 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=0, with_t=False, interpret=False):
+            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=0, t_split=None, with_t=False,
+            interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
     mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
@@ -926,7 +930,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
     |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
     bf16 parts as wy_solve's T. with_t (pf_only): T too, by recursive doubling in the same
-    kernel (`_doubling_inverse`, its products in solve_prec), returned first: (T, P, f), T shaped as P."""
+    kernel (`_doubling_inverse`, its products in solve_prec), returned first: (T, P, f), T in t_split parts (default
+    split)."""
     if pf_only:                 # mode "solve2": one program per key head (q, k loaded and Q K^T computed once)
         hk, hv = k.shape[1], v.shape[1]
         mc, f32 = row0.shape[0], jnp.float32
@@ -934,7 +939,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
         return pl.pallas_call(
             functools.partial(_prep_kernel, ratio=hv // hk, prec=prec, interpret=interpret, per_value_head=not per_kh,
                               pf_only=True, t_prec=solve_prec),
-            out_shape=(_chunk_tiles(mc, hv, split),) * (2 if with_t else 1)
+            out_shape=((_chunk_tiles(mc, hv, split if t_split is None else t_split),) if with_t else ())
+                      + (_chunk_tiles(mc, hv, split),)
                       + (jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32),),
             grid=(mc, hk if per_kh else hv),
             compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -989,7 +995,7 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
                 config: WYConfig, interpret):
     config = resolve_prep(config, max_chunks, v.shape[1], v.dtype)
-    split = (2 if config.tp_split else 1) if config.mgpu else 0
+    t_split, split = (config.t_parts, config.p_parts) if config.mgpu else (0, 0)
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
@@ -1000,10 +1006,10 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             t, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                               num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
                               mode="solve2" if config.prep_mode == "fused2" else "solve", split=split,
-                              with_t=True, interpret=interpret)
+                              t_split=t_split, with_t=True, interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                         inv_prec=config.solve_prec, split=split, interpret=interpret)
+                         inv_prec=config.solve_prec, split=t_split, interpret=interpret)
             p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                            num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=split,
                            interpret=interpret)

@@ -14,11 +14,12 @@ the state H [dk, BV] fp32 in registers:
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
-split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2); or T and P as hi alone (split=1,
-WYConfig.tp_split=False: one product fewer each). The output is written per chunk, [chunks, 64, Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its
-rows, a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next
-sequence); the initial and final states travel as [N, Hv, dk, dv] (the accumulator's
-orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
+split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2); or T, P or both as hi alone
+(split=1, WYConfig.t_parts / p_parts = 1: one product fewer each). The output is written per chunk, [chunks, 64,
+Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its rows, a tail chunk as
+power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next sequence); the initial and
+final states travel as [N, Hv, dk, dv] (the accumulator's orientation) and are transposed and scattered into the
+pool outside (N x 2 MiB per layer at 9B shapes).
 
 Two options on the chain of dependent products (Z -> Vnew -> H -> the next chunk's Z, three rounds of products, each
 behind a shared-memory store and a fence): wgs=2 runs two warpgroups per program, each its own V-block and chain on
@@ -91,7 +92,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
-    dk, parts = q_ref.shape[-1], t_ref.shape[2]
+    dk = q_ref.shape[-1]
     start, length, coff, span = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n], seq_ref[3, n]
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
     vcols = pl.ds(pl.multiple_of((vb * wgs + wg) * bv, bv), bv)
@@ -310,7 +311,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     pl.run_scoped(
         kernel,
         tile((buffers, CHUNK, dk), bf), tile((3 if lookahead else buffers, CHUNK, dk), bf),
-        tile((buffers, parts, CHUNK, CHUNK), bf), tile((buffers, parts, CHUNK, CHUNK), bf),
+        tile((buffers,) + t_ref.shape[2:], bf), tile((buffers,) + p_ref.shape[2:], bf),
         tile((buffers, 5, CHUNK), f32, False), tile((wgs, buffers, CHUNK, bv), bf),
         tile((wgs, bv, dk), bf), pair(bv, CHUNK), pair(bv, CHUNK), tile((wgs, CHUNK, bv), o_ref.dtype, False),
         plgpu.Barrier(num_barriers=buffers * len(SHARED)), plgpu.Barrier(num_barriers=wgs * buffers),
@@ -337,8 +338,9 @@ def pick_bv(n_seq, hv, dv, cores=132, wgs=1):
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
          out="chunks", wgs=1, lookahead=False, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
-    [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), both
-    with split=2 (bf16 hi + lo: three products each) or 1 (hi alone: two); pool [slots, Hv, dv, dk] fp32; chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
+    [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), T and
+    P each with split=2 (bf16 hi + lo: three products each) or 1 (hi alone: two); pool [slots, Hv, dv, dk] fp32;
+    chunk_off from gdn.chunk_map. bv: the V-block (None: pick_bv).
     buffers: 2, the next chunk's tiles load while a chunk computes; 1, each tile reloads as soon as the chunk is done
     with it (half the shared memory: two programs per SM at V-block 32). wgs: warpgroups per program, each its own
     V-block of bv columns (and its own chain of dependent products) on the q, k, T, P, f tiles they share (loaded
@@ -357,7 +359,8 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     bv = bv or min(pick_bv(n, hv, dv, wgs=wgs), 32 if lookahead else 64)
     if not all(x.dtype == jnp.bfloat16 for x in (q, k, v)):
         raise ValueError(f"the Mosaic GPU scan takes bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if t.dtype != jnp.bfloat16 or t.ndim != 5 or t.shape[2] not in (1, 2) or p.shape != t.shape:
+    if any(x.dtype != jnp.bfloat16 or x.ndim != 5 or x.shape[2] not in (1, 2) for x in (t, p)) or (
+            t.shape[:2] + t.shape[3:] != p.shape[:2] + p.shape[3:]):
         raise ValueError(f"the Mosaic GPU scan takes T and P as bf16 parts [chunks, Hv, 1 or 2, 64, 64] (wy_solve / "
                          f"wy_prep split=1 or 2), got T {t.dtype}{list(t.shape)}, P {p.dtype}{list(p.shape)}")
     if buffers not in (1, 2) or wgs not in (1, 2) or (wgs == 2 and buffers != 2):

@@ -135,8 +135,10 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
               "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct"),
               "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
               "bv16-lookahead-direct-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="direct"),
-              "bv32-bf16-t-p": dict(mgpu="on", bv=32, tp_split=False),
-              "bv32-lookahead-bf16-t-p": dict(mgpu="on", bv=32, mgpu_lookahead=True, tp_split=False)}
+              "bv32-bf16-t-p": dict(mgpu="on", bv=32, t_parts=1, p_parts=1),
+              "bv32-bf16-t": dict(mgpu="on", bv=32, t_parts=1),
+              "bv32-fused-prep-bf16-t": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3", t_parts=1),
+              "bv32-lookahead-bf16-t-p": dict(mgpu="on", bv=32, mgpu_lookahead=True, t_parts=1, p_parts=1)}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -202,7 +204,7 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
-             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(tp_split=False))]
+             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=1, p_parts=1), dict(t_parts=1))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
