@@ -42,14 +42,13 @@ from qwen35_jax import profile_trace  # noqa: E402
 SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies): T and P as bf16 hi alone (both,
-# T alone, P alone), and the scan's direct output (TMA into o's rows, no gather) with either. At c257dc4 the scan
-# carrying the next chunk's K H (lookahead) took 583.2 / 1191.1 us at 1x8k / 8x2k against 477.1 / 819.2 (its scan
-# 329.2 vs 272.0 us at 1x8k with T and P as hi alone); at a1f01f0 two warpgroups per program (V-blocks 16 / 32 on
-# shared tiles) 517.8 / 590.9 us at 1x8k against 484.0, 1052.0 / 835.6 at 8x2k against 838.5.
-WHOLE = [dict(), dict(t_parts=1, p_parts=1), dict(t_parts=1), dict(p_parts=1), dict(mgpu_out="direct"),
-         dict(t_parts=1, mgpu_out="direct"), dict(t_parts=1, p_parts=1, mgpu_out="direct")]
-KERNELS = [dict(), dict(mgpu_out="direct"), dict(t_parts=1, p_parts=1)]   # the configurations the kernels part profiles
+# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
+# and P as bf16 hi alone): T and P as hi + lo (both, P alone), and the chunk-tile output gathered by XLA. At d61f829
+# (the previous default: chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k against 450.7 / 750.6 for
+# this default. At c257dc4 the scan carrying the next chunk's K H (lookahead) took 583.2 / 1191.1 us against 477.1 /
+# 819.2 (both without the gather: those timings left it out); at a1f01f0 two warpgroups per program were slower too.
+WHOLE = [dict(), dict(t_parts=2, p_parts=2), dict(p_parts=2), dict(mgpu_out="chunks")]
+KERNELS = [dict()]                                   # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

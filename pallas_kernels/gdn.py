@@ -153,7 +153,7 @@ class WYConfig:
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
     mgpu_out: str = "chunks"      # the Mosaic scan's output: "chunks" (whole tiles per chunk, gathered by XLA) |
                                   # "direct" (TMA into o's rows, a tail chunk as power-of-two row pieces): gdn_mgpu;
-                                  # H200, d2ba6e9, whole prefill: 98.1 vs 101.6 us at 1x1k, 480.5 vs 495.9 at 1x8k
+                                  # H200, d61f829, whole prefill: 457.9 vs 501.6 us at 1x8k (the default's figures)
     mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
                                   # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
     t_parts: int = 2              # the Mosaic scan's T as bf16 hi + lo parts (2: ~tf32x3 products with the split
@@ -221,14 +221,20 @@ class DecodeConfig:
 # the default read 104.4 us at 1x1k against 85.3 us with "solve" at 7ccd469 (1x8k 577.2 vs 588.2, 8x2k 1223.8 vs
 # 1236.2): per key head it has half the programs, ~2 per SM at 1k tokens. So "solve" is the default again.
 # At c123fba (bench/prefill_parts.py whole, H200) the Mosaic GPU scan (gdn_mgpu) took 453.6 us at 1x8k against
-# 578.6 for the Triton scan, 840.9 against 1197.1 at 8x2k.
+# 578.6 for the Triton scan, 840.9 against 1197.1 at 8x2k (the Mosaic figures up to c257dc4 leave out the XLA gather
+# of its chunk tiles, 45 us at 1x8k, 91 at 8x2k: the timing let XLA fuse its one-row slice into the gather).
 # At c757fe0 / a1f01f0 (two runs, bench/prefill_parts.py whole, H200) the fused T / P / f prep in bf16x3 took 89.0 /
 # 83.4 us at 1x1k against 102.0 / 119.6 for "solve", but 628.3 / 632.5 at 1x8k against 481.9 / 484.0 (its doubling
 # products outgrow the solve once its programs pass a few waves), and "solve2" 475.3 / 475.4 at 1x8k, 815.4 / 840.3
 # at 8x2k against 838.9 / 838.5: hence prep_mode "auto" (resolve_prep).
+# At d61f829 (prefill_parts whole, the gather timed) the Mosaic scan's direct output took 457.9 us at 1x8k against
+# 501.6 for the chunk tiles, 831.2 vs 924.2 at 8x2k (the same scan kernel time: 272.4 vs 272.1 us), and T and P as
+# bf16 hi alone 450.7 / 750.6 more (93.1 / 80.7 at 1x1k); against the fp32 token scan o 2.3e-3 vs 1.7e-3, the states
+# 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
-                           tform=True, mgpu="auto")
-TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="")   # the previous default: the Triton T-form scan
+                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
+TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
+# T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
 
 
@@ -265,11 +271,11 @@ def prefill_sweep():
             nopf(bv=32, num_stages=2, prep_mode="solve", solve_warps=1, tform=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
-            dataclasses.replace(DEFAULT_PREFILL, mgpu_out="direct"),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_out="chunks"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
-            dataclasses.replace(DEFAULT_PREFILL, t_parts=1, p_parts=1),
-            dataclasses.replace(DEFAULT_PREFILL, t_parts=1),
+            dataclasses.replace(DEFAULT_PREFILL, t_parts=2, p_parts=2),
+            dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),

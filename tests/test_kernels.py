@@ -126,19 +126,21 @@ def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),
-              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),
+MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),       # on the default: direct output,
+              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),  # T and P as bf16 hi alone
               "bv32-fused-prep": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3"),
-              "bv32-direct-out": dict(mgpu="on", bv=32, mgpu_out="direct"),
-              "bv64-one-buffer-direct-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="direct"),
+              "bv32-chunk-out": dict(mgpu="on", bv=32, mgpu_out="chunks"),
+              "bv64-one-buffer-chunk-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="chunks"),
               "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
-              "bv32-two-warpgroups-direct-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="direct"),
+              "bv32-two-warpgroups-chunk-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="chunks"),
               "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
-              "bv16-lookahead-direct-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="direct"),
-              "bv32-bf16-t-p": dict(mgpu="on", bv=32, t_parts=1, p_parts=1),
-              "bv32-bf16-t": dict(mgpu="on", bv=32, t_parts=1),
-              "bv32-fused-prep-bf16-t": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3", t_parts=1),
-              "bv32-lookahead-bf16-t-p": dict(mgpu="on", bv=32, mgpu_lookahead=True, t_parts=1, p_parts=1)}
+              "bv16-lookahead-chunk-out": dict(mgpu="on", bv=16, mgpu_lookahead=True, mgpu_out="chunks"),
+              "bv32-split-t-p": dict(mgpu="on", bv=32, t_parts=2, p_parts=2),
+              "bv32-split-p": dict(mgpu="on", bv=32, p_parts=2),
+              "bv32-fused-prep-split-t-p": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3", t_parts=2,
+                                                p_parts=2),
+              "bv32-lookahead-split-t-p-chunk-out": dict(mgpu="on", bv=32, mgpu_lookahead=True, t_parts=2, p_parts=2,
+                                                         mgpu_out="chunks")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -204,7 +206,7 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
-             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=1, p_parts=1), dict(t_parts=1))]
+             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=2, p_parts=2), dict(p_parts=2))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
