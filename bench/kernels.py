@@ -810,9 +810,9 @@ def main():
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
 
-    v1_default = gdn.TRITON_PREFILL
+    previous_prefill = gdn.PREVIOUS_PREFILL
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
-    first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, v1_default)}
+    first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, previous_prefill)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
 
     # phase 1: the defaults and the previous kernels (what the headline times); phase 2 (below, before the sweeps):
@@ -889,8 +889,8 @@ def main():
         vp = RES["valid"]["prefill"]
         if gdn.DEFAULT_PREFILL.name in vp:
             time_prefill(SWEEP_CASE, "wy_default", gdn.DEFAULT_PREFILL)
-        if v1_default.name in vp:
-            time_prefill(SWEEP_CASE, "v1", v1_default)
+        if previous_prefill.name in vp:
+            time_prefill(SWEEP_CASE, "v1", previous_prefill)
         vd = RES["valid"]["decode"]
         for n in (1, DECODE_BATCHES[-1]):
             for cfg in (gdn.DEFAULT_DECODE, old_decode):
@@ -906,8 +906,8 @@ def main():
         for case in PREFILL_CASES:
             if gdn.DEFAULT_PREFILL.name in RES["valid"]["prefill"]:
                 time_prefill(case, "wy_default", gdn.DEFAULT_PREFILL)
-            if v1_default.name in RES["valid"]["prefill"]:
-                time_prefill(case, "v1", v1_default)
+            if previous_prefill.name in RES["valid"]["prefill"]:
+                time_prefill(case, "v1", previous_prefill)
             time_fla_prefill(case)
             RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
         problems.clear()
@@ -972,7 +972,7 @@ def main():
             log("prefill prep alone", label, prep.get(label))
             save()
         for c in valid_prefill().values():     # other configurations of the previous kernels and the T-form, whole
-            if ((isinstance(c, gdn.PrefillConfig) and c.name != v1_default.name)
+            if ((isinstance(c, gdn.PrefillConfig) and c.name != previous_prefill.name)
                     or (isinstance(c, gdn.WYConfig) and c.tform and c != gdn.DEFAULT_PREFILL)):
                 time_prefill(SWEEP_CASE, c.name, c)
 
@@ -1220,7 +1220,7 @@ def report() -> str:
     pf = RES.get("prefill", {})
     L.append("")
     L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
-             f"default: `{gdn.TRITON_PREFILL.name}`. "
+             f"default: `{gdn.PREVIOUS_PREFILL.name}`. "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:

@@ -162,6 +162,7 @@ class WYConfig:
     p_parts: int = 2              # the same for P (its rounding reaches o alone, not the state)
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
+    mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
 
@@ -174,6 +175,7 @@ class WYConfig:
                 + ("_ov" if self.overlap else "") + ("_tf" if self.tform else "")
                 + (f"_mg_{self.mgpu}" if self.mgpu else "") + ("_odir" if self.mgpu_out == "direct" else "")
                 + (f"_wg{self.mgpu_wgs}" if self.mgpu_wgs != 1 else "") + ("_la" if self.mgpu_lookahead else "")
+                + ("_do" if self.mgpu_defer_o else "")
                 + ("" if self.t_parts == 2 else f"_t{self.t_parts}")
                 + ("" if self.p_parts == 2 else f"_p{self.p_parts}")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
@@ -232,7 +234,8 @@ class DecodeConfig:
 # bf16 hi alone 450.7 / 750.6 more (93.1 / 80.7 at 1x1k); against the fp32 token scan o 2.3e-3 vs 1.7e-3, the states
 # 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
-                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
+                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, mgpu_defer_o=True)
+PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=False)   # timed beside it by bench/kernels.py
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -273,9 +276,10 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="chunks"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
-            dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True, mgpu_defer_o=False),
             dataclasses.replace(DEFAULT_PREFILL, t_parts=2, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
+            PREVIOUS_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -1023,7 +1027,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
                                  bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, wgs=config.mgpu_wgs,
-                                 lookahead=config.mgpu_lookahead, row0=row0, nvalid=nvalid, interpret=interpret)
+                                 lookahead=config.mgpu_lookahead, defer_o=config.mgpu_defer_o, row0=row0,
+                                 nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
     if config.prep_mode in ("fused", "fused2"):

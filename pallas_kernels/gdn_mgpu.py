@@ -88,7 +88,7 @@ def _products(acc, a_parts, b_parts):
 
 
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
-               buffers, chunked, wgs, lookahead):
+               buffers, chunked, wgs, lookahead, defer_o):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
@@ -186,7 +186,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             return (*factors, plgpu.load(v_s.at[slot], layout=wgl).astype(jnp.float32))
 
         def chunk(c, carry, tail=False):
-            h, fd = carry
+            h, fd = carry[:2]
             fd_next = fd_at(c + 1)                              # loaded a chunk ahead: off the critical path
             slot = lax.rem(c, jnp.int32(buffers))
             if buffers > 1:                                     # the next chunk's tiles while this one computes
@@ -200,6 +200,8 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             def zy(z_acc, y_acc):                               # Z = K H and Y = Q H, issued together
                 plgpu.wgmma(z_acc, ks, _b(h_s))
                 plgpu.wgmma(y_acc, qs, _b(h_s))
+                if defer_o:                                     # the previous chunk's output while they run
+                    pl.when(c > 0)(lambda: put_o(c - 1, carry[2], False))
                 return z_acc[...], y_acc[...]
             z, y = pl.run_scoped(zy, tile_acc, tile_acc)
             refill(c, ("q",))
@@ -226,7 +228,10 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             if consumed is not None:  # this warpgroup is done with the shared tiles (where the buffer is refilled)
                 pl.when(c + buffers < nch)(lambda: plgpu.barrier_arrive(consumed.at[slot]))
             refill(c, ("k", "p"))
-            put_o(c, _rows(fq, bv) * y + pv, tail)
+            o = _rows(fq, bv) * y + pv
+            if defer_o:                                         # stored by the next chunk, or after the loop
+                return fd * h + upd, fd_next, o.astype(o_s.dtype)
+            put_o(c, o, tail)
             return fd * h + upd, fd_next
 
         def chunk_ahead(c, carry, tail=False):
@@ -285,9 +290,23 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             carry, step = (h, pl.run_scoped(z0, tile_acc), fd_at(0)), chunk_ahead
         else:
             carry, step = (h, fd_at(0)), chunk
-        carry = lax.fori_loop(0, full, step, carry)
-        if not chunked:
-            carry = lax.fori_loop(full, nch, functools.partial(step, tail=True), carry)
+        if defer_o:           # every chunk stores its predecessor's output, a whole one; the last one's goes out here
+            carry = lax.fori_loop(0, nch, step, carry + (plgpu.layout_cast(jnp.zeros((CHUNK, bv), o_s.dtype), wgl),))
+            last = nch - 1
+
+            @pl.when(nch > 0)
+            def _():
+                if chunked:
+                    put_o(last, carry[2], False)
+                else:                                           # its valid rows (a whole tile where it is whole)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    o_s[...] = carry[2]
+                    plgpu.commit_smem()
+                    store_rows(start + last * CHUNK, length - last * CHUNK)
+        else:
+            carry = lax.fori_loop(0, full, step, carry)
+            if not chunked:
+                carry = lax.fori_loop(full, nch, functools.partial(step, tail=True), carry)
         h = carry[0]
         h_ref.at[n, hv, :, vcols][...] = h
 
@@ -336,7 +355,7 @@ def pick_bv(n_seq, hv, dv, cores=132, wgs=1):
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         out="chunks", wgs=1, lookahead=False, row0=None, nvalid=None, interpret=False):
+         out="chunks", wgs=1, lookahead=False, defer_o=False, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), T and
     P each with split=2 (bf16 hi + lo: three products each) or 1 (hi alone: two); pool [slots, Hv, dv, dk] fp32;
@@ -346,7 +365,9 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     V-block of bv columns (and its own chain of dependent products) on the q, k, T, P, f tiles they share (loaded
     once, by warpgroup 0, after both are done with the buffer's previous chunk); 2 needs 2 buffers. lookahead: the
     next chunk's K H from this chunk's (two rounds of products on the chain per chunk instead of three; one
-    warpgroup, 2 buffers, V-block 16 or 32: _scan_body's chunk_ahead). out: "chunks", whole [64, bv] tiles per
+    warpgroup, 2 buffers, V-block 16 or 32: _scan_body's chunk_ahead). defer_o: each chunk's output tile is stored by
+    the next chunk while its K H and Q H run (off the chain of dependent products), the last one's after the loop; not
+    with lookahead. out: "chunks", whole [64, bv] tiles per
     chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
     zero); "direct", o by TMA straight into its rows, the whole chunks in one loop and a partial last chunk after it
     (at d2ba6e9, with the tail's conditional stores inside the one chunk loop, 3-3.5% slower on the H200 than
@@ -366,6 +387,8 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     if buffers not in (1, 2) or wgs not in (1, 2) or (wgs == 2 and buffers != 2):
         raise ValueError(f"the Mosaic GPU scan takes 1 or 2 buffers and 1 or 2 warpgroups (2 with 2 buffers), got "
                          f"buffers={buffers}, wgs={wgs}")
+    if defer_o and lookahead:
+        raise ValueError("the Mosaic GPU scan defers the output store (defer_o) on the plain chunk step, not lookahead")
     if lookahead and (wgs != 1 or buffers != 2 or bv > 32):
         raise ValueError(f"the Mosaic GPU scan's lookahead takes one warpgroup, 2 buffers and a V-block of 16 or 32, "
                          f"got wgs={wgs}, buffers={buffers}, bv={bv}")
@@ -379,7 +402,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
         functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs,
-                          lookahead=lookahead),
+                          lookahead=lookahead, defer_o=defer_o),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // (bv * wgs)), grid_names=("n", "h", "vb"),
