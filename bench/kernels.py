@@ -1220,7 +1220,7 @@ def report() -> str:
     pf = RES.get("prefill", {})
     L.append("")
     L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
-             f"default: `{gdn.PREVIOUS_PREFILL.name}`. "
+             f"default: `{gdn.PREVIOUS_PREFILL.name}` (the option last tried as the default, timed beside it). "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:

@@ -45,11 +45,12 @@ SCANS = [dict(), dict(overlap=False)]              # on the W-form of the defaul
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
 # and P as bf16 hi alone): T and P as hi + lo (both, P alone), and the chunk-tile output gathered by XLA. At d61f829
 # (the previous default: chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k against 450.7 / 750.6 for
-# this default. mgpu_defer_o: each output tile stored while the next chunk's K H and Q H run. At c257dc4 the scan
+# this default (the default timed twice: the order's effect). mgpu_defer_o: each output tile stored while the next
+# chunk's K H and Q H run (ccc4f03 headline run: no faster at 1x8k, slower at 1x32k). At c257dc4 the scan
 # carrying the next chunk's K H (lookahead) took 583.2 / 1191.1 us against 477.1 / 819.2 (both without the gather:
 # those timings left it out); at a1f01f0 two warpgroups per program were slower too.
-WHOLE = [dict(), dict(mgpu_defer_o=False), dict(t_parts=2, p_parts=2), dict(p_parts=2), dict(mgpu_out="chunks")]
-KERNELS = [dict(), dict(mgpu_defer_o=False)]         # the configurations the kernels part profiles
+WHOLE = [dict(), dict(mgpu_defer_o=True), dict(), dict(t_parts=2, p_parts=2), dict(p_parts=2), dict(mgpu_out="chunks")]
+KERNELS = [dict(), dict(mgpu_defer_o=True)]          # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

@@ -163,6 +163,7 @@ class WYConfig:
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
+                                  # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: PREVIOUS_PREFILL's note)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
 
@@ -234,8 +235,11 @@ class DecodeConfig:
 # bf16 hi alone 450.7 / 750.6 more (93.1 / 80.7 at 1x1k); against the fp32 token scan o 2.3e-3 vs 1.7e-3, the states
 # 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
-                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, mgpu_defer_o=True)
-PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=False)   # timed beside it by bench/kernels.py
+                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
+# Timed beside the default by bench/kernels.py: the option last tried as the default. At ccc4f03 (headline run, H200)
+# the deferred output store read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8
+# without it (62.3 vs 109.3 at 1x1k, where figures swing with the host's launches).
+PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True)
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -276,10 +280,10 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_out="chunks"),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2),
-            dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True, mgpu_defer_o=False),
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_lookahead=True),
             dataclasses.replace(DEFAULT_PREFILL, t_parts=2, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
-            PREVIOUS_PREFILL,
+            dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),

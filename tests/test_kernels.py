@@ -126,7 +126,6 @@ def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-LOOKAHEAD = dict(mgpu_lookahead=True, mgpu_defer_o=False)     # (the deferred output store is the plain step's)
 MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),       # on the default: direct output,
               "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),  # T and P as bf16 hi alone
               "bv32-fused-prep": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3"),
@@ -134,15 +133,15 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),   
               "bv64-one-buffer-chunk-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="chunks"),
               "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
               "bv32-two-warpgroups-chunk-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="chunks"),
-              "bv32-lookahead": dict(mgpu="on", bv=32, **LOOKAHEAD),
-              "bv16-lookahead-chunk-out": dict(mgpu="on", bv=16, mgpu_out="chunks", **LOOKAHEAD),
+              "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
+              "bv16-lookahead-chunk-out": dict(mgpu="on", bv=16, mgpu_out="chunks", mgpu_lookahead=True),
               "bv32-split-t-p": dict(mgpu="on", bv=32, t_parts=2, p_parts=2),
               "bv32-split-p": dict(mgpu="on", bv=32, p_parts=2),
-              "bv32-no-defer-o": dict(mgpu="on", bv=32, mgpu_defer_o=False),
-              "bv64-no-defer-o-chunk-out": dict(mgpu="on", bv=64, mgpu_defer_o=False, mgpu_out="chunks"),
+              "bv32-defer-o": dict(mgpu="on", bv=32, mgpu_defer_o=True),
+              "bv64-defer-o-chunk-out": dict(mgpu="on", bv=64, mgpu_defer_o=True, mgpu_out="chunks"),
               "bv32-fused-prep-split-t-p": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3", t_parts=2,
                                                 p_parts=2),
-              "bv32-lookahead-split-t-p-chunk-out": dict(mgpu="on", bv=32, t_parts=2, p_parts=2, **LOOKAHEAD,
+              "bv32-lookahead-split-t-p-chunk-out": dict(mgpu="on", bv=32, t_parts=2, p_parts=2, mgpu_lookahead=True,
                                                          mgpu_out="chunks")}
 
 
@@ -209,8 +208,8 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
-             for kw in (dict(mgpu_wgs=2), LOOKAHEAD, dict(t_parts=2, p_parts=2), dict(p_parts=2),
-                        dict(mgpu_defer_o=False))]
+             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=2, p_parts=2), dict(p_parts=2),
+                        dict(mgpu_defer_o=True))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
