@@ -400,6 +400,23 @@ class PrefillProblem:
             q, k, v, a, b, self.A_log, self.dt_bias, self.pool(), self.starts, self.lens_a, slots, self.use)
         return o, pool[slots]
 
+    def device_us(self, config):
+        """Device time per call: every kernel event of one call per input set under the profiler, summed (XLA's
+        glue included, no host launch in it: the slope reads the host's pace where a call is a few tens of µs)."""
+        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, starts_aligned=self.aligned,
+                                        **kernel_kw()), donate_argnums=7)
+        args = lambda s, pool: (*s[:5], self.A_log, self.dt_bias, pool, self.starts, self.lens_a, s[5], self.use)
+        pool = jax.block_until_ready(run(*args(self.sets[0], self.pool()))[1])       # compile, warm up
+
+        def calls():
+            nonlocal pool
+            outs = []
+            for st in self.sets:
+                o, pool = run(*args(st, pool))
+                outs.append(o)
+            return outs, pool
+        return device_total_us(calls, len(self.sets), lambda *a: jax.block_until_ready(a))
+
     def reference(self):
         """(o, the sequences' final states) of the fp32 token scan (gdn_reference) on the first input set, from the
         first pool: what outputs() returns, exact."""
@@ -464,6 +481,7 @@ def fla_prefill(lens):
         fn = lambda: FLA["chunk"](q, k, v, gg, beta, initial_state=h0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, state_v_first=True)
         out["graph_us"] = fla_graph_us(fn)
+        out["device_us"] = device_total_us(lambda: [fn() for _ in range(4)], 4, lambda *_: torch.cuda.synchronize())
         if n > 1 and time_left() > 20:   # the same tokens as a packed varlen batch (what a server runs)
             qv, kv, vv = (x.reshape(1, total, *x.shape[2:]) for x in (q, k, v))
             gv, bv = gg.reshape(1, total, HV), beta.reshape(1, total, HV)
@@ -542,6 +560,18 @@ def fla_decode(n, A_log, dt_bias):
     del sets
     fla_free()
     return out
+
+
+def device_total_us(run, calls, sync):
+    """Device time per call (µs): all kernel events while run() (`calls` calls) runs under JAX's profiler, summed,
+    or None where the trace has none (CUPTI sees torch's kernels too). sync(*outputs) waits for the device."""
+    with tempfile.TemporaryDirectory() as d:
+        sync()
+        jax.profiler.start_trace(d)
+        sync(run())
+        jax.profiler.stop_trace()
+        events = profile_trace.load_trace(d).events
+    return sum(e.dur_ns for e in events) / 1e3 / calls if events else None
 
 
 def device_kernel_us(run, name, sync):
@@ -840,6 +870,8 @@ def main():
             return
         try:
             r[label] = dict(us=problem(case).full_us(config), config=config.name)
+            if label == "wy_default":
+                r[label]["device_us"] = problem(case).device_us(config)
         except Exception as e:  # noqa: BLE001
             r[label] = dict(error=repr(e)[:400])
             RES["errors"][f"prefill {case} {label}"] = repr(e)[:400]
@@ -1222,6 +1254,13 @@ def report() -> str:
     L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
              f"default: `{gdn.PREVIOUS_PREFILL.name}` (the option last tried as the default, timed beside it). "
              "8x2k: fla (a) runs it as B=8 x 2048.")
+    dev = {case: ((pf.get(case, {}).get("wy_default") or {}).get("device_us"),
+                  (pf.get(case, {}).get("fla") or {}).get("device_us")) for case in PREFILL_CASES}
+    if any(o and f for o, f in dev.values()):
+        L.append("Device time per call (µs; the profiler's kernel events of a few calls summed, XLA's glue and "
+                 "torch's allocations included, no host launch and no gaps between kernels), default vs fla: " + "; ".join(
+                     f"{case} {fmt(o)} vs {fmt(f)} ({fmt(o / f if o and f else None, '.2f')}x)"
+                     for case, (o, f) in dev.items()) + ".")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:
         L.append(f"Sweep {SWEEP_CASE}, WY scan kernel alone (µs): " + ", ".join(

@@ -15,17 +15,19 @@ the state H [dk, BV] fp32 in registers:
 
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
 split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2); or T, P or both as hi alone
-(split=1, WYConfig.t_parts / p_parts = 1: one product fewer each). The output is written per chunk, [chunks, 64,
-Hv, dv], and gathered to [total, Hv, dv] outside (out="chunks"; or by TMA straight into its rows, a tail chunk as
-power-of-two row pieces: TMA cannot mask rows and the rows after a tail belong to the next sequence); the initial and
-final states travel as [N, Hv, dk, dv] (the accumulator's orientation) and are transposed and scattered into the
-pool outside (N x 2 MiB per layer at 9B shapes).
+(split=1, WYConfig.t_parts / p_parts = 1: one product fewer each; the default's). The output goes by TMA straight
+into its rows (out="direct", the default's; a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows
+after a tail belong to the next sequence), or per chunk, [chunks, 64, Hv, dv], gathered to [total, Hv, dv] outside
+(out="chunks": the same kernel time, plus the gather); the initial and final states travel as [N, Hv, dk, dv] (the
+accumulator's orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
 
 Two options on the chain of dependent products (Z -> Vnew -> H -> the next chunk's Z, three rounds of products, each
 behind a shared-memory store and a fence): wgs=2 runs two warpgroups per program, each its own V-block and chain on
 shared tiles (measured slower at 1x8k, even at 8x2k: bench/RESULTS.md, "Readings of the 2026-12-02 evening H200
-runs"); lookahead carries the next chunk's Z (two rounds per chunk; untimed on a GPU so far).
-H200 figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs" and later readings.
+runs"); lookahead carries the next chunk's Z (two rounds per chunk; slower: 583.2 vs 477.1 us at 1x8k). defer_o
+stores each chunk's output while the next chunk's first products run (no faster at 1x8k, slower at 1x32k). H200
+figures: bench/RESULTS.md, "Readings of the 2026-12-02 late-morning H200 runs" and later readings (the whole-prefill
+figures of out="chunks" up to c257dc4 leave its gather out: "Readings of the 2026-12-02 late-afternoon H200 runs").
 """
 from __future__ import annotations
 
@@ -367,13 +369,12 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     next chunk's K H from this chunk's (two rounds of products on the chain per chunk instead of three; one
     warpgroup, 2 buffers, V-block 16 or 32: _scan_body's chunk_ahead). defer_o: each chunk's output tile is stored by
     the next chunk while its K H and Q H run (off the chain of dependent products), the last one's after the loop; not
-    with lookahead. out: "chunks", whole [64, bv] tiles per
-    chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every row outside a sequence
-    zero); "direct", o by TMA straight into its rows, the whole chunks in one loop and a partial last chunk after it
-    (at d2ba6e9, with the tail's conditional stores inside the one chunk loop, 3-3.5% slower on the H200 than
-    the gather, bench/RESULTS.md; this form is untimed). Returns (o [total, Hv, dv] in v.dtype:
-    rows [starts + lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's
-    final state in its slot)."""
+    with lookahead. out: "chunks", whole [64, bv] tiles per chunk gathered into rows by XLA afterwards (row0 and
+    nvalid from gdn.chunk_map; every row outside a sequence zero); "direct", o by TMA straight into its rows, the
+    whole chunks in one loop and a partial last chunk after it (H200, d61f829: the scan kernel's time as with
+    "chunks", the whole prefill 457.9 vs 501.6 us at 1x8k). Returns (o [total, Hv, dv] in v.dtype: rows [starts +
+    lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's final state in its
+    slot)."""
     total, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n = starts.shape[0]
