@@ -153,7 +153,7 @@ class WYConfig:
                                   # dk % 64, dv % 32, rows % 8), the Triton scan elsewhere
     mgpu_out: str = "chunks"      # the Mosaic scan's output: "chunks" (whole tiles per chunk, gathered by XLA) |
                                   # "direct" (TMA into o's rows, a tail chunk as power-of-two row pieces): gdn_mgpu;
-                                  # H200, d61f829, whole prefill: 457.9 vs 501.6 us at 1x8k (the default's figures)
+                                  # H200, d61f829, whole prefill: direct 457.9 vs chunks 501.6 us at 1x8k
     mgpu_wgs: int = 1             # the Mosaic scan's warpgroups per program, each its own V-block (bv; 16 allowed
                                   # with 2) on shared q, k, T, P, f tiles: two dependent-product chains per SM
     t_parts: int = 2              # the Mosaic scan's T as bf16 hi + lo parts (2: ~tf32x3 products with the split
@@ -1098,6 +1098,8 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     if isinstance(config, WYConfig):
         if config.mgpu not in ("", "on", "auto"):
             raise ValueError(f"WYConfig.mgpu must be '', 'on' or 'auto', got {config.mgpu!r}")
+        if config.t_parts not in (1, 2) or config.p_parts not in (1, 2):
+            raise ValueError(f"WYConfig.t_parts and p_parts are 1 or 2, got {config.t_parts}, {config.p_parts}")
         if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned, v.dtype):
             config = dataclasses.replace(config, mgpu="")
         if config.mgpu and not starts_aligned:

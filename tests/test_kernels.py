@@ -186,6 +186,8 @@ def test_mgpu_scan_needs_aligned_starts():
         gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="on"), interpret=True)
     with pytest.raises(ValueError, match="mgpu must be"):
         gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="yes"), interpret=True)
+    with pytest.raises(ValueError, match="t_parts and p_parts are 1 or 2"):
+        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, t_parts=3), interpret=True)
     assert gdn_mgpu.applies(8192, 128, 128, True) and not gdn_mgpu.applies(8192, 128, 128, False)
     assert not gdn_mgpu.applies(8192, 128, 128, True, jnp.float32)           # fp32 models: the Triton scan
     assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
