@@ -37,20 +37,21 @@ from qwen35_jax import profile_trace  # noqa: E402
 
 # (warps, precision of the merge dots, one program per value head): the default's is (1, "tf32x3", False); per value
 # head, K K^T is computed twice but the sm_90 compile spills 40 B instead of 344 B. T is written as the default
-# pipeline writes it (bf16 hi + lo for the Mosaic GPU scan). At 027d96e two warps took 178.6 / 308.2 us at 1x8k /
-# 8x2k against 106.8 / 197.8, the value heads' substitutions interleaved in one row loop 231.0 / 498.0 (removed).
-SOLVES = [(1, "tf32x3", False), (1, "tf32x3", True)]
+# pipeline writes it (bf16 parts for the Mosaic GPU scan, WYConfig.t_parts). At 027d96e two warps took 178.6 / 308.2
+# us at 1x8k / 8x2k against 106.8 / 197.8, the value heads' substitutions interleaved in one row loop 231.0 / 498.0
+# (removed).
+SOLVES = [(1, "tf32x3", False), (1, "tf32", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
-# and P as bf16 hi alone): T and P as hi + lo (both, P alone), and the chunk-tile output gathered by XLA. At d61f829
-# (the previous default: chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k against 450.7 / 750.6 for
-# this default (the default timed twice: the order's effect). mgpu_defer_o: each output tile stored while the next
-# chunk's K H and Q H run (ccc4f03 headline run: no faster at 1x8k, slower at 1x32k). At c257dc4 the scan
-# carrying the next chunk's K H (lookahead) took 583.2 / 1191.1 us against 477.1 / 819.2 (both without the gather:
-# those timings left it out); at a1f01f0 two warpgroups per program were slower too.
-WHOLE = [dict(), dict(mgpu_defer_o=True), dict(), dict(t_parts=2, p_parts=2), dict(p_parts=2), dict(mgpu_out="chunks")]
-KERNELS = [dict(), dict(mgpu_defer_o=True)]          # the configurations the kernels part profiles
+# and P as bf16 hi alone): the T solve's merges in one TF32 product each (solve_prec "tf32": T is rounded to bf16
+# anyway; sm_90 compile on the CPU: 26 dots instead of 58, 8 B spilled instead of 352), and T and P as hi + lo. At
+# d61f829 (the previous default: chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k against 450.7 /
+# 750.6 for this default; at ccc4f03 the deferred output store (mgpu_defer_o) no faster at 1x8k, slower at 1x32k; at
+# c257dc4 the scan carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us against 477.1 / 819.2 (both without
+# the gather: those timings left it out); at a1f01f0 two warpgroups per program were slower too.
+WHOLE = [dict(), dict(solve_prec="tf32"), dict(t_parts=2, p_parts=2)]
+KERNELS = [dict(), dict(solve_prec="tf32")]          # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",
@@ -127,7 +128,7 @@ def main():
     precs = d.precisions(jnp.bfloat16)
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], per_value_head=cfg[2],
-                                                   split=2 if d.mgpu else 0, **kb.kernel_kw())
+                                                   split=d.t_parts if d.mgpu else 0, **kb.kernel_kw())
     zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve

@@ -165,7 +165,9 @@ class WYConfig:
     mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
                                   # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: PREVIOUS_PREFILL's note)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
-                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "bf16x3" ("fused" preps)
+                                  # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "tf32" (one product each:
+                                  # T within 2.3e-5, 8.7e-4 on repeated keys, below T's bf16 rounding for the
+                                  # Mosaic scan, t_parts=1; untimed) | "bf16x3" ("fused" preps)
 
     @property
     def name(self):
@@ -284,6 +286,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, t_parts=2, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
+            dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
