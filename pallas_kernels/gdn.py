@@ -167,7 +167,8 @@ class WYConfig:
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "tf32" (one product each:
                                   # T within 2.3e-5, 8.7e-4 on repeated keys, below T's bf16 rounding for the
-                                  # Mosaic scan, t_parts=1; untimed) | "bf16x3" ("fused" preps)
+                                  # Mosaic scan, t_parts=1; the fused preps' doubling 3.1e-5 / 9.3e-4; untimed) |
+                                  # "bf16x3" (the fused preps' under prep_mode "auto")
 
     @property
     def name(self):
@@ -289,6 +290,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
+            dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
