@@ -44,3 +44,14 @@ def test_gemm_bench_smoke():
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| read only us | x bw |" in r.stdout and "| mlp gate_up | 128x768 | 2 | " in r.stdout
+
+
+def test_prefill_parts_bench_smoke():
+    """bench/prefill_parts.py's whole table (every WHOLE configuration against the fp32 token scan, timed) on the
+    CPU's scaled-down case: each row within the issue's bars, none failed."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "prefill_parts.py"), "--case", "1x1k", "--parts", "whole"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "BENCH_DRY": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| wy_")]
+    assert len(rows) >= 3 and "failed" not in r.stdout, r.stdout[-3000:]
+    assert all(float(o) <= 4e-3 and float(s) <= 3e-3 and float(us.rstrip(" |")) > 0 for _, o, s, us in rows), rows
