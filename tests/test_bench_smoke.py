@@ -55,3 +55,16 @@ def test_prefill_parts_bench_smoke():
     rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| wy_")]
     assert len(rows) >= 3 and "failed" not in r.stdout, r.stdout[-3000:]
     assert all(float(o) <= 4e-3 and float(s) <= 3e-3 and float(us.rstrip(" |")) > 0 for _, o, s, us in rows), rows
+
+
+def test_kernels_bench_headline_smoke():
+    """bench/kernels.py's headline sections (correctness of the defaults, the prefill cases) on the CPU's scaled-down
+    shapes in interpret mode: both prefill configurations within the bars, every case timed."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "kernels.py"), "--time-limit", "400", "--no-model", "--only",
+           "correct_defaults", "headline", "prefill_cases"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "BENCH_DRY": "1"}, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    checks = [line for line in r.stdout.splitlines() if line.startswith("| wy_") and line.count("|") == 6]
+    assert len(checks) == 2 and all(line.endswith("| True | True |") for line in checks), checks
+    cases = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith(("| 1x", "| 8x"))]
+    assert len(cases) >= 4 and all(float(c[2]) > 0 for c in cases), cases
