@@ -379,11 +379,19 @@ class PrefillProblem:
         """(state pool, a scalar that every call's output feeds: no kernel of the call is dead code)."""
         return self.pool(), jnp.zeros((1,), jnp.float32)
 
+    def args(self, st, pool):
+        """gdn_prefill_packed's arguments for input set st (q, k, v, a, b, slots) and a state pool."""
+        return (*st[:5], self.A_log, self.dt_bias, pool, self.starts, self.lens_a, st[5], self.use)
+
+    def prefill(self, config, **jit_kw):
+        """gdn_prefill_packed on this problem's sequences under config, jitted (jit_kw: e.g. donate_argnums=7)."""
+        return jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, starts_aligned=self.aligned,
+                                         **kernel_kw()), **jit_kw)
+
     def full_us(self, config):
-        def call(c, q, k, v, a, b, slots):
-            o, pool = gdn.gdn_prefill_packed(q, k, v, a, b, self.A_log, self.dt_bias, c[0], self.starts,
-                                             self.lens_a, slots, self.use, config=config,
-                                             starts_aligned=self.aligned, **kernel_kw())
+        def call(c, *st):
+            o, pool = gdn.gdn_prefill_packed(*self.args(st, c[0]), config=config, starts_aligned=self.aligned,
+                                             **kernel_kw())
             # the barrier makes every row of o be computed: without it XLA fuses the slice below into the XLA ops
             # that form o (the Mosaic scan's chunk-tile gather), which then compute one row (the figures of
             # mgpu_out="chunks" timed up to c257dc4 left the gather out: 45 us at 1x8k, 91 at 8x2k)
@@ -394,25 +402,20 @@ class PrefillProblem:
 
     def outputs(self, config):
         """(o, the sequences' final states) of one call on the first input set, from the first pool."""
-        q, k, v, a, b, slots = self.sets[0]
-        o, pool = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, starts_aligned=self.aligned,
-                                            **kernel_kw()))(
-            q, k, v, a, b, self.A_log, self.dt_bias, self.pool(), self.starts, self.lens_a, slots, self.use)
-        return o, pool[slots]
+        o, pool = self.prefill(config)(*self.args(self.sets[0], self.pool()))
+        return o, pool[self.sets[0][5]]
 
     def device_us(self, config):
         """Device time per call: every kernel event of one call per input set under the profiler, summed (XLA's
         glue included, no host launch in it: the slope reads the host's pace where a call is a few tens of µs)."""
-        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=config, starts_aligned=self.aligned,
-                                        **kernel_kw()), donate_argnums=7)
-        args = lambda s, pool: (*s[:5], self.A_log, self.dt_bias, pool, self.starts, self.lens_a, s[5], self.use)
-        pool = jax.block_until_ready(run(*args(self.sets[0], self.pool()))[1])       # compile, warm up
+        run = self.prefill(config, donate_argnums=7)
+        pool = jax.block_until_ready(run(*self.args(self.sets[0], self.pool()))[1])       # compile, warm up
 
         def calls():
             nonlocal pool
             outs = []
             for st in self.sets:
-                o, pool = run(*args(st, pool))
+                o, pool = run(*self.args(st, pool))
                 outs.append(o)
             return outs, pool
         return device_total_us(calls, len(self.sets), lambda *a: jax.block_until_ready(a))
@@ -566,27 +569,27 @@ def fla_decode(n, A_log, dt_bias):
     return out
 
 
-def device_total_us(run, calls, sync):
-    """Device time per call (µs): all kernel events while run() (`calls` calls) runs under JAX's profiler, summed,
-    or None where the trace has none (CUPTI sees torch's kernels too). sync(*outputs) waits for the device."""
+def traced_events(run, sync):
+    """The device's kernel events while run() runs under JAX's profiler (CUPTI sees torch's kernels too).
+    sync(*outputs) waits for the device."""
     with tempfile.TemporaryDirectory() as d:
         sync()
         jax.profiler.start_trace(d)
         sync(run())
         jax.profiler.stop_trace()
-        events = profile_trace.load_trace(d).events
+        return profile_trace.load_trace(d).events
+
+
+def device_total_us(run, calls, sync):
+    """Device time per call (µs): all kernel events of run() (`calls` calls) summed, or None where there are none."""
+    events = traced_events(run, sync)
     return sum(e.dur_ns for e in events) / 1e3 / calls if events else None
 
 
 def device_kernel_us(run, name, sync):
-    """Median device time (µs) of the kernels whose name holds `name` while run() runs under JAX's profiler,
-    or None where the trace has none. sync(*outputs) waits for the device."""
-    with tempfile.TemporaryDirectory() as d:
-        sync()
-        jax.profiler.start_trace(d)
-        sync(run())
-        jax.profiler.stop_trace()
-        durs = [e.dur_ns for e in profile_trace.load_trace(d).events if name in e.name]
+    """Median device time (µs) of the kernels whose name holds `name` while run() runs, or None where there are
+    none."""
+    durs = [e.dur_ns for e in traced_events(run, sync) if name in e.name]
     return float(np.median(durs)) / 1e3 if durs else None
 
 

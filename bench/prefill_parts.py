@@ -215,10 +215,8 @@ def main():
 
     for kw in KERNELS if "kernels" in parts else ():   # where the time goes, kernel by kernel (a trace of 5 calls)
         calls, cfg = 5, dataclasses.replace(d, **kw)
-        q, k, v, a, b, slots = pr.sets[0]
-        run = jax.jit(functools.partial(gdn.gdn_prefill_packed, config=cfg, starts_aligned=pr.aligned,
-                                        **kb.kernel_kw()), donate_argnums=7)
-        inputs = lambda pool: (q, k, v, a, b, pr.A_log, pr.dt_bias, pool, pr.starts, pr.lens_a, slots, pr.use)
+        run = pr.prefill(cfg, donate_argnums=7)
+        inputs = functools.partial(pr.args, pr.sets[0])
         o, pool = run(*inputs(pr.pool()))
         jax.block_until_ready(o)
         with tempfile.TemporaryDirectory() as tmp:

@@ -294,17 +294,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             carry, step = (h, fd_at(0)), chunk
         if defer_o:           # every chunk stores its predecessor's output, a whole one; the last one's goes out here
             carry = lax.fori_loop(0, nch, step, carry + (plgpu.layout_cast(jnp.zeros((CHUNK, bv), o_s.dtype), wgl),))
-            last = nch - 1
-
-            @pl.when(nch > 0)
-            def _():
-                if chunked:
-                    put_o(last, carry[2], False)
-                else:                                           # its valid rows (a whole tile where it is whole)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    o_s[...] = carry[2]
-                    plgpu.commit_smem()
-                    store_rows(start + last * CHUNK, length - last * CHUNK)
+            pl.when(nch > 0)(lambda: put_o(nch - 1, carry[2], True))     # direct: its valid rows
         else:
             carry = lax.fori_loop(0, full, step, carry)
             if not chunked:
