@@ -1,5 +1,6 @@
 """CPU smoke run of bench/tp.py, as on the GPU machine but on two simulated devices and the tiny fixture config: the
 GPU runs of the benches are rare, so a bench that no longer matches the library's API must fail here first."""
+import math
 import os
 import subprocess
 import sys
@@ -48,18 +49,22 @@ def test_gemm_bench_smoke():
 
 def test_prefill_parts_bench_smoke():
     """bench/prefill_parts.py's whole table (every WHOLE configuration against the fp32 token scan, timed) on the
-    CPU's scaled-down case: each row within the issue's bars, none failed."""
+    CPU's scaled-down case: each row within the issue's bars, none failed, each timed (a finite figure: the slope of
+    single dry-run samples on a busy 2-core machine can come out negative, so its sign is not checked)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "prefill_parts.py"), "--case", "1x1k", "--parts", "whole"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "BENCH_DRY": "1"}, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith("| wy_")]
     assert len(rows) >= 3 and "failed" not in r.stdout, r.stdout[-3000:]
-    assert all(float(o) <= 4e-3 and float(s) <= 3e-3 and float(us.rstrip(" |")) > 0 for _, o, s, us in rows), rows
+    for row in rows:
+        _, o, s, us = row
+        assert float(o) <= 4e-3 and float(s) <= 3e-3 and math.isfinite(float(us.rstrip(" |"))), row
 
 
 def test_kernels_bench_headline_smoke():
     """bench/kernels.py's headline sections (correctness of the defaults, the prefill cases) on the CPU's scaled-down
-    shapes in interpret mode: both prefill configurations within the bars, every case timed."""
+    shapes in interpret mode: both prefill configurations within the bars, every case timed (a finite figure, as
+    above)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "kernels.py"), "--time-limit", "400", "--no-model", "--only",
            "correct_defaults", "headline", "prefill_cases"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "BENCH_DRY": "1"}, timeout=900)
@@ -67,4 +72,6 @@ def test_kernels_bench_headline_smoke():
     checks = [line for line in r.stdout.splitlines() if line.startswith("| wy_") and line.count("|") == 6]
     assert len(checks) == 2 and all(line.endswith("| True | True |") for line in checks), checks
     cases = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith(("| 1x", "| 8x"))]
-    assert len(cases) >= 4 and all(float(c[2]) > 0 for c in cases), cases
+    assert len(cases) >= 4, cases
+    for c in cases:
+        assert math.isfinite(float(c[2])), c
