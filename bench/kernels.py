@@ -14,11 +14,12 @@ starts just before the limit still finishes.
 
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
- 2. GPU correctness of the defaults and the previous kernels against the references (prefill: fp32 token scan,
-    4 packed sequences 100/777/65/1 (8-row-aligned starts) with random initial states, one fresh; decode: 8 rows,
-    2 on the null slot);
- 3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the previous kernels and fla;
- 4. the other cases with the defaults, v1 and fla: prefill 1x1k, 1x32k, 8x2k packed; decode 8, 32, 128;
+ 2. GPU correctness of the defaults and the candidate (gdn.CANDIDATE_PREFILL) against the references (prefill:
+    fp32 token scan, 4 packed sequences 100/777/65/1 (8-row-aligned starts) with random initial states, one fresh;
+    decode: 8 rows, 2 on the null slot);
+ 3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the candidate prefill, the previous decode
+    and fla;
+ 4. the other cases with the defaults, the candidate and fla: prefill 1x1k, 1x32k, 8x2k packed; decode 8, 32, 128;
  5. GPU correctness of every other variant (prefill, decode, conv);
  6. prefill sweep at 1x8k: each WY scan configuration on its own (prep outputs precomputed), each prep variant on
     its own; then the best WY combination (fastest scan + fastest prep) on every prefill case;
@@ -847,9 +848,9 @@ def main():
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
 
-    previous_prefill = gdn.PREVIOUS_PREFILL
+    candidate_prefill = gdn.CANDIDATE_PREFILL
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
-    first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, previous_prefill)}
+    first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, candidate_prefill)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
 
     # phase 1: the defaults and the previous kernels (what the headline times); phase 2 (below, before the sweeps):
@@ -925,14 +926,14 @@ def main():
             RES["errors"][f"fla decode {n}"] = repr(e)[:400]
         log("decode", n, "fla", r.get("fla"))
 
-    # ------------------------------------------------------------------ headline: the defaults vs v1 vs fla
+    # ------------------------------------------------------------------ headline: the defaults vs the candidate vs fla
     @section("headline", need=30)
     def _():
         vp = RES["valid"]["prefill"]
         if gdn.DEFAULT_PREFILL.name in vp:
             time_prefill(SWEEP_CASE, "wy_default", gdn.DEFAULT_PREFILL)
-        if previous_prefill.name in vp:
-            time_prefill(SWEEP_CASE, "v1", previous_prefill)
+        if candidate_prefill.name in vp:
+            time_prefill(SWEEP_CASE, "candidate", candidate_prefill)
         vd = RES["valid"]["decode"]
         for n in (1, DECODE_BATCHES[-1]):
             for cfg in (gdn.DEFAULT_DECODE, old_decode):
@@ -948,8 +949,8 @@ def main():
         for case in PREFILL_CASES:
             if gdn.DEFAULT_PREFILL.name in RES["valid"]["prefill"]:
                 time_prefill(case, "wy_default", gdn.DEFAULT_PREFILL)
-            if previous_prefill.name in RES["valid"]["prefill"]:
-                time_prefill(case, "v1", previous_prefill)
+            if candidate_prefill.name in RES["valid"]["prefill"]:
+                time_prefill(case, "candidate", candidate_prefill)
             time_fla_prefill(case)
             RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
         problems.clear()
@@ -1014,7 +1015,7 @@ def main():
             log("prefill prep alone", label, prep.get(label))
             save()
         for c in valid_prefill().values():     # other configurations of the previous kernels and the T-form, whole
-            if ((isinstance(c, gdn.PrefillConfig) and c.name != previous_prefill.name)
+            if ((isinstance(c, gdn.PrefillConfig) and c.name != candidate_prefill.name)
                     or (isinstance(c, gdn.WYConfig) and c.tform and c != gdn.DEFAULT_PREFILL)):
                 time_prefill(SWEEP_CASE, c.name, c)
 
@@ -1246,8 +1247,8 @@ def report() -> str:
             for k, v in cd.items()))
         L.append("")
     L += ["### Prefill (GDN core incl. gates and l2norm, initial state read from the pool, final state written back)",
-          "", "| case | WY best µs | WY default µs | previous default µs | fla µs (a) | best / fla | floor µs | best / floor |",
-          "|---|---|---|---|---|---|---|---|"]
+          "", "| case | WY best µs | WY default µs | candidate µs | fla µs (a) | best / fla | candidate / fla | floor µs | "
+          "best / floor |", "|---|---|---|---|---|---|---|---|---|"]
     for case in PREFILL_CASES:
         r = RES.get("prefill", {}).get(case, {})
         us = lambda k: (r.get(k) or {}).get("us")
@@ -1256,13 +1257,14 @@ def report() -> str:
         f = r.get("fla") or {}
         fl = f.get("graph_us")
         extra = f" (varlen eager {fmt(f.get('varlen_eager_us'))})" if f.get("varlen_eager_us") else ""
-        L.append(f"| {case} | {fmt(best)} | {fmt(us('wy_default'))} | {fmt(us('v1'))} | {fmt(fl)}{extra} | "
-                 f"{fmt(best / fl if best and fl else None, '.2f')} | {fmt(r.get('floor_us'))} | "
+        L.append(f"| {case} | {fmt(best)} | {fmt(us('wy_default'))} | {fmt(us('candidate'))} | {fmt(fl)}{extra} | "
+                 f"{fmt(best / fl if best and fl else None, '.2f')} | "
+                 f"{fmt(us('candidate') / fl if us('candidate') and fl else None, '.2f')} | {fmt(r.get('floor_us'))} | "
                  f"{fmt(best / r['floor_us'] if best and r.get('floor_us') else None, '.1f')} |")
     pf = RES.get("prefill", {})
     L.append("")
-    L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; previous "
-             f"default: `{gdn.PREVIOUS_PREFILL.name}` (the option last tried as the default, timed beside it). "
+    L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; candidate: "
+             f"`{gdn.CANDIDATE_PREFILL.name}` (timed beside the default: the next default if faster). "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     dev = {case: ((pf.get(case, {}).get("wy_default") or {}).get("device_us"),
                   (pf.get(case, {}).get("fla") or {}).get("device_us")) for case in PREFILL_CASES}

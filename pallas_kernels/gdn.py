@@ -163,7 +163,7 @@ class WYConfig:
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
-                                  # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: PREVIOUS_PREFILL's note)
+                                  # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: CANDIDATE_PREFILL's note)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "tf32" (one product each:
                                   # T within 2.3e-5, 8.7e-4 on repeated keys, below T's bf16 rounding for the
@@ -239,23 +239,27 @@ class DecodeConfig:
 # 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
-# Timed beside the default by bench/kernels.py: the option last tried as the default. At ccc4f03 (headline run, H200)
-# the deferred output store read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8
-# without it (62.3 vs 109.3 at 1x1k, where figures swing with the host's launches).
-PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True)
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Now the T
+# solve's merges (and, under prep_mode "auto" at few chunks, the fused prep's doubling products) as one TF32 product
+# each: T is rounded to bf16 for the Mosaic scan anyway (t_parts=1); sm_90 compile on the CPU: the solve 26 dots
+# instead of 58 and 8 B spilled instead of 352, the fused prep 178 registers instead of 240; untimed on the GPU.
+# The last one timed there, the deferred output store (mgpu_defer_o, ccc4f03), read 441.6 / 1695.6 / 773.5 us at
+# 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8 without it: not taken.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32")
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
 
 
 def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
-    """prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3) while its (chunk, value head)
-    programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the T-form; else T from the solve kernel and P, f per key
-    head ("solve2")."""
+    """prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3, or TF32 where solve_prec asks for
+    it) while its (chunk, value head) programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the T-form; else T from
+    the solve kernel and P, f per key head ("solve2")."""
     if config.prep_mode != "auto":
         return config
     if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
-        return dataclasses.replace(config, prep_mode="fused", solve_prec="bf16x3")
+        return dataclasses.replace(config, prep_mode="fused", solve_prec="tf32" if config.solve_prec == "tf32"
+                                   else "bf16x3")
     return dataclasses.replace(config, prep_mode="solve2")
 
 

@@ -656,10 +656,13 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
 
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on bf16
-    T-form inputs only; the solve kernel + the per-key-head P / f prep otherwise; explicit modes pass through."""
+    T-form inputs only, its products in bf16x3 unless solve_prec asks for TF32; the solve kernel + the per-key-head
+    P / f prep otherwise; explicit modes pass through."""
     few, many = gdn.FUSED_PREP_PROGRAMS // 32, gdn.FUSED_PREP_PROGRAMS // 32 + 1
     fused = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)
     assert (fused.prep_mode, fused.solve_prec) == ("fused", "bf16x3")
+    tf32 = gdn.resolve_prep(dataclasses.replace(WY, solve_prec="tf32"), few, 32, jnp.bfloat16)
+    assert (tf32.prep_mode, tf32.solve_prec) == ("fused", "tf32")   # TF32 asked for: the fused prep's products too
     assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16).prep_mode == "solve2"
     assert gdn.resolve_prep(WY, few, 32, jnp.float32).prep_mode == "solve2"
     assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
