@@ -160,6 +160,9 @@ class WYConfig:
                                   # operand) or hi alone (1: T rounded to bf16 as fla's A, half its traffic, one
                                   # product fewer per chunk)
     p_parts: int = 2              # the same for P (its rounding reaches o alone, not the state)
+    v_parts: int = 2              # the Mosaic scan's X, Vnew and fk Vnew (formed per chunk in fp32) as bf16 hi + lo
+                                  # (2) or rounded to bf16 (1: fla's bf16 v_new; three products and three tile
+                                  # stores fewer per chunk on the chain of dependent products): gdn_mgpu.scan
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
@@ -182,6 +185,7 @@ class WYConfig:
                 + ("_do" if self.mgpu_defer_o else "")
                 + ("" if self.t_parts == 2 else f"_t{self.t_parts}")
                 + ("" if self.p_parts == 2 else f"_p{self.p_parts}")
+                + ("" if self.v_parts == 2 else f"_v{self.v_parts}")
                 + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
@@ -239,13 +243,16 @@ class DecodeConfig:
 # 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Now the T
-# solve's merges (and, under prep_mode "auto" at few chunks, the fused prep's doubling products) as one TF32 product
-# each: T is rounded to bf16 for the Mosaic scan anyway (t_parts=1); sm_90 compile on the CPU: the solve 26 dots
-# instead of 58 and 8 B spilled instead of 352, the fused prep 178 registers instead of 240; untimed on the GPU.
-# The last one timed there, the deferred output store (mgpu_defer_o, ccc4f03), read 441.6 / 1695.6 / 773.5 us at
-# 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8 without it: not taken.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32")
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Untimed on the
+# GPU, both parts at fla's precision: (1) the T solve's merges (and, under prep_mode "auto" at few chunks, the fused
+# prep's doubling products) as one TF32 product each; T is rounded to bf16 for the Mosaic scan anyway (t_parts=1);
+# sm_90 compile on the CPU: the solve 26 dots instead of 58 and 8 B spilled instead of 352, the fused prep 178
+# registers instead of 240. (2) The Mosaic scan's X, Vnew and fk Vnew rounded to bf16 (v_parts=1, as fla's v_new):
+# 5 products and 3 tile stores per chunk on its chain instead of 8 and 5; CPU interpret, dk 64, dv 128, 2048 tokens:
+# o 3.39e-3 and state 2.52e-3 from the fp32 token scan against 2.42e-3 / 3.55e-4 (bars 4e-3 / 3e-3; fla's own on
+# the H200 check 3.86e-3 / 2.55e-3). The last option timed there, the deferred output store (mgpu_defer_o, ccc4f03),
+# read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8 without it: not taken.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32", v_parts=1)
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -292,6 +299,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
+            dataclasses.replace(DEFAULT_PREFILL, v_parts=1), CANDIDATE_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="tf32"),
@@ -1040,7 +1048,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
                                  bv=bv, buffers=config.num_stages or 2, out=config.mgpu_out, wgs=config.mgpu_wgs,
-                                 lookahead=config.mgpu_lookahead, defer_o=config.mgpu_defer_o, row0=row0,
+                                 lookahead=config.mgpu_lookahead, defer_o=config.mgpu_defer_o,
+                                 v_parts=config.v_parts, row0=row0,
                                  nvalid=nvalid, interpret=interpret)
         return wy_scan(q, k, t, v, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                        precs=(h_prec, o_prec, s_prec, prep_prec), interpret=interpret)
@@ -1107,8 +1116,9 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
     if isinstance(config, WYConfig):
         if config.mgpu not in ("", "on", "auto"):
             raise ValueError(f"WYConfig.mgpu must be '', 'on' or 'auto', got {config.mgpu!r}")
-        if config.t_parts not in (1, 2) or config.p_parts not in (1, 2):
-            raise ValueError(f"WYConfig.t_parts and p_parts are 1 or 2, got {config.t_parts}, {config.p_parts}")
+        if any(x not in (1, 2) for x in (config.t_parts, config.p_parts, config.v_parts)):
+            raise ValueError(f"WYConfig.t_parts, p_parts and v_parts are 1 or 2, got {config.t_parts}, "
+                             f"{config.p_parts}, {config.v_parts}")
         if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned, v.dtype):
             config = dataclasses.replace(config, mgpu="")
         if config.mgpu and not starts_aligned:

@@ -13,6 +13,8 @@ the state H [dk, BV] fp32 in registers:
     O = fq Y + P Vnew                       P and Vnew likewise
     H = e^gamma_C H + K^T (fk Vnew)         fk Vnew as bf16 hi + lo: two products (as s_prec "bf16x2")
 
+(X, Vnew and fk Vnew rounded to bf16 alone, one product each: v_parts=1.)
+
 Inputs: those of the Triton T-form scan with T and P split, T [chunks, Hv, 2, 64, 64] bf16 (gdn.wy_solve
 split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2); or T, P or both as hi alone
 (split=1, WYConfig.t_parts / p_parts = 1: one product fewer each; the default's). The output goes by TMA straight
@@ -73,24 +75,29 @@ def _store_kmajor(ref, x):
 
 
 def _store_split(refs, x):
-    """x [K, N] fp32 -> its bf16 hi and lo parts, K-major, in refs[0] and refs[1]."""
+    """x [K, N] fp32 -> its bf16 hi and lo parts, K-major, in refs[0] and refs[1]; or x rounded to bf16 in refs[0]
+    where refs holds one tile (v_parts=1)."""
+    if len(refs) == 1:
+        _store_kmajor(refs[0], x)
+        return
     hi, lo = split_bf16(x)
     _store_kmajor(refs[0], hi)
     _store_kmajor(refs[1], lo)
 
 
 def _products(acc, a_parts, b_parts):
-    """acc += A B from A's bf16 parts (a_parts [parts, M, K]: hi and lo, or hi alone) and B's hi and lo (K-major):
-    hi hi + hi lo (+ lo hi). Returns the number of products issued (wgmma groups, for wgmma_accumulator_load)."""
-    plgpu.wgmma(acc, a_parts.at[0], _b(b_parts[0]))
-    plgpu.wgmma(acc, a_parts.at[0], _b(b_parts[1]))
+    """acc += A B from A's bf16 parts (a_parts [parts, M, K]: hi and lo, or hi alone) and B's (K-major: hi and lo,
+    or hi alone): hi hi (+ hi lo) (+ lo hi). Returns the number of products issued (wgmma groups, for
+    wgmma_accumulator_load)."""
+    for b in b_parts:
+        plgpu.wgmma(acc, a_parts.at[0], _b(b))
     if a_parts.shape[0] == 2:
         plgpu.wgmma(acc, a_parts.at[1], _b(b_parts[0]))
-    return a_parts.shape[0] + 1
+    return a_parts.shape[0] + len(b_parts) - 1
 
 
 def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
-               buffers, chunked, wgs, lookahead, defer_o):
+               buffers, chunked, wgs, lookahead, defer_o, v_parts):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
@@ -222,8 +229,8 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             plgpu.commit_smem()
 
             def pv_update(o_acc, h_acc):                        # the state update and P Vnew, issued together
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
+                for part in vk_s:
+                    plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(part))
                 _products(o_acc, ps, x_s)
                 return o_acc[...], h_acc[...]
             pv, upd = pl.run_scoped(pv_update, tile_acc, plgpu.ACC((dk, bv), jnp.float32))
@@ -265,12 +272,12 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 _store_split(x_s, vnew)                         # X is spent: its buffers take Vnew
                 _store_split(vk_s, _rows(fk, bv) * vnew)
                 plgpu.commit_smem()
-                plgpu.wgmma(zn_acc, m_s, _b(vk_s[0]))           # M (fk Vnew) (the chain), the state update, P Vnew
-                plgpu.wgmma(zn_acc, m_s, _b(vk_s[1]))
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[0]))
-                plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(vk_s[1]))
+                for part in vk_s:                               # M (fk Vnew) (the chain)
+                    plgpu.wgmma(zn_acc, m_s, _b(part))
+                for part in vk_s:                               # the state update, P Vnew
+                    plgpu.wgmma(h_acc, ks.transpose((1, 0)), _b(part))
                 pv = _products(o_acc, ps, x_s)
-                zn = plgpu.wgmma_accumulator_load(zn_acc, wait_n=2 + pv)
+                zn = plgpu.wgmma_accumulator_load(zn_acc, wait_n=len(vk_s) + pv)
                 z_next = fd * plgpu.wgmma_accumulator_load(a_acc, wait_n=None) + zn
                 y = plgpu.wgmma_accumulator_load(y_acc, wait_n=None)
                 return z_next, y, plgpu.wgmma_accumulator_load(o_acc), plgpu.wgmma_accumulator_load(h_acc)
@@ -318,7 +325,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
     bf, f32 = jnp.bfloat16, jnp.float32
     tile = lambda shape, dtype, swz=True: plgpu.SMEM(shape, dtype,
                                                      transforms=_swizzle(shape[-1], dtype) if swz else ())
-    pair = lambda rows, cols: [tile((wgs, rows, cols), bf), tile((wgs, rows, cols), bf)]   # B operands, K-major
+    pair = lambda rows, cols: [tile((wgs, rows, cols), bf) for _ in range(v_parts)]   # B operands, K-major
     pl.run_scoped(
         kernel,
         tile((buffers, CHUNK, dk), bf), tile((3 if lookahead else buffers, CHUNK, dk), bf),
@@ -347,7 +354,7 @@ def pick_bv(n_seq, hv, dv, cores=132, wgs=1):
 
 
 def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, *, bv=None, buffers=2,
-         out="chunks", wgs=1, lookahead=False, defer_o=False, row0=None, nvalid=None, interpret=False):
+         out="chunks", wgs=1, lookahead=False, defer_o=False, v_parts=2, row0=None, nvalid=None, interpret=False):
     """The T-form scan on packed sequences (gdn.wy_scan's contract for config.tform): q, k [total, Hk, dk] and v
     [total, Hv, dv] raw bf16, starts multiples of 8; t / p / f from gdn.wy_solve / gdn.wy_prep(pf_only=True), T and
     P each with split=2 (bf16 hi + lo: three products each) or 1 (hi alone: two); pool [slots, Hv, dv, dk] fp32;
@@ -359,8 +366,11 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     next chunk's K H from this chunk's (two rounds of products on the chain per chunk instead of three; one
     warpgroup, 2 buffers, V-block 16 or 32: _scan_body's chunk_ahead). defer_o: each chunk's output tile is stored by
     the next chunk while its K H and Q H run (off the chain of dependent products), the last one's after the loop; not
-    with lookahead. out: "chunks", whole [64, bv] tiles per chunk gathered into rows by XLA afterwards (row0 and
-    nvalid from gdn.chunk_map; every row outside a sequence zero); "direct", o by TMA straight into its rows, the
+    with lookahead. v_parts: the operands the kernel forms per chunk in fp32 (X for T X, Vnew for P Vnew, fk Vnew
+    for the state update) as bf16 hi + lo (2: two products each) or rounded to bf16 (1: one product each, three
+    products and three shared-memory tile stores fewer per chunk on the chain; fla's bf16 v_new). out: "chunks",
+    whole [64, bv] tiles per chunk gathered into rows by XLA afterwards (row0 and nvalid from gdn.chunk_map; every
+    row outside a sequence zero); "direct", o by TMA straight into its rows, the
     whole chunks in one loop and a partial last chunk after it (H200, d61f829: the scan kernel's time as with
     "chunks", the whole prefill 457.9 vs 501.6 us at 1x8k). Returns (o [total, Hv, dv] in v.dtype: rows [starts +
     lens, starts + spans) zero, rows outside every sequence unwritten; pool with each sequence's final state in its
@@ -386,6 +396,8 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     if bv not in (16, 32, 64) or dv % (bv * wgs) or dk % 64 or total % 8:
         raise ValueError(f"the Mosaic GPU scan needs a V-block of 16, 32 or 64 (times wgs) dividing dv, dk a multiple "
                          f"of 64 and total rows of 8; got bv={bv}, wgs={wgs}, dv={dv}, dk={dk}, total={total}")
+    if v_parts not in (1, 2):
+        raise ValueError(f"the Mosaic GPU scan's v_parts is 1 or 2, got {v_parts}")
     if out not in ("direct", "chunks"):
         raise ValueError(f"the Mosaic GPU scan's out is 'direct' or 'chunks', got {out!r}")
     chunked, mc, i32 = out == "chunks", t.shape[0], jnp.int32
@@ -393,7 +405,7 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
     o, h_out = plgpu.kernel(
         functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs,
-                          lookahead=lookahead, defer_o=defer_o),
+                          lookahead=lookahead, defer_o=defer_o, v_parts=v_parts),
         out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
                   jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
         grid=(n, hv, dv // (bv * wgs)), grid_names=("n", "h", "vb"),
