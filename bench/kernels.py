@@ -853,8 +853,8 @@ def main():
     first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, candidate_prefill)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
 
-    # phase 1: the defaults and the previous kernels (what the headline times); phase 2 (below, before the sweeps):
-    # every other variant. Nothing is timed before it passed its check.
+    # phase 1: the defaults, the candidate prefill and the previous decode (what the headline times); phase 2 (below,
+    # before the sweeps): every other variant. Nothing is timed before it passed its check.
     @section("correct_defaults", need=20)
     def _():
         check_prefill(first_prefill)
@@ -1015,8 +1015,8 @@ def main():
             log("prefill prep alone", label, prep.get(label))
             save()
         for c in valid_prefill().values():     # other configurations of the previous kernels and the T-form, whole
-            if ((isinstance(c, gdn.PrefillConfig) and c.name != candidate_prefill.name)
-                    or (isinstance(c, gdn.WYConfig) and c.tform and c != gdn.DEFAULT_PREFILL)):
+            if (isinstance(c, gdn.PrefillConfig)   # (the default and the candidate: timed by the headline)
+                    or (c.tform and c not in (gdn.DEFAULT_PREFILL, candidate_prefill))):
                 time_prefill(SWEEP_CASE, c.name, c)
 
     def best_wy():

@@ -207,8 +207,9 @@ def test_mgpu_scan_needs_aligned_starts():
 
 def test_mgpu_scan_cross_lowers_for_cuda():
     """The Mosaic GPU scan at both V-blocks, one or two buffers, either output path (and with two warpgroups, the
-    lookahead, the operand splits and the deferred store at V-blocks 16 and 32), lowers for CUDA (sm_90a) at the 9B shapes, one
-    packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic scan)."""
+    lookahead, the operand splits and the deferred store at V-blocks 16 and 32), lowers for CUDA (sm_90a) at the 9B
+    shapes, one packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic
+    scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
     packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
