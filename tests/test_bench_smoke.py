@@ -75,3 +75,16 @@ def test_kernels_bench_headline_smoke():
     assert len(cases) >= 4, cases
     for c in cases:
         assert math.isfinite(float(c[2])), c
+
+
+def test_mgpu_precision_bench_smoke():
+    """bench/mgpu_precision.py on two short sequences (one with a tail chunk; the padded length a multiple of 8, as
+    the Mosaic scan needs): a row per configuration, each within the issue's bars."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "mgpu_precision.py"), "--lens", "72,1", "--configs", "",
+           "v_parts=1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith(("| (default)", "| v_parts=1"))]
+    assert len(rows) == 2, r.stdout
+    for row in rows:
+        assert float(row[1]) <= 4e-3 and float(row[2].rstrip(" |")) <= 3e-3, row
