@@ -166,11 +166,12 @@ class WYConfig:
     mgpu_lookahead: bool = False  # the Mosaic scan carries the next chunk's K H (two rounds of products per chunk
                                   # on its chain instead of three; V-block <= 32): gdn_mgpu.scan
     mgpu_defer_o: bool = False    # the Mosaic scan stores a chunk's output while the next chunk's K H and Q H run
-                                  # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: CANDIDATE_PREFILL's note)
+                                  # (H200, ccc4f03: no faster at 1x8k, slower at 1x32k: DEFAULT_PREFILL's note)
     solve_prec: str = "tf32x3"    # the solve's merge dots: "tf32x3" | "ieee" (exact fp32; 146.0 vs 102.3 us at
                                   # 1x8k, T within 1.6e-10: bench/prefill_parts.py) | "tf32" (one product each:
                                   # T within 2.3e-5, 8.7e-4 on repeated keys, below T's bf16 rounding for the
-                                  # Mosaic scan, t_parts=1; the fused preps' doubling 3.1e-5 / 9.3e-4; untimed) |
+                                  # Mosaic scan, t_parts=1; the fused preps' doubling 3.1e-5 / 9.3e-4; the
+                                  # default's: DEFAULT_PREFILL's note) |
                                   # "bf16x3" (the fused preps' under prep_mode "auto")
 
     @property
@@ -241,18 +242,25 @@ class DecodeConfig:
 # 501.6 for the chunk tiles, 831.2 vs 924.2 at 8x2k (the same scan kernel time: 272.4 vs 272.1 us), and T and P as
 # bf16 hi alone 450.7 / 750.6 more (93.1 / 80.7 at 1x1k); against the fp32 token scan o 2.3e-3 vs 1.7e-3, the states
 # 2.5e-5 vs 4.1e-6 (T alone as hi: o 1.7e-3, 463.5 / 787.6 us).
+# At 04f74c6 (bench/kernels.py headline, one run against fla) the T solve's merges as one TF32 product each
+# (solve_prec "tf32": T is rounded to bf16 for the Mosaic scan anyway) with the Mosaic scan's X, Vnew and fk Vnew
+# rounded to bf16 (v_parts=1, as fla's v_new: 5 products and 3 tile stores per chunk on its chain instead of 8 and 5)
+# took 77.6 / 336.0 / 1340.3 / 634.7 us at 1x1k / 1x8k / 1x32k / 8x2k against 95.6 / 432.3 / 1697.4 / 802.2 for
+# PREVIOUS_PREFILL (fla 94.0 / 530.3 / 2080.4 / 1047.4). Its errors sit at fla's level rather than below it: CPU
+# interpret, dk 64, dv 128, 2048 tokens, o 3.39e-3 and state 2.52e-3 from the fp32 token scan against 2.42e-3 /
+# 3.55e-4 (bars 4e-3 / 3e-3; fla's own on the H200 check 3.86e-3 / 2.55e-3). The deferred output store
+# (mgpu_defer_o, ccc4f03) read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8
+# without it: not taken.
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
-                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1)
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Untimed on the
-# GPU, both parts at fla's precision: (1) the T solve's merges (and, under prep_mode "auto" at few chunks, the fused
-# prep's doubling products) as one TF32 product each; T is rounded to bf16 for the Mosaic scan anyway (t_parts=1);
-# sm_90 compile on the CPU: the solve 26 dots instead of 58 and 8 B spilled instead of 352, the fused prep 178
-# registers instead of 240. (2) The Mosaic scan's X, Vnew and fk Vnew rounded to bf16 (v_parts=1, as fla's v_new):
-# 5 products and 3 tile stores per chunk on its chain instead of 8 and 5; CPU interpret, dk 64, dv 128, 2048 tokens:
-# o 3.39e-3 and state 2.52e-3 from the fp32 token scan against 2.42e-3 / 3.55e-4 (bars 4e-3 / 3e-3; fla's own on
-# the H200 check 3.86e-3 / 2.55e-3). The last option timed there, the deferred output store (mgpu_defer_o, ccc4f03),
-# read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8 without it: not taken.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32", v_parts=1)
+                           tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
+                           solve_prec="tf32")
+# The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
+PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Two
+# warpgroups per scan program, each its own V-block and chain (mgpu_wgs=2): at a1f01f0, with 8 products per chunk on
+# the chain, slower than one (scan 309.1 vs 271.6 us at 1x8k); with 5 the chain's latency is a larger share of the
+# chunk step that a second chain could fill.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2)
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -298,11 +306,10 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, t_parts=2, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
-            dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
-            dataclasses.replace(DEFAULT_PREFILL, v_parts=1), CANDIDATE_PREFILL,
+            dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32x3"),
+            dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
-            dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, s_prec="bf16"),
             nopf(bv=64, num_stages=2, num_warps=8, prep_mode="solve", solve_warps=1, tform=True),
