@@ -172,7 +172,8 @@ class WYConfig:
                                   # T within 2.3e-5, 8.7e-4 on repeated keys, below T's bf16 rounding for the
                                   # Mosaic scan, t_parts=1; the fused preps' doubling 3.1e-5 / 9.3e-4; the
                                   # default's: DEFAULT_PREFILL's note) |
-                                  # "bf16x3" (the fused preps' under prep_mode "auto")
+                                  # "bf16x3" (the fused preps' under prep_mode "auto") | "auto" (TF32 on bf16
+                                  # inputs, tf32x3 on fp32: resolve_prep)
 
     @property
     def name(self):
@@ -253,23 +254,28 @@ class DecodeConfig:
 # without it: not taken.
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
-                           solve_prec="tf32")
+                           solve_prec="auto")
 # The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. Two
-# warpgroups per scan program, each its own V-block and chain (mgpu_wgs=2): at a1f01f0, with 8 products per chunk on
-# the chain, slower than one (scan 309.1 vs 271.6 us at 1x8k); with 5 the chain's latency is a larger share of the
-# chunk step that a second chain could fill.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu_wgs=2)
+# (solve_prec "auto": the solve in TF32 on bf16 inputs only; fp32 models keep tf32x3 merges, near-fp32 as the rest)
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve +
+# P / f prep ("solve2") at every size: with the T solve in TF32 it may beat the fused prep at 1x1k too, where
+# prep_mode "auto" picks the fused one (at 1x8k, 1x32k and 8x2k "auto" picks solve2: the same configuration there).
+# Two warpgroups per scan program (mgpu_wgs=2), this slot's last candidate, read 385.7 us at 1x8k against 370.8
+# (scan kernel 225.9 vs 189.0; 660dad0, bench/prefill_parts.py): slower, as at a1f01f0 with the longer chain.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2")
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
 
 
 def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
-    """prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3, or TF32 where solve_prec asks for
-    it) while its (chunk, value head) programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the T-form; else T from
-    the solve kernel and P, f per key head ("solve2")."""
+    """solve_prec "auto": TF32 on bf16 inputs, tf32x3 on fp32 ones (near-fp32 dots for fp32 models, as
+    WYConfig.precisions). prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3, or TF32 where
+    solve_prec asks for it) while its (chunk, value head) programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the
+    T-form; else T from the solve kernel and P, f per key head ("solve2")."""
+    if config.solve_prec == "auto":
+        config = dataclasses.replace(config, solve_prec="tf32" if jnp.dtype(dtype) == jnp.bfloat16 else "tf32x3")
     if config.prep_mode != "auto":
         return config
     if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
@@ -307,6 +313,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32x3"),
+            dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),

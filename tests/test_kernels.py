@@ -145,10 +145,9 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),   
                                                 p_parts=2),
               "bv32-lookahead-split-t-p-chunk-out": dict(mgpu="on", bv=32, t_parts=2, p_parts=2, mgpu_lookahead=True,
                                                          mgpu_out="chunks"),
-              "bv32-bf16-vnew": dict(mgpu="on", bv=32, v_parts=1),
-              "bv16-lookahead-bf16-vnew": dict(mgpu="on", bv=16, v_parts=1, mgpu_lookahead=True)}
-# X, Vnew and fk Vnew rounded to bf16 (fla's v_new): the state to the issue's bar (fla's level), not the tighter one
-MGPU_STATE_BARS = {"bv32-bf16-vnew": 3e-3, "bv16-lookahead-bf16-vnew": 3e-3}
+              "bv32-split-vnew": dict(mgpu="on", bv=32, v_parts=2),
+              "bv16-lookahead-split-vnew": dict(mgpu="on", bv=16, v_parts=2, mgpu_lookahead=True),
+              "previous-default": dict(v_parts=2, solve_prec="tf32x3")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
@@ -158,8 +157,10 @@ def test_mgpu_scan_meets_issue_bars(case):
     pieces of 16 + 8, 4 + 2 and 1), an empty row and a fresh state: the issue's bars against an fp32 token scan,
     padding rows zero, other slots untouched."""
     config = dataclasses.replace(WY, **MGPU_CASES[case])
+    # X, Vnew and fk Vnew rounded to bf16 (v_parts=1, the default, as fla's v_new): the state to the issue's bar
+    # (fla's level); split into bf16 hi + lo (v_parts=2): the tighter one
     check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False],
-                       MGPU_STATE_BARS.get(case, 1.5e-3))
+                       3e-3 if config.v_parts == 1 else 1.5e-3)
 
 
 @pytest.mark.parametrize("solve_prec,bar", [("ieee", 1e-6), ("bf16x3", 1e-4), ("tf32", 2e-3)])
@@ -219,7 +220,7 @@ def test_mgpu_scan_cross_lowers_for_cuda():
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
              for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=2, p_parts=2), dict(p_parts=2),
-                        dict(mgpu_defer_o=True), dict(v_parts=1), dict(v_parts=1, mgpu_lookahead=True))]
+                        dict(mgpu_defer_o=True), dict(v_parts=2), dict(v_parts=2, mgpu_lookahead=True))]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
@@ -662,14 +663,16 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
 
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on bf16
-    T-form inputs only, its products in bf16x3 unless solve_prec asks for TF32; the solve kernel + the per-key-head
-    P / f prep otherwise; explicit modes pass through."""
+    T-form inputs only, its products in bf16x3 unless solve_prec asks for TF32 (as "auto" does on bf16 inputs; tf32x3
+    merges on fp32 ones); the solve kernel + the per-key-head P / f prep otherwise; explicit modes pass through."""
     few, many = gdn.FUSED_PREP_PROGRAMS // 32, gdn.FUSED_PREP_PROGRAMS // 32 + 1
-    fused = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)
+    fused = gdn.resolve_prep(dataclasses.replace(WY, solve_prec="tf32x3"), few, 32, jnp.bfloat16)
     assert (fused.prep_mode, fused.solve_prec) == ("fused", "bf16x3")
-    tf32 = gdn.resolve_prep(dataclasses.replace(WY, solve_prec="tf32"), few, 32, jnp.bfloat16)
+    tf32 = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)    # solve_prec "auto" (the default): TF32 on bf16 inputs
     assert (tf32.prep_mode, tf32.solve_prec) == ("fused", "tf32")   # TF32 asked for: the fused prep's products too
-    assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16).prep_mode == "solve2"
-    assert gdn.resolve_prep(WY, few, 32, jnp.float32).prep_mode == "solve2"
+    assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="solve2",
+                                                                               solve_prec="tf32")
+    assert gdn.resolve_prep(WY, few, 32, jnp.float32) == dataclasses.replace(WY, prep_mode="solve2",
+                                                                             solve_prec="tf32x3")  # near-fp32
     assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
     assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve"), few, 32, jnp.bfloat16).prep_mode == "solve"
