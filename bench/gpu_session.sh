@@ -44,9 +44,11 @@ for s in $sections; do
     kernels) OUT=$work/kernels CUDA_VISIBLE_DEVICES=0 run kernels 200 python3 bench/kernels.py --time-limit 165 ;;
     kheadline) OUT=$work/kheadline CUDA_VISIBLE_DEVICES=0 run kheadline 330 python3 bench/kernels.py --time-limit 290 \
                  --no-model --only correct_defaults headline prefill_cases ;;
-    parts) for c in ${PARTS_CASES:-1x8k}; do       # PARTS: which parts; PARTS_CASES: e.g. "1x8k 8x2k"
+    parts) for c in ${PARTS_CASES:-1x8k}; do       # PARTS: which parts; PARTS_CASES: e.g. "1x8k 8x2k";
+             # PARTS_WHOLE / PARTS_KERNELS: the whole / kernels parts' configurations (prefill_parts.py --whole)
              OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts_$c 240 python3 bench/prefill_parts.py --record --case $c \
-               ${PARTS:+--parts $PARTS}; done ;;
+               ${PARTS:+--parts $PARTS} ${PARTS_WHOLE+--whole "$PARTS_WHOLE"} ${PARTS_KERNELS+--kernels "$PARTS_KERNELS"}
+           done ;;
     kmodel) OUT=$work/kmodel CUDA_VISIBLE_DEVICES=0 run kmodel 220 python3 bench/kernels.py --time-limit 200 \
               --only correct_defaults model_step ;;   # the 9B-shaped decode step, pallas vs reference backends
     kconv) OUT=$work/kconv CUDA_VISIBLE_DEVICES=0 run kconv 150 python3 bench/kernels.py --time-limit 130 --no-model \

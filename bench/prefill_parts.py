@@ -111,12 +111,32 @@ def scan_ablation(q, k, w, u, p, f, h0, *, mode, bv=32, num_warps=4, num_stages=
     )(q, k, w, u, p, f, h0)
 
 
+def variants(spec):
+    """'prep_mode=fused,prep_warps=8;;v_parts=2' -> [{'prep_mode': 'fused', 'prep_warps': 8}, {}, {'v_parts': 2}]
+    (values as the WYConfig field's type: int, bool or str; the field types are annotation strings)."""
+    types = {f.name: f.type for f in dataclasses.fields(gdn.WYConfig)}
+    cast = {"int": int, "bool": lambda x: x.lower() in ("1", "true"), "str": str}
+    out = []
+    for entry in spec.split(";"):
+        kw = {}
+        for item in filter(None, entry.split(",")):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise argparse.ArgumentTypeError(f"WYConfig has no field {key!r}")
+            kw[key] = cast.get(types[key].split()[0], str)(value)
+        out.append(kw)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
     ap.add_argument("--parts", default=DEFAULT_PARTS,
                     help="comma-separated subset of solve, tile, scan, pf, whole, kernels, ablations")
+    spec = "';'-separated WYConfig changes on the default, each ','-separated field=value ('' = the default)"
+    ap.add_argument("--whole", type=variants, help=f"the whole part's configurations instead of WHOLE: {spec}")
+    ap.add_argument("--kernels", type=variants, help=f"the kernels part's configurations instead of KERNELS: {spec}")
     args = ap.parse_args()
     kb.RES["ceilings"] = {}
     pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
@@ -207,7 +227,7 @@ def main():
         o_r, s_r = pr.reference()
         log("| whole prefill (`gdn_prefill_packed`) | o rel-L2 vs fp32 scan | state rel-L2 vs fp32 scan | us |")
         log("|---|---|---|---|")
-        for kw in WHOLE:
+        for kw in args.whole or WHOLE:
             c = dataclasses.replace(d, **kw)
             try:
                 o, s = pr.outputs(c)
@@ -216,7 +236,7 @@ def main():
                 log(f"| {c.name} | failed: {repr(e)[:200]} | | |")
         log("")
 
-    for kw in KERNELS if "kernels" in parts else ():   # where the time goes, kernel by kernel (a trace of 5 calls)
+    for kw in (args.kernels or KERNELS) if "kernels" in parts else ():   # where the time goes, kernel by kernel (a trace of 5 calls)
         calls, cfg = 5, dataclasses.replace(d, **kw)
         run = pr.prefill(cfg, donate_argnums=7)
         inputs = functools.partial(pr.args, pr.sets[0])
