@@ -46,16 +46,17 @@ SCANS = [dict(), dict(overlap=False)]              # on the W-form of the defaul
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
 # and P as bf16 hi alone, the T solve in TF32, the scan's X, Vnew and fk Vnew in bf16): the previous default
 # (gdn.PREVIOUS_PREFILL: tf32x3 solve, X, Vnew, fk Vnew as bf16 hi + lo; at 04f74c6 432.3 / 802.2 us at 1x8k / 8x2k
-# against 336.0 / 634.7 for this default), two warpgroups per scan program (at a1f01f0, with the longer chain,
-# slower; at 660dad0 385.7 vs 370.8 us at 1x8k), and the other prep of prep_mode "auto" (the fused T / P / f kernel at
-# 1x8k and 8x2k, the T solve + P / f prep at 1x1k: gdn.CANDIDATE_PREFILL, which the headline times beside the
-# default). At d61f829 (chunk tiles, T and P as
-# hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k; at ccc4f03 the deferred output store (mgpu_defer_o) no faster at 1x8k,
-# slower at 1x32k; at c257dc4 the scan carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us against 477.1 /
-# 819.2 (both without the gather: those timings left it out).
-WHOLE = [dict(), dict(v_parts=2, solve_prec="tf32x3"), dict(mgpu_wgs=2), dict(prep_mode="fused"),
+# against 336.0 / 634.7 for this default), the P / f prep after the T solve on 8 or 2 warps (pf_warps; 8 is
+# gdn.CANDIDATE_PREFILL, which the headline times beside the default; at 158a10b the prep's kernel 65.0 against 74.2
+# us at 1x8k at 8 warps), and the other prep of prep_mode "auto" (the fused T / P / f kernel at 1x8k and 8x2k, the T
+# solve + P / f prep at 1x1k). Earlier, not repeated here: two warpgroups per scan program, slower at a1f01f0 and at
+# 660dad0 (385.7 vs 370.8 us at 1x8k); at d61f829 (chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k;
+# at ccc4f03 the deferred output store (mgpu_defer_o) no faster at 1x8k, slower at 1x32k; at c257dc4 the scan
+# carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us against 477.1 / 819.2 (both without the gather: those
+# timings left it out). `--whole` / `--kernels` replace these lists for one run.
+WHOLE = [dict(), dict(v_parts=2, solve_prec="tf32x3"), dict(pf_warps=8), dict(pf_warps=2), dict(prep_mode="fused"),
          dict(prep_mode="solve2")]
-KERNELS = [dict(), dict(prep_mode="solve2")]   # the configurations the kernels part profiles
+KERNELS = [dict(), dict(pf_warps=8)]   # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",

@@ -136,6 +136,9 @@ class WYConfig:
                                   # buffers, two programs per SM): pick_stages
     prefetch: bool = True
     prep_warps: int = 4
+    pf_warps: int | None = None   # the P / f prep's warps after the T solve (prep_mode "solve" / "solve2"; None:
+                                  # prep_warps, which the fused prep keeps): H200, 158a10b, 1x8k, kernel trace: 65.0
+                                  # us at 8 warps against 74.2 at 4 (the fused prep at 1x1k 76.2 against 44.4)
     prep_mode: str = "tile"
     h_prec: str | None = None
     o_prec: str | None = None
@@ -188,7 +191,8 @@ class WYConfig:
                 + ("" if self.t_parts == 2 else f"_t{self.t_parts}")
                 + ("" if self.p_parts == 2 else f"_p{self.p_parts}")
                 + ("" if self.v_parts == 2 else f"_v{self.v_parts}")
-                + f"_pw{self.prep_warps}{'' if self.prep_mode == 'tile' else '_' + self.prep_mode}"
+                + f"_pw{self.prep_warps}" + (f"_pfw{self.pf_warps}" if self.pf_warps else "")
+                + ('' if self.prep_mode == 'tile' else '_' + self.prep_mode)
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
@@ -258,12 +262,15 @@ DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="au
 # The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
 # (solve_prec "auto": the solve in TF32 on bf16 inputs only; fp32 models keep tf32x3 merges, near-fp32 as the rest)
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve +
-# P / f prep ("solve2") at every size: with the T solve in TF32 it may beat the fused prep at 1x1k too, where
-# prep_mode "auto" picks the fused one (at 1x8k, 1x32k and 8x2k "auto" picks solve2: the same configuration there).
-# Two warpgroups per scan program (mgpu_wgs=2), this slot's last candidate, read 385.7 us at 1x8k against 370.8
-# (scan kernel 225.9 vs 189.0; 660dad0, bench/prefill_parts.py): slower, as at a1f01f0 with the longer chain.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2")
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The P / f prep
+# after the T solve on 8 warps instead of 4 (pf_warps; 1x8k, 1x32k and 8x2k, where prep_mode "auto" picks solve2;
+# the fused prep of 1x1k keeps prep_warps): 65.0 against 74.2 us at 1x8k in one kernel trace (158a10b,
+# bench/prefill_parts.py), untimed in the headline. The last two candidates: two warpgroups per scan program
+# (mgpu_wgs=2) read 385.7 us at 1x8k against 370.8 (scan 225.9 vs 189.0; 660dad0); solve2 at every size read 71.0 /
+# 353.0 / 1322.0 / 619.4 us at 1x1k / 1x8k / 1x32k / 8x2k against 63.9 / 347.0 / 1430.2 / 611.0 (c2a7e3e; the same
+# configuration at the last three: the spread of one run), and its 1x1k kernels summed to 78.0 / 78.2 us against the
+# fused prep's 81.4 / 80.4 in two traces (c2a7e3e, 158a10b): a tie.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, pf_warps=8)
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -314,7 +321,7 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32x3"),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
-            dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL,
+            dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL, CANDIDATE_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -1056,8 +1063,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
                          inv_prec=config.solve_prec, split=t_split, interpret=interpret)
             p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                           num_warps=config.prep_warps, mode=config.prep_mode, pf_only=True, split=split,
-                           interpret=interpret)
+                           num_warps=config.pf_warps or config.prep_warps, mode=config.prep_mode, pf_only=True,
+                           split=split, interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,

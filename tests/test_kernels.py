@@ -4,6 +4,7 @@ CUDA cross-lowering so a Triton-illegal shape fails here and not on the GPU; mod
 import dataclasses
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -676,3 +677,21 @@ def test_prep_auto_picks_the_fused_prep_for_few_chunks():
                                                                              solve_prec="tf32x3")  # near-fp32
     assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
     assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve"), few, 32, jnp.bfloat16).prep_mode == "solve"
+
+
+def test_pf_warps_sets_the_pf_prep_alone():
+    """WYConfig.pf_warps: the P / f prep after the T solve on its own warps (the T solve keeps solve_warps); the fused
+    prep of few chunks keeps prep_warps (read from the kernels' lowered Triton parameters)."""
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    hk, hv, dk, dv = 2, 4, 64, 64
+    warps = {}
+    for total in (64 * 12, 64 * 200):          # "auto": the fused prep (12 chunks x 4 heads), then solve2
+        packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
+                  S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((3, hv, dv, dk), f32), S((1,), i32),
+                  S((1,), i32), S((1,), i32), S((1,), jnp.bool_))
+        for c in (WY, dataclasses.replace(WY, pf_warps=8)):
+            text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True), *packed)
+            warps[total, c.pf_warps] = sorted(int(w) for w in re.findall(r"num_warps = (\d+) : i32", text))
+    assert warps[64 * 12, None] == warps[64 * 12, 8] == [WY.prep_warps]
+    assert warps[64 * 200, None] == sorted([WY.solve_warps, WY.prep_warps])
+    assert warps[64 * 200, 8] == sorted([WY.solve_warps, 8])
