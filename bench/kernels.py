@@ -1358,6 +1358,9 @@ def summary() -> str:
         fl = (r.get("fla") or {}).get("graph_us")
         st = f"ratio {best / fl:.2f} (<= 0.8, aim 0.4)" if best and fl else "—"
         rows.append(f"{'prefill ' + case:34s} {fmt(best):>12s} {fmt(fl):>12s}  {st}")
+        dev, fdev = (r.get("wy_default") or {}).get("device_us"), (r.get("fla") or {}).get("device_us")
+        if dev and fdev:     # at ~100 µs per call the slope swings between runs: the kernels' summed device time
+            rows.append(f"{'  default, device time':34s} {fmt(dev):>12s} {fmt(fdev):>12s}  ratio {dev / fdev:.2f}")
     cp = copy_rate()
     for n, r in sorted(RES.get("decode", {}).items(), key=lambda kv: int(kv[0])):
         best, us = decode_best(r)
