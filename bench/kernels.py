@@ -391,14 +391,21 @@ class PrefillProblem:
 
     def full_us(self, config):
         def call(c, *st):
-            o, pool = gdn.gdn_prefill_packed(*self.args(st, c[0]), config=config, starts_aligned=self.aligned,
-                                             **kernel_kw())
+            # every kernel of a call waits for the previous call's output, as a model's layers do: the prep kernels
+            # read no state, and without the link (dt_bias + 0 x the last output) a command buffer may run them
+            # beside the previous call's scan, which a single call (and fla's one-call graph) never does
+            args = list(self.args(st, c[0]))
+            args[6] = args[6] + 0.0 * c[1]
+            o, pool = gdn.gdn_prefill_packed(*args, config=config, starts_aligned=self.aligned, **kernel_kw())
             # the barrier makes every row of o be computed: without it XLA fuses the slice below into the XLA ops
             # that form o (the Mosaic scan's chunk-tile gather), which then compute one row (the figures of
             # mgpu_out="chunks" timed up to c257dc4 left the gather out: 45 us at 1x8k, 91 at 8x2k)
             o = jax.lax.optimization_barrier(o)
             return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
-        us, _ = time_calls(call, self.carry(), self.sets, calls=(2, 6) if self.total >= 32768 else (2, 10))
+        # at ~100 us per call, (2, 10) calls left a slope over one extra dispatch of a few calls, under the host's
+        # jitter: 1x1k read 64-98 us for one configuration in one session (2026-12-03)
+        calls = (2, 6) if self.total >= 32768 else (2, 10) if self.total >= 4096 else (16, 160)
+        us, _ = time_calls(call, self.carry(), self.sets, calls=calls)
         return us
 
     def outputs(self, config):
@@ -1224,7 +1231,8 @@ def report() -> str:
          f"the run took {elapsed():.0f} s.", "",
          "Timing: ours = slope of wall time over back-to-back dispatches of one compiled program of R rounds of "
          "calls (static loop count, no host round trip; inputs and slot groups rotate so L2 never holds the previous "
-         "call's data; dispatch cancels). fla (a) = "
+         "call's data; dispatch cancels; each prefill call waits for the previous one's output, since 2026-12-03). "
+         "fla (a) = "
          "CUDA-graph replay of one call, `do_bench` median with L2 flushed (as shared/tools/fla_baseline.py); fla (b) "
          "= back-to-back calls in one CUDA graph over rotating inputs, time / calls (ours' method).",
          f"Ceilings measured in this run: copy {fmt(ceil.get('copy_TBps_torch'), '.2f')} TB/s (torch `copy_`), "
