@@ -380,9 +380,11 @@ class PrefillProblem:
         """(state pool, a scalar that every call's output feeds: no kernel of the call is dead code)."""
         return self.pool(), jnp.zeros((1,), jnp.float32)
 
-    def args(self, st, pool):
-        """gdn_prefill_packed's arguments for input set st (q, k, v, a, b, slots) and a state pool."""
-        return (*st[:5], self.A_log, self.dt_bias, pool, self.starts, self.lens_a, st[5], self.use)
+    def args(self, st, pool, dt_bias=None):
+        """gdn_prefill_packed's arguments for input set st (q, k, v, a, b, slots) and a state pool (dt_bias: in place
+        of the problem's)."""
+        return (*st[:5], self.A_log, self.dt_bias if dt_bias is None else dt_bias, pool, self.starts, self.lens_a,
+                st[5], self.use)
 
     def prefill(self, config, **jit_kw):
         """gdn_prefill_packed on this problem's sequences under config, jitted (jit_kw: e.g. donate_argnums=7)."""
@@ -394,9 +396,8 @@ class PrefillProblem:
             # every kernel of a call waits for the previous call's output, as a model's layers do: the prep kernels
             # read no state, and without the link (dt_bias + 0 x the last output) a command buffer may run them
             # beside the previous call's scan, which a single call (and fla's one-call graph) never does
-            args = list(self.args(st, c[0]))
-            args[6] = args[6] + 0.0 * c[1]
-            o, pool = gdn.gdn_prefill_packed(*args, config=config, starts_aligned=self.aligned, **kernel_kw())
+            o, pool = gdn.gdn_prefill_packed(*self.args(st, c[0], dt_bias=self.dt_bias + 0.0 * c[1]), config=config,
+                                             starts_aligned=self.aligned, **kernel_kw())
             # the barrier makes every row of o be computed: without it XLA fuses the slice below into the XLA ops
             # that form o (the Mosaic scan's chunk-tile gather), which then compute one row (the figures of
             # mgpu_out="chunks" timed up to c257dc4 left the gather out: 45 us at 1x8k, 91 at 8x2k)

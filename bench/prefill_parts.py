@@ -237,7 +237,8 @@ def main():
                 log(f"| {c.name} | failed: {repr(e)[:200]} | | |")
         log("")
 
-    for kw in (args.kernels or KERNELS) if "kernels" in parts else ():   # where the time goes, kernel by kernel (a trace of 5 calls)
+    # where the time goes, kernel by kernel (a trace of 5 calls)
+    for kw in (args.kernels or KERNELS) if "kernels" in parts else ():
         calls, cfg = 5, dataclasses.replace(d, **kw)
         run = pr.prefill(cfg, donate_argnums=7)
         inputs = functools.partial(pr.args, pr.sets[0])

@@ -255,13 +255,12 @@ class DecodeConfig:
 # interpret, dk 64, dv 128, 2048 tokens, o 3.39e-3 and state 2.52e-3 from the fp32 token scan against 2.42e-3 /
 # 3.55e-4 (bars 4e-3 / 3e-3; fla's own on the H200 check 3.86e-3 / 2.55e-3). The deferred output store
 # (mgpu_defer_o, ccc4f03) read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8
-# without it: not taken.
+# without it: not taken. (solve_prec "auto": the solve in TF32 on bf16 inputs only; fp32 models keep tf32x3 merges.)
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
                            solve_prec="auto")
 # The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
-# (solve_prec "auto": the solve in TF32 on bf16 inputs only; fp32 models keep tf32x3 merges, near-fp32 as the rest)
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The P / f prep
 # after the T solve on 8 warps instead of 4 (pf_warps; 1x8k, 1x32k and 8x2k, where prep_mode "auto" picks solve2;
 # the fused prep of 1x1k keeps prep_warps): 65.0 against 74.2 us at 1x8k in one kernel trace (158a10b,
@@ -320,7 +319,6 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, p_parts=2),
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32x3"),
-            dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32"),
             dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL, CANDIDATE_PREFILL,
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),

@@ -5,8 +5,8 @@
 
 Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`:
 parallel Triton kernels for T and P (one fused kernel for few chunks, else a T solve and a P prep per key head:
-`gdn.resolve_prep`; T and P as bf16 tensor-core operands, T solved in TF32), then the chunk scan as a Mosaic GPU kernel,
-pallas_kernels/gdn_mgpu.py (its output by TMA straight into the token rows) wherever its shapes allow, which the
+`gdn.resolve_prep`; T and P as bf16 tensor-core operands, T solved in TF32), then the chunk scan as a Mosaic GPU
+kernel, pallas_kernels/gdn_mgpu.py (its output by TMA straight into the token rows) wherever its shapes allow, which the
 model's always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the decode step
 `gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill
