@@ -145,6 +145,9 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
+    solve_per_value_head: bool = False   # the T solve's grid (chunk, value head), K K^T per value head, instead of
+                                  # (chunk, key head) with the key head's value heads in a loop: half the chain per
+                                  # program (few chunks: one wave whatever the grid, so the chain is the time)
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
@@ -193,7 +196,8 @@ class WYConfig:
                 + ("" if self.v_parts == 2 else f"_v{self.v_parts}")
                 + f"_pw{self.prep_warps}" + (f"_pfw{self.pf_warps}" if self.pf_warps else "")
                 + ('' if self.prep_mode == 'tile' else '_' + self.prep_mode)
-                + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "") + inv
+                + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "")
+                + ("_svh" if self.solve_per_value_head else "") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -261,15 +265,14 @@ DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="au
                            solve_prec="auto")
 # The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The P / f prep
-# after the T solve on 8 warps instead of 4 (pf_warps; 1x8k, 1x32k and 8x2k, where prep_mode "auto" picks solve2;
-# the fused prep of 1x1k keeps prep_warps): 65.0 against 74.2 us at 1x8k in one kernel trace (158a10b,
-# bench/prefill_parts.py), untimed in the headline. The last two candidates: two warpgroups per scan program
-# (mgpu_wgs=2) read 385.7 us at 1x8k against 370.8 (scan 225.9 vs 189.0; 660dad0); solve2 at every size read 71.0 /
-# 353.0 / 1322.0 / 619.4 us at 1x1k / 1x8k / 1x32k / 8x2k against 63.9 / 347.0 / 1430.2 / 611.0 (c2a7e3e; the same
-# configuration at the last three: the spread of one run), and its 1x1k kernels summed to 78.0 / 78.2 us against the
-# fused prep's 81.4 / 80.4 in two traces (c2a7e3e, 158a10b): a tie.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, pf_warps=8)
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve
+# per value head (solve_per_value_head: half the chain per program) and the P / f prep on 2 warps (pf_warps=2: 45.2
+# against 74.8 us at 1x8k, kernel trace at 40df20e, whole prefill 326.0 vs 353.5; 8 warps 64.7), "solve2" at every
+# size (at 1x1k too, in place of the fused prep: 1x1k's solve reads 30.9 us, the chain of one program's two heads).
+# The last candidates: P / f on 8 warps read 315.6 / 86.9 / 1281.2 / 616.1 us at 1x8k / 1x1k / 1x32k / 8x2k against
+# 350.2 / 87.2 / 1363.3 / 613.5 (40df20e); two warpgroups per scan program (mgpu_wgs=2) 385.7 us at 1x8k against
+# 370.8 (660dad0); solve2 at 1x1k 71.0 vs 63.9 and kernels 78.0 / 78.2 vs 81.4 / 80.4 (c2a7e3e, 158a10b): a tie.
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2", pf_warps=2, solve_per_value_head=True)
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
@@ -1059,7 +1062,8 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                               t_split=t_split, with_t=True, interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                         inv_prec=config.solve_prec, split=t_split, interpret=interpret)
+                         inv_prec=config.solve_prec, per_value_head=config.solve_per_value_head, split=t_split,
+                         interpret=interpret)
             p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                            num_warps=config.pf_warps or config.prep_warps, mode=config.prep_mode, pf_only=True,
                            split=split, interpret=interpret)
