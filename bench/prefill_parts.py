@@ -58,6 +58,8 @@ WHOLE = [dict(), dict(v_parts=2, solve_prec="tf32x3"), dict(pf_warps=8), dict(pf
          dict(prep_mode="solve2")]
 KERNELS = [dict(), dict(pf_warps=8)]   # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
+# the headline's cases and two short prompts (a chunked prefill's pieces), where prep_mode "auto" picks the fused prep
+CASES = {**kb.PREFILL_CASES, "1x256": [256], "1x512": [512]}
 ABLATIONS = {
     "full": "the W-form scan's loop (all four dots, o stored)",
     "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
@@ -132,7 +134,7 @@ def variants(spec):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true")
-    ap.add_argument("--case", default="1x8k", choices=list(kb.PREFILL_CASES))
+    ap.add_argument("--case", default="1x8k", choices=list(CASES))
     ap.add_argument("--parts", default=DEFAULT_PARTS,
                     help="comma-separated subset of solve, tile, scan, pf, whole, kernels, ablations")
     spec = "';'-separated WYConfig changes on the default, each ','-separated field=value ('' = the default)"
@@ -140,7 +142,7 @@ def main():
     ap.add_argument("--kernels", type=variants, help=f"the kernels part's configurations instead of KERNELS: {spec}")
     args = ap.parse_args()
     kb.RES["ceilings"] = {}
-    pr = kb.PrefillProblem(kb.PREFILL_CASES[args.case])
+    pr = kb.PrefillProblem(CASES[args.case])
     _, row0, nvalid = gdn.chunk_map(pr.starts, pr.lens_a, pr.mc)
     d = gdn.DEFAULT_PREFILL
     lines = [f"Case {args.case} ({pr.total} tokens, {pr.n} sequence(s)), 9B shapes; default `{d.name}`.", ""]

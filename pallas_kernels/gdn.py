@@ -145,9 +145,10 @@ class WYConfig:
     s_prec: str | None = None
     prep_prec: str | None = None
     solve_warps: int = 2
-    solve_per_value_head: bool = False   # the T solve's grid (chunk, value head), K K^T per value head, instead of
-                                  # (chunk, key head) with the key head's value heads in a loop: half the chain per
-                                  # program (few chunks: one wave whatever the grid, so the chain is the time)
+    solve_grid: str = "key"       # the T solve's grid: "key" (chunk, key head), the key head's value heads in a loop;
+                                  # "value" (chunk, value head), K K^T per value head: half the chain per program, for
+                                  # few chunks, where every program runs in one wave and the chain is the time; "auto":
+                                  # "value" while those programs fit in SOLVE_WAVE_PROGRAMS (resolve_prep)
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
@@ -197,7 +198,7 @@ class WYConfig:
                 + f"_pw{self.prep_warps}" + (f"_pfw{self.pf_warps}" if self.pf_warps else "")
                 + ('' if self.prep_mode == 'tile' else '_' + self.prep_mode)
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "")
-                + ("_svh" if self.solve_per_value_head else "") + inv
+                + ("" if self.solve_grid == "key" else f"_sg{self.solve_grid[0]}") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -260,31 +261,48 @@ class DecodeConfig:
 # 3.55e-4 (bars 4e-3 / 3e-3; fla's own on the H200 check 3.86e-3 / 2.55e-3). The deferred output store
 # (mgpu_defer_o, ccc4f03) read 441.6 / 1695.6 / 773.5 us at 1x8k / 1x32k / 8x2k against 440.4 / 1602.6 / 763.8
 # without it: not taken. (solve_prec "auto": the solve in TF32 on bf16 inputs only; fp32 models keep tf32x3 merges.)
+# At 95822fc (bench/prefill_parts.py whole + kernel traces, H200) the P / f prep on 2 warps (pf_warps=2: 5 programs
+# per SM, mma.sync) took 44.2 us at 1x8k against 74.8 on 4 warps (wgmma, 4 per SM) and 64.7 on 8 (1 warp spills:
+# triton_compile_check), whole prefill 319.0 vs 349.3; the T solve per value head (solve_grid "value") 88.2 against
+# 73.5 at 1x8k, but at 1x1k, with "solve2" in place of the fused prep, 70.9 us against 80.2 per key head and 86.1
+# for the fused prep (solve 22.0 vs 30.9, the fused prep 44.4: two waves of 512 programs at 178 registers). The
+# headline (bench/kernels.py, same run) read the candidate (solve2, pf_warps=2, per value head at every size) at
+# 71.0 / 323.2 / 1260.6 / 592.5 us at 1x1k / 1x8k / 1x32k / 8x2k against 88.3 / 349.8 / 1306.2 / 614.7 for the
+# previous default and fla's 93.7 / 527.5 / 2070.6 / 1040.1. Hence pf_warps=2, solve_grid "auto" and the fused
+# prep in one wave at most (FUSED_PREP_PROGRAMS).
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
-                           solve_prec="auto")
+                           solve_prec="auto", pf_warps=2, solve_grid="auto")
 # The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
-PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3")
+PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3", pf_warps=None,
+                                       solve_grid="key")
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve
-# per value head (solve_per_value_head: half the chain per program) and the P / f prep on 2 warps (pf_warps=2: 45.2
-# against 74.8 us at 1x8k, kernel trace at 40df20e, whole prefill 326.0 vs 353.5; 8 warps 64.7), "solve2" at every
-# size (at 1x1k too, in place of the fused prep: 1x1k's solve reads 30.9 us, the chain of one program's two heads).
-# The last candidates: P / f on 8 warps read 315.6 / 86.9 / 1281.2 / 616.1 us at 1x8k / 1x1k / 1x32k / 8x2k against
-# 350.2 / 87.2 / 1363.3 / 613.5 (40df20e); two warpgroups per scan program (mgpu_wgs=2) 385.7 us at 1x8k against
-# 370.8 (660dad0); solve2 at 1x1k 71.0 vs 63.9 and kernels 78.0 / 78.2 vs 81.4 / 80.4 (c2a7e3e, 158a10b): a tie.
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, prep_mode="solve2", pf_warps=2, solve_per_value_head=True)
+# per value head at every size: at 1x8k 328.0 against 319.0 us per key head (95822fc, one parts run); the headline
+# puts the "auto" rule to a same-run A/B at 1x32k and 8x2k. The last candidates: solve2 with pf_warps=2 and the solve
+# per value head everywhere (95822fc: now the default wherever it was faster); P / f on 8 warps read 315.6 / 86.9 /
+# 1281.2 / 616.1 us at 1x8k / 1x1k / 1x32k / 8x2k against 350.2 / 87.2 / 1363.3 / 613.5 (40df20e); two warpgroups per
+# scan program (mgpu_wgs=2) 385.7 us at 1x8k against 370.8 (660dad0).
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_grid="value")
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
-FUSED_PREP_PROGRAMS = 5 * 132     # prep_mode "auto": the fused prep up to ~2.5 waves of its programs on the H200's SMs
+FUSED_PREP_PROGRAMS = 2 * 132     # prep_mode "auto": the fused prep while its programs run in one wave on the H200
+# (178 registers at 4 warps: 2 per SM): at 1x1k (512 programs, two waves) it read 86.1 us against 70.9 for solve2
+SOLVE_WAVE_PROGRAMS = 8 * 132     # solve_grid "auto": "value" while the 1-warp solve's programs (255 registers: 8 per
+# SM) run in one wave
 
 
 def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
     """solve_prec "auto": TF32 on bf16 inputs, tf32x3 on fp32 ones (near-fp32 dots for fp32 models, as
     WYConfig.precisions). prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3, or TF32 where
     solve_prec asks for it) while its (chunk, value head) programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the
-    T-form; else T from the solve kernel and P, f per key head ("solve2")."""
+    T-form; else T from the solve kernel and P, f per key head ("solve2"). solve_grid "auto": the solve per value
+    head while its (chunk, value head) programs fit in SOLVE_WAVE_PROGRAMS, else per key head."""
     if config.solve_prec == "auto":
         config = dataclasses.replace(config, solve_prec="tf32" if jnp.dtype(dtype) == jnp.bfloat16 else "tf32x3")
+    if config.solve_grid not in ("key", "value", "auto"):
+        raise ValueError(f"WYConfig.solve_grid must be 'key', 'value' or 'auto', got {config.solve_grid!r}")
+    if config.solve_grid == "auto":
+        config = dataclasses.replace(config, solve_grid="value" if max_chunks * hv <= SOLVE_WAVE_PROGRAMS else "key")
     if config.prep_mode != "auto":
         return config
     if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
@@ -1062,7 +1080,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                               t_split=t_split, with_t=True, interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                         inv_prec=config.solve_prec, per_value_head=config.solve_per_value_head, split=t_split,
+                         inv_prec=config.solve_prec, per_value_head=config.solve_grid == "value", split=t_split,
                          interpret=interpret)
             p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                            num_warps=config.pf_warps or config.prep_warps, mode=config.prep_mode, pf_only=True,

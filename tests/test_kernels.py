@@ -138,7 +138,7 @@ MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),   
               "bv16-lookahead-chunk-out": dict(mgpu="on", bv=16, mgpu_out="chunks", mgpu_lookahead=True),
               "bv32-split-t-p": dict(mgpu="on", bv=32, t_parts=2, p_parts=2),
               "bv32-split-p": dict(mgpu="on", bv=32, p_parts=2),
-              "bv32-solve-tf32": dict(mgpu="on", bv=32, prep_mode="solve2", solve_prec="tf32"),
+              "bv32-solve-tf32": dict(mgpu="on", bv=32, prep_mode="solve2", solve_prec="tf32", solve_grid="key"),
               "bv32-fused-prep-tf32": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="tf32"),
               "bv32-defer-o": dict(mgpu="on", bv=32, mgpu_defer_o=True),
               "bv64-defer-o-chunk-out": dict(mgpu="on", bv=64, mgpu_defer_o=True, mgpu_out="chunks"),
@@ -225,10 +225,11 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
-    padded = tuple(S((2, 512) + s.shape[1:], s.dtype) for s in packed[:5]) + packed[5:8] + (
-        S((2,), i32), S((2,), i32), S((2,), jnp.bool_))
-    text = lower_for_cuda(gdn.gdn_prefill, *padded)          # 16 chunks x 32 heads: the fused prep, one kernel
-    assert "mosaic_gpu" in text and text.count("__gpu$xla.gpu.triton") == 1
+    for t, triton in ((128, 1), (512, 2)):     # 6 chunk ids x 32 heads: the fused prep; 18 x 32: T solve + P / f
+        padded = tuple(S((2, t) + s.shape[1:], s.dtype) for s in packed[:5]) + packed[5:8] + (
+            S((2,), i32), S((2,), i32), S((2,), jnp.bool_))
+        text = lower_for_cuda(gdn.gdn_prefill, *padded)
+        assert "mosaic_gpu" in text and text.count("__gpu$xla.gpu.triton") == triton
 
 def test_wy_solve_per_value_head_equals_per_key_head():
     """The T solve's two grids (a key head's value heads in one program, or one program each) write the same T."""
@@ -672,11 +673,24 @@ def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     tf32 = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)    # solve_prec "auto" (the default): TF32 on bf16 inputs
     assert (tf32.prep_mode, tf32.solve_prec) == ("fused", "tf32")   # TF32 asked for: the fused prep's products too
     assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="solve2",
-                                                                               solve_prec="tf32")
+                                                                               solve_prec="tf32", solve_grid="value")
     assert gdn.resolve_prep(WY, few, 32, jnp.float32) == dataclasses.replace(WY, prep_mode="solve2",
-                                                                             solve_prec="tf32x3")  # near-fp32
+                                                                             solve_prec="tf32x3",
+                                                                             solve_grid="value")  # near-fp32
     assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
     assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve"), few, 32, jnp.bfloat16).prep_mode == "solve"
+
+
+def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
+    """solve_grid "auto" (the default): the T solve per value head while its programs run in one wave, per key head
+    beyond (where the grid's extra K K^T products cost more than the shorter chain saves); a bad value is refused."""
+    one_wave = gdn.SOLVE_WAVE_PROGRAMS // 32
+    grid = lambda chunks, c=WY: gdn.resolve_prep(c, chunks, 32, jnp.bfloat16).solve_grid
+    assert (grid(one_wave), grid(one_wave + 1)) == ("value", "key")
+    assert grid(one_wave + 1, dataclasses.replace(WY, solve_grid="value")) == "value"      # explicit grids pass through
+    assert grid(1, dataclasses.replace(WY, solve_grid="key")) == "key"
+    with pytest.raises(ValueError, match="solve_grid"):
+        grid(1, dataclasses.replace(WY, solve_grid="heads"))
 
 
 def test_pf_warps_sets_the_pf_prep_alone():
@@ -692,6 +706,6 @@ def test_pf_warps_sets_the_pf_prep_alone():
         for c in (WY, dataclasses.replace(WY, pf_warps=8)):
             text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True), *packed)
             warps[total, c.pf_warps] = sorted(int(w) for w in re.findall(r"num_warps = (\d+) : i32", text))
-    assert warps[64 * 12, None] == warps[64 * 12, 8] == [WY.prep_warps]
-    assert warps[64 * 200, None] == sorted([WY.solve_warps, WY.prep_warps])
+    assert warps[64 * 12, WY.pf_warps] == warps[64 * 12, 8] == [WY.prep_warps]
+    assert warps[64 * 200, WY.pf_warps] == sorted([WY.solve_warps, WY.pf_warps])
     assert warps[64 * 200, 8] == sorted([WY.solve_warps, 8])
