@@ -49,8 +49,10 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
 5. prep_mode "fused": one Triton kernel per (chunk, value head) writes T, P and f, T by recursive doubling on the
    whole [64, 64] tile (`_doubling_inverse`: six steps of two full-tile products) instead of the solve kernel's
    16x16 substitutions and merges (one warp, ~45 us per program on the H200). Faster while its programs fit in a
-   few waves (1x1k: 83.4-89.0 vs 102.0-119.6 us), slower past that (1x8k: 628-633 vs 482-484 us): prep_mode "auto"
-   (the default) picks it for few chunks and "solve2" (T solve + P / f per key head) otherwise.
+   few waves (1x1k: 83.4-89.0 vs 102.0-119.6 us), slower past that (1x8k: 628-633 vs 482-484 us). Since the
+   solve runs per value head for few chunks (solve_grid "auto", half the chain per program) and the P / f prep on
+   2 warps (pf_warps), "solve2" wins from two waves of fused programs on (1x1k: 70.9 vs 86.1 us): prep_mode "auto"
+   (the default) picks the fused prep within one wave (FUSED_PREP_PROGRAMS) and "solve2" otherwise.
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
