@@ -44,19 +44,21 @@ SOLVES = [(1, "tf32x3", False), (1, "tf32", False), (1, "tf32x3", True)]
 TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
 SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
 # whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
-# and P as bf16 hi alone, the T solve in TF32, the scan's X, Vnew and fk Vnew in bf16): the previous default
-# (gdn.PREVIOUS_PREFILL: tf32x3 solve, X, Vnew, fk Vnew as bf16 hi + lo; at 04f74c6 432.3 / 802.2 us at 1x8k / 8x2k
-# against 336.0 / 634.7 for this default), the P / f prep after the T solve on 8 or 2 warps (pf_warps; 8 is
-# gdn.CANDIDATE_PREFILL, which the headline times beside the default; at 158a10b the prep's kernel 65.0 against 74.2
-# us at 1x8k at 8 warps), and the other prep of prep_mode "auto" (the fused T / P / f kernel at 1x8k and 8x2k, the T
-# solve + P / f prep at 1x1k). Earlier, not repeated here: two warpgroups per scan program, slower at a1f01f0 and at
-# 660dad0 (385.7 vs 370.8 us at 1x8k); at d61f829 (chunk tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k;
-# at ccc4f03 the deferred output store (mgpu_defer_o) no faster at 1x8k, slower at 1x32k; at c257dc4 the scan
-# carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us against 477.1 / 819.2 (both without the gather: those
-# timings left it out). `--whole` / `--kernels` replace these lists for one run.
-WHOLE = [dict(), dict(v_parts=2, solve_prec="tf32x3"), dict(pf_warps=8), dict(pf_warps=2), dict(prep_mode="fused"),
-         dict(prep_mode="solve2")]
-KERNELS = [dict(), dict(pf_warps=8)]   # the configurations the kernels part profiles
+# and P as bf16 hi alone, the T solve in TF32 (per value head for few chunks: solve_grid "auto"), the P / f prep on 2
+# warps, the scan's X, Vnew and fk Vnew in bf16): the previous default (gdn.PREVIOUS_PREFILL), the P / f prep on 4
+# warps (74.8 against 45.2 us at 1x8k, 40df20e), the T solve's two grids (gdn.CANDIDATE_PREFILL is the value grid at
+# every size; at 95822fc 328.0 vs 319.0 us at 1x8k, 70.9 vs 80.2 at 1x1k) and both preps of prep_mode "auto" (the
+# fused T / P / f kernel, the T solve + P / f prep). Earlier, not repeated here: 8 warps for P / f (64.7 us at 1x8k);
+# two warpgroups per scan program, slower at a1f01f0 and at 660dad0 (385.7 vs 370.8 us at 1x8k); at d61f829 (chunk
+# tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k; at ccc4f03 the deferred output store (mgpu_defer_o) no
+# faster at 1x8k, slower at 1x32k; at c257dc4 the scan carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us
+# against 477.1 / 819.2 (both without the gather: those timings left it out). `--whole` / `--kernels` replace these
+# lists for one run.
+PREVIOUS = {f.name: getattr(gdn.PREVIOUS_PREFILL, f.name) for f in dataclasses.fields(gdn.WYConfig)
+            if getattr(gdn.PREVIOUS_PREFILL, f.name) != getattr(gdn.DEFAULT_PREFILL, f.name)}
+WHOLE = [dict(), PREVIOUS, dict(pf_warps=4),
+         dict(solve_grid="key"), dict(solve_grid="value"), dict(prep_mode="fused"), dict(prep_mode="solve2")]
+KERNELS = [dict(), dict(solve_grid="value")]   # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 # the headline's cases and two short prompts (a chunked prefill's pieces), where prep_mode "auto" picks the fused prep
 CASES = {**kb.PREFILL_CASES, "1x256": [256], "1x512": [512]}

@@ -139,8 +139,8 @@ class WYConfig:
     prefetch: bool = True
     prep_warps: int = 4
     pf_warps: int | None = None   # the P / f prep's warps after the T solve (prep_mode "solve" / "solve2"; None:
-                                  # prep_warps, which the fused prep keeps): H200, 158a10b, 1x8k, kernel trace: 65.0
-                                  # us at 8 warps against 74.2 at 4 (the fused prep at 1x1k 76.2 against 44.4)
+                                  # prep_warps, which the fused prep keeps): H200, 1x8k, kernel traces: 45.2 us at 2
+                                  # warps, 74.8 at 4, 64.7 at 8 (40df20e; DEFAULT_PREFILL's note)
     prep_mode: str = "tile"
     h_prec: str | None = None
     o_prec: str | None = None
@@ -275,7 +275,8 @@ class DecodeConfig:
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
                            solve_prec="auto", pf_warps=2, solve_grid="auto")
-# The default up to 04f74c6: tf32x3 merges in the T solve and X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's)
+# The default up to 04f74c6: tf32x3 merges in the T solve, X, Vnew, fk Vnew as bf16 hi + lo (errors below fla's),
+# P / f on prep_warps, the solve per key head (the fused prep's threshold, FUSED_PREP_PROGRAMS, is today's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3", pf_warps=None,
                                        solve_grid="key")
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve
