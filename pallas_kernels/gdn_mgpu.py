@@ -20,8 +20,11 @@ split=2), P likewise, f [chunks, Hv, 5, 64] fp32 (gdn.wy_prep pf_only, split=2);
 (split=1, WYConfig.t_parts / p_parts = 1: one product fewer each; the default's). The output goes by TMA straight
 into its rows (out="direct", the default's; a tail chunk as power-of-two row pieces: TMA cannot mask rows and the rows
 after a tail belong to the next sequence), or per chunk, [chunks, 64, Hv, dv], gathered to [total, Hv, dv] outside
-(out="chunks": the same kernel time, plus the gather); the initial and final states travel as [N, Hv, dk, dv] (the
-accumulator's orientation) and are transposed and scattered into the pool outside (N x 2 MiB per layer at 9B shapes).
+(out="chunks": the same kernel time, plus the gather). Each program reads its initial state from its slot of the pool
+and writes the final state back in place (the pool is a mutable ref: an aliased input / output), both in the pool's
+[dv, dk] orientation through the WGMMA_TRANSPOSED register layout, one cheap shuffle away from the accumulator's;
+the states used to travel as [N, Hv, dk, dv] with XLA's gather, transposes and scatter around the kernel (~5.6 of
+71 us at 1x1k, bench/RESULTS.md).
 
 Two options on the chain of dependent products (Z -> Vnew -> H -> the next chunk's Z, three rounds of products, each
 behind a shared-memory store and a fence): wgs=2 runs two warpgroups per program, each its own V-block and chain on
@@ -96,16 +99,16 @@ def _products(acc, a_parts, b_parts):
     return a_parts.shape[0] + len(b_parts) - 1
 
 
-def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref, o_ref, h_ref, *, ratio, bv,
+def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, pool_ref, o_ref, *, ratio, bv,
                buffers, chunked, wgs, lookahead, defer_o, v_parts):
     n, hv, vb = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("vb")
     wg = lax.axis_index("wg") if wgs > 1 else 0
     kh = lax.div(hv, jnp.int32(ratio))
     dk = q_ref.shape[-1]
-    start, length, coff, span = seq_ref[0, n], seq_ref[1, n], seq_ref[2, n], seq_ref[3, n]
+    start, length, coff, span, slot, use = (seq_ref[i, n] for i in range(6))
     nch = lax.div(length + CHUNK - 1, jnp.int32(CHUNK))
     vcols = pl.ds(pl.multiple_of((vb * wgs + wg) * bv, bv), bv)
-    wgl = plgpu.Layout.WGMMA
+    wgl, wgt = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA_TRANSPOSED
     row = wgl.reduce(1)
     tile_acc = plgpu.ACC((CHUNK, bv), jnp.float32)
 
@@ -166,10 +169,14 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
                 fetch_k(0)
                 pl.when(nch > 1)(lambda: fetch_k(1))
 
-        # the initial state H [dk, BV] fp32 (zeros where the sequence starts fresh: set outside)
-        h = plgpu.load(h0_ref.at[n, hv, :, vcols], layout=wgl, optimized=False)
+        # the initial state H [dk, BV] fp32, read from the pool's [dv, dk] rows of its slot (a column of H is a row
+        # there: each warp's loads still fill whole 32-byte sectors); zeros where the sequence starts fresh
+        h_pool = lambda ref: ref.at[slot, hv, vcols, :].transpose((1, 0))
+        h = lax.cond(use != 0,
+                     lambda: plgpu.layout_cast(plgpu.load(h_pool(pool_ref), layout=wgt, optimized=False), wgl),
+                     lambda: plgpu.layout_cast(jnp.zeros((dk, bv), jnp.float32), wgl))
 
-        fd_at = lambda c: fd_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv]   # a chunk's decay (HBM)
+        fd_at = lambda c: f_ref[coff + jnp.clip(c, 0, jnp.maximum(nch - 1, 0)), hv, 2, 0]   # a chunk's decay (HBM)
 
         def put_o(c, o, tail):
             """Chunk c's output tile o -> o_s -> o (a whole tile per chunk, or its rows; a tail's valid ones)."""
@@ -307,7 +314,7 @@ def _scan_body(seq_ref, q_ref, k_ref, v_ref, t_ref, p_ref, f_ref, fd_ref, h0_ref
             if not chunked:
                 carry = lax.fori_loop(full, nch, functools.partial(step, tail=True), carry)
         h = carry[0]
-        h_ref.at[n, hv, :, vcols][...] = h
+        h_pool(pool_ref)[...] = plgpu.layout_cast(h, wgt)        # the final state, in place in its slot
 
         def zero_padding():                                     # direct: rows [len, span) (a padded batch's)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -401,21 +408,20 @@ def scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_of
     if out not in ("direct", "chunks"):
         raise ValueError(f"the Mosaic GPU scan's out is 'direct' or 'chunks', got {out!r}")
     chunked, mc, i32 = out == "chunks", t.shape[0], jnp.int32
-    seq = jnp.stack([starts, lens, chunk_off, spans]).astype(i32)
-    h0 = jnp.where(use_state.astype(bool)[:, None, None, None], pool[slots], 0.0).swapaxes(-1, -2)  # [N,Hv,dk,dv]
-    o, h_out = plgpu.kernel(
+    seq = jnp.stack([starts, lens, chunk_off, spans, slots, use_state]).astype(i32)
+    pool_ref = jax.new_ref(pool)      # read and written in place by the kernel (an aliased input / output)
+    o = plgpu.kernel(
         functools.partial(_scan_body, ratio=hv // hk, bv=bv, buffers=buffers, chunked=chunked, wgs=wgs,
                           lookahead=lookahead, defer_o=defer_o, v_parts=v_parts),
-        out_type=(jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
-                  jax.ShapeDtypeStruct((n, hv, dk, dv), jnp.float32)),
+        out_type=jax.ShapeDtypeStruct((mc, CHUNK, hv, dv) if chunked else (total, hv, dv), v.dtype),
         grid=(n, hv, dv // (bv * wgs)), grid_names=("n", "h", "vb"),
         num_threads=wgs if wgs > 1 else None, thread_name="wg" if wgs > 1 else None,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(seq, q, k, v, t, p, f, f[:, :, 2, 0], h0)
+    )(seq, q, k, v, t, p, f, pool_ref)
     if chunked:           # chunk c's row j is token row0[c] + j (where j < nvalid[c]): gather each token's row
         cid = jnp.arange(mc * CHUNK, dtype=i32).reshape(mc, CHUNK)
         j = jnp.arange(CHUNK, dtype=i32)[None, :]
         tok = jnp.where(j < nvalid[:, None], row0[:, None] + j, total)
         src = jnp.full((total,), mc * CHUNK, i32).at[tok.reshape(-1)].set(cid.reshape(-1), mode="drop")
         o = jnp.concatenate([o.reshape(mc * CHUNK, hv, dv), jnp.zeros((1, hv, dv), v.dtype)])[src]
-    return o, pool.at[slots].set(h_out.swapaxes(-1, -2))
+    return o, jax.ref.freeze(pool_ref)
