@@ -436,9 +436,10 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
     resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
-    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf) if isinstance(c, gdn.WYConfig) else c
+    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf, hk=hk) if isinstance(c, gdn.WYConfig) else c
                 for c in resolved]
-    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2")) for c in resolved)   # prep, scan (+ T)
+    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2") and getattr(c, "pf_joint", "") != "on")
+                  for c in resolved)   # prep, scan (+ T; a joint launch of T and P / f is one kernel)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
