@@ -56,9 +56,9 @@ SCANS = [dict(), dict(overlap=False)]              # on the W-form of the defaul
 # lists for one run.
 PREVIOUS = {f.name: getattr(gdn.PREVIOUS_PREFILL, f.name) for f in dataclasses.fields(gdn.WYConfig)
             if getattr(gdn.PREVIOUS_PREFILL, f.name) != getattr(gdn.DEFAULT_PREFILL, f.name)}
-WHOLE = [dict(), PREVIOUS, dict(pf_warps=4), dict(solve_grid="key"), dict(solve_grid="value"),
-         dict(prep_mode="fused"), dict(prep_mode="solve2"), dict(pf_joint="on"), dict(pf_joint="on", solve_warps=2)]
-KERNELS = [dict(), dict(pf_joint="on")]   # the configurations the kernels part profiles
+WHOLE = [dict(), PREVIOUS, dict(pf_warps=4),
+         dict(solve_grid="key"), dict(solve_grid="value"), dict(prep_mode="fused"), dict(prep_mode="solve2")]
+KERNELS = [dict(), dict(solve_grid="value")]   # the configurations the kernels part profiles
 DEFAULT_PARTS = "solve,tile,scan,pf,whole"
 # the headline's cases and two short prompts (a chunked prefill's pieces), where prep_mode "auto" picks the fused prep
 CASES = {**kb.PREFILL_CASES, "1x256": [256], "1x512": [512]}

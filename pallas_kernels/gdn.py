@@ -151,10 +151,6 @@ class WYConfig:
                                   # "value" (chunk, value head), K K^T per value head: half the chain per program, for
                                   # few chunks, where every program runs in one wave and the chain is the time; "auto":
                                   # "value" while those programs fit in SOLVE_WAVE_PROGRAMS (resolve_prep)
-    pf_joint: str = "off"         # prep_mode "solve" / "solve2" with tform: the T solve and the P / f prep as one launch
-                                  # ("on"), their programs side by side in one grid (gdn_solve_pf, on solve_warps), so
-                                  # the prep's programs run beside the solve's instead of after them; "off": two
-                                  # launches; "auto": "on" while both kernels' programs fit in SOLVE_WAVE_PROGRAMS
     tform: bool = False           # the scan applies T itself: Vnew = T (beta V - beta e^gamma |k|^-1 K H) (one more
                                   # dot per chunk); the prep writes P and f only (no W, U: ~1/3 of its traffic)
     overlap: bool = False         # W-form scan: both products of H issued before either is used, the row factors
@@ -204,8 +200,7 @@ class WYConfig:
                 + f"_pw{self.prep_warps}" + (f"_pfw{self.pf_warps}" if self.pf_warps else "")
                 + ('' if self.prep_mode == 'tile' else '_' + self.prep_mode)
                 + (f"{self.solve_warps}" if self.prep_mode in ("solve", "solve2", "auto") else "")
-                + ("" if self.solve_grid == "key" else f"_sg{self.solve_grid[0]}")
-                + ("" if self.pf_joint == "off" else f"_pj{self.pf_joint[:2]}") + inv
+                + ("" if self.solve_grid == "key" else f"_sg{self.solve_grid[0]}") + inv
                 + ("" if p == "a_a_a_a" else f"_{p}"))
 
     def precisions(self, dtype):
@@ -277,6 +272,10 @@ class DecodeConfig:
 # 71.0 / 323.2 / 1260.6 / 592.5 us at 1x1k / 1x8k / 1x32k / 8x2k against 88.3 / 349.8 / 1306.2 / 614.7 for the
 # previous default and fla's 93.7 / 527.5 / 2070.6 / 1040.1. Hence pf_warps=2, solve_grid "auto" and the fused
 # prep in one wave at most (FUSED_PREP_PROGRAMS).
+# At a14febd (bench/prefill_parts.py whole + kernel traces) the T solve and the P / f prep as one launch (both
+# kernels' programs side by side in one grid, on one warp: 255 registers, 288 B of spills) took 45.9 us at 1x1k
+# against 20.9 + 8.9 for the two kernels (whole 80.2 vs 65.0; on two warps 75.5), 134.4 vs 74.4 + 44.8 at 1x8k; only
+# 1x512 on two warps read faster (44.9 vs 49.5, one reading): removed.
 DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="auto", solve_warps=1, overlap=True,
                            tform=True, mgpu="auto", mgpu_out="direct", t_parts=1, p_parts=1, v_parts=1,
                            solve_prec="auto", pf_warps=2, solve_grid="auto")
@@ -284,14 +283,13 @@ DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="au
 # P / f on prep_warps, the solve per key head (the fused prep's threshold, FUSED_PREP_PROGRAMS, is today's)
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3", pf_warps=None,
                                        solve_grid="key")
-# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve and
-# the P / f prep in one launch where both kernels' programs fit one wave (pf_joint "auto": 1x512, 1x1k). The last
-# candidates: the T solve per value head at every size (dc9bd2c: 334.1 / 1118.3 / 590.6 us at 1x8k / 1x32k / 8x2k
-# against the default's 324.5 / 1170.7 / 559.5); solve2 with pf_warps=2 and the solve
+# Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve
+# per value head at every size: at 1x8k 328.0 against 319.0 us per key head (95822fc, one parts run); the headline
+# puts the "auto" rule to a same-run A/B at 1x32k and 8x2k. The last candidates: solve2 with pf_warps=2 and the solve
 # per value head everywhere (95822fc: now the default wherever it was faster); P / f on 8 warps read 315.6 / 86.9 /
 # 1281.2 / 616.1 us at 1x8k / 1x1k / 1x32k / 8x2k against 350.2 / 87.2 / 1363.3 / 613.5 (40df20e); two warpgroups per
 # scan program (mgpu_wgs=2) 385.7 us at 1x8k against 370.8 (660dad0).
-CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, pf_joint="auto")
+CANDIDATE_PREFILL = dataclasses.replace(DEFAULT_PREFILL, solve_grid="value")
 TRITON_PREFILL = dataclasses.replace(DEFAULT_PREFILL, mgpu="", mgpu_out="chunks", t_parts=2, p_parts=2)  # the Triton
 # T-form scan (the default before the Mosaic scan; the Mosaic-only options at their field defaults)
 FUSED_PREP_PROGRAMS = 2 * 132     # prep_mode "auto": the fused prep while its programs run in one wave on the H200
@@ -300,35 +298,24 @@ SOLVE_WAVE_PROGRAMS = 8 * 132     # solve_grid "auto": "value" while the 1-warp 
 # SM) run in one wave
 
 
-def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype, hk: int | None = None) -> WYConfig:
+def resolve_prep(config: WYConfig, max_chunks: int, hv: int, dtype) -> WYConfig:
     """solve_prec "auto": TF32 on bf16 inputs, tf32x3 on fp32 ones (near-fp32 dots for fp32 models, as
     WYConfig.precisions). prep_mode "auto": T, P and f from the fused kernel (T products in bf16x3, or TF32 where
     solve_prec asks for it) while its (chunk, value head) programs fit in FUSED_PREP_PROGRAMS on bf16 inputs with the
     T-form; else T from the solve kernel and P, f per key head ("solve2"). solve_grid "auto": the solve per value
-    head while its (chunk, value head) programs fit in SOLVE_WAVE_PROGRAMS, else per key head. pf_joint "auto": the
-    solve and the P / f prep in one launch while both kernels' programs fit in SOLVE_WAVE_PROGRAMS (hk: key heads;
-    None counts as hv)."""
+    head while its (chunk, value head) programs fit in SOLVE_WAVE_PROGRAMS, else per key head."""
     if config.solve_prec == "auto":
         config = dataclasses.replace(config, solve_prec="tf32" if jnp.dtype(dtype) == jnp.bfloat16 else "tf32x3")
     if config.solve_grid not in ("key", "value", "auto"):
         raise ValueError(f"WYConfig.solve_grid must be 'key', 'value' or 'auto', got {config.solve_grid!r}")
     if config.solve_grid == "auto":
         config = dataclasses.replace(config, solve_grid="value" if max_chunks * hv <= SOLVE_WAVE_PROGRAMS else "key")
-    if config.pf_joint not in ("on", "off", "auto"):
-        raise ValueError(f"WYConfig.pf_joint must be 'on', 'off' or 'auto', got {config.pf_joint!r}")
-    if config.prep_mode == "auto":
-        if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
-            config = dataclasses.replace(config, prep_mode="fused", solve_prec="tf32" if config.solve_prec == "tf32"
-                                         else "bf16x3")
-        else:
-            config = dataclasses.replace(config, prep_mode="solve2")
-    if config.pf_joint == "auto":
-        hk = hv if hk is None else hk
-        programs = max_chunks * ((hv if config.solve_grid == "value" else hk) + (hk if config.prep_mode == "solve2"
-                                                                                  else hv))
-        joint = config.tform and config.prep_mode in ("solve", "solve2") and programs <= SOLVE_WAVE_PROGRAMS
-        config = dataclasses.replace(config, pf_joint="on" if joint else "off")
-    return config
+    if config.prep_mode != "auto":
+        return config
+    if config.tform and jnp.dtype(dtype) == jnp.bfloat16 and max_chunks * hv <= FUSED_PREP_PROGRAMS:
+        return dataclasses.replace(config, prep_mode="fused", solve_prec="tf32" if config.solve_prec == "tf32"
+                                   else "bf16x3")
+    return dataclasses.replace(config, prep_mode="solve2")
 
 
 # Decode: at 4ba363e the V-block-fastest grid took 272 us at batch 256 (92% of copy) against 309 us for the same
@@ -361,7 +348,6 @@ def prefill_sweep():
             dataclasses.replace(DEFAULT_PREFILL, mgpu_defer_o=True),
             dataclasses.replace(DEFAULT_PREFILL, solve_prec="tf32x3"),
             dataclasses.replace(DEFAULT_PREFILL, v_parts=2), PREVIOUS_PREFILL, CANDIDATE_PREFILL,
-            dataclasses.replace(DEFAULT_PREFILL, pf_joint="on", solve_grid="key"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused", solve_prec="bf16x3"),
             dataclasses.replace(DEFAULT_PREFILL, prep_mode="fused2", solve_prec="bf16x3"),
@@ -488,10 +474,9 @@ def _store_t(ref, lead, tile, x):
 
 
 def _solve_kernel(row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, *, ratio, prec, interpret,
-                  inv_prec="ieee", per_value_head=False, ids=None):
-    """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head).
-    ids: (chunk, head) in place of the program ids (wy_solve_pf's shared grid)."""
-    c, h = (pl.program_id(0), pl.program_id(1)) if ids is None else ids
+                  inv_prec="ieee", per_value_head=False):
+    """Grid (chunk, key head), the key head's value heads in a loop; per_value_head: grid (chunk, value head)."""
+    c, h = pl.program_id(0), pl.program_id(1)
     kh, heads = (h // ratio, 1) if per_value_head else (h, ratio)
     nvalid = nvalid_ref[c]
 
@@ -707,7 +692,7 @@ def _assemble(blocks, nb):
 
 
 def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs, ratio, prec,
-                 interpret, per_value_head=False, solved=False, pf_only=False, t_prec="tf32x3", ids=None):
+                 interpret, per_value_head=False, solved=False, pf_only=False, t_prec="tf32x3"):
     """Grid (flat chunk, key head); the `ratio` value heads of the key head in one program (per_value_head: grid
     (flat chunk, value head), one head per program, K K^T and Q K^T recomputed per value head). Per value head:
     T from 16x16 blocks (fp32 forward substitution of the diagonal blocks, all heads' chains in one row loop;
@@ -722,7 +707,7 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
         (t_out_ref, p_ref, f_ref), t_in_ref = (refs if len(refs) == 3 else (None, *refs)), None
     else:
         t_in_ref, (w_ref, u_ref, p_ref, f_ref) = (refs[0], refs[1:]) if solved else (None, refs)
-    c, pid1 = (pl.program_id(0), pl.program_id(1)) if ids is None else ids      # ids: as _solve_kernel's
+    c, pid1 = pl.program_id(0), pl.program_id(1)
     kh = pid1 // ratio if per_value_head else pid1
     nvalid = nvalid_ref[c]
 
@@ -1013,37 +998,6 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
     )(row0, nvalid, k, a, b, A_log.astype(f32), dt_bias.astype(f32))
 
 
-def wy_solve_pf(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=1, inv_prec="tf32x3",
-                per_value_head=False, pf_per_key_head=True, t_split=0, split=0, interpret=False):
-    """wy_solve's T and wy_prep(pf_only=True)'s P and f from one launch: grid (chunk, solve programs + P / f
-    programs), the first programs of each chunk run the solve (per value head or per key head), the others the P / f
-    prep (per key head, as prep_mode "solve2", or per value head). The two are independent: in one grid the prep's
-    programs run beside the solve's, whose one-warp chains leave the SMs mostly idle at few chunks, instead of
-    after them. Both bodies in one kernel take the larger register and shared-memory need, on num_warps warps.
-    Returns (T, P, f) as the two kernels write them."""
-    hk, hv, f32 = k.shape[1], v.shape[1], jnp.float32
-    mc, ratio = row0.shape[0], hv // hk
-    n_solve = hv if per_value_head else hk
-
-    def kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, p_ref, f_ref):
-        c, h = pl.program_id(0), pl.program_id(1)
-        pl.when(h < n_solve)(lambda: _solve_kernel(
-            row0_ref, nvalid_ref, k_ref, a_ref, b_ref, alog_ref, dtb_ref, t_ref, ratio=ratio, prec=prec,
-            interpret=interpret, inv_prec=inv_prec, per_value_head=per_value_head, ids=(c, h)))
-        pl.when(h >= n_solve)(lambda: _prep_kernel(
-            row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, p_ref, f_ref, ratio=ratio,
-            prec=prec, interpret=interpret, per_value_head=not pf_per_key_head, pf_only=True, ids=(c, h - n_solve)))
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=(_chunk_tiles(mc, hv, t_split), _chunk_tiles(mc, hv, split),
-                   jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32)),
-        grid=(mc, n_solve + (hk if pf_per_key_head else hv)),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="gdn_solve_pf",
-    )(row0, nvalid, q, k, v, a, b, A_log.astype(f32), dt_bias.astype(f32))
-
-
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
             solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=0, t_split=None, with_t=False,
             interpret=False):
@@ -1118,7 +1072,7 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
 
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
                 config: WYConfig, interpret):
-    config = resolve_prep(config, max_chunks, v.shape[1], v.dtype, hk=k.shape[1])
+    config = resolve_prep(config, max_chunks, v.shape[1], v.dtype)
     t_split, split = (config.t_parts, config.p_parts) if config.mgpu else (0, 0)
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
     chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
@@ -1131,12 +1085,6 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
                               num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
                               mode="solve2" if config.prep_mode == "fused2" else "solve", split=split,
                               t_split=t_split, with_t=True, interpret=interpret)
-        elif config.pf_joint == "on":
-            t, p, f = wy_solve_pf(q, k, v, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec,
-                                  num_warps=config.solve_warps, inv_prec=config.solve_prec,
-                                  per_value_head=config.solve_grid == "value",
-                                  pf_per_key_head=config.prep_mode == "solve2", t_split=t_split, split=split,
-                                  interpret=interpret)
         else:
             t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
                          inv_prec=config.solve_prec, per_value_head=config.solve_grid == "value", split=t_split,

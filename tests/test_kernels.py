@@ -436,10 +436,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
     resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
-    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf, hk=hk) if isinstance(c, gdn.WYConfig) else c
+    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf) if isinstance(c, gdn.WYConfig) else c
                 for c in resolved]
-    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2") and getattr(c, "pf_joint", "") != "on")
-                  for c in resolved)   # prep, scan (+ T; a joint launch of T and P / f is one kernel)
+    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2")) for c in resolved)   # prep, scan (+ T)
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
@@ -692,43 +691,6 @@ def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
     assert grid(1, dataclasses.replace(WY, solve_grid="key")) == "key"
     with pytest.raises(ValueError, match="solve_grid"):
         grid(1, dataclasses.replace(WY, solve_grid="heads"))
-
-
-def test_pf_joint_launch_writes_what_the_two_launches_write():
-    """WYConfig.pf_joint "on": the T solve and the P / f prep from one launch (gdn.wy_solve_pf, their programs side
-    by side in one grid) write exactly the T, P and f of the two separate kernels, for both solve grids and both
-    P / f grids, T and P in fp32 or as bf16 parts."""
-    q, k, v, a, b, A_log, dt_bias, _ = gdn_inputs(3, 1, 200, 2, 4, 64, 64, dtype=jnp.bfloat16)
-    q, k, v, a, b = (x[0] for x in (q, k, v, a, b))
-    _, row0, nvalid = gdn.chunk_map(jnp.array([0]), jnp.array([200]), 5)
-    used = np.asarray(nvalid) > 0
-    for per_value_head, pf_per_key_head, split in ((True, True, 1), (False, False, 2), (True, False, 0)):
-        joint = gdn.wy_solve_pf(q, k, v, a, b, A_log, dt_bias, row0, nvalid, prec="tf32", inv_prec="tf32",
-                                per_value_head=per_value_head, pf_per_key_head=pf_per_key_head, t_split=split,
-                                split=split, interpret=True)
-        t = gdn.wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec="tf32", num_warps=1, inv_prec="tf32",
-                         per_value_head=per_value_head, split=split, interpret=True)
-        p, f = gdn.wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=jnp.bfloat16, prec="tf32",
-                           mode="solve2" if pf_per_key_head else "solve", pf_only=True, split=split, interpret=True)
-        for got, want in zip(joint, (t, p, f)):
-            np.testing.assert_array_equal(np.asarray(got)[used], np.asarray(want)[used])
-
-
-def test_pf_joint_auto_joins_the_launches_within_one_wave():
-    """pf_joint "auto": one launch while the solve's and the P / f prep's programs together fit SOLVE_WAVE_PROGRAMS
-    (solve per value head, P / f per key head: 32 + 16 programs per chunk at 9B shapes), two beyond; never with the
-    fused prep (no solve kernel); explicit values pass through, a bad one is refused."""
-    joint = lambda chunks, c=dataclasses.replace(WY, pf_joint="auto"): gdn.resolve_prep(
-        c, chunks, 32, jnp.bfloat16, hk=16)
-    one_wave = gdn.SOLVE_WAVE_PROGRAMS // 48
-    assert (joint(one_wave).pf_joint, joint(one_wave + 1).pf_joint) == ("on", "off")
-    assert (joint(one_wave).prep_mode, joint(one_wave).solve_grid) == ("solve2", "value")
-    few = gdn.FUSED_PREP_PROGRAMS // 32
-    assert (joint(few).prep_mode, joint(few).pf_joint) == ("fused", "off")
-    assert joint(10 ** 4, dataclasses.replace(WY, pf_joint="on")).pf_joint == "on"
-    assert joint(1, dataclasses.replace(WY, pf_joint="off", prep_mode="solve")).pf_joint == "off"
-    with pytest.raises(ValueError, match="pf_joint"):
-        joint(1, dataclasses.replace(WY, pf_joint="yes"))
 
 
 def test_pf_warps_sets_the_pf_prep_alone():
