@@ -999,11 +999,12 @@ def wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, *, prec, num_warps=2, inv_pr
 
 
 def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_warps=4, mode="tile",
-            solve_warps=2, solve_prec="tf32x3", t=None, pf_only=False, split=0, t_split=None, with_t=False,
-            interpret=False):
+            solve_warps=2, solve_prec="tf32x3", solve_per_value_head=False, t=None, pf_only=False, split=0,
+            t_split=None, with_t=False, interpret=False):
     """The WY prep kernel on every flat chunk: W [chunks, Hv, 64, dk] (w_dtype), U [chunks, Hv, 64, dv] fp32,
     P [chunks, Hv, 64, 64] fp32, f [chunks, Hv, 3, 64] fp32 (module docstring). Unused chunk ids stay unwritten.
-    mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec) unless given as t, then
+    mode "solve" / "solve2": T first, by `wy_solve` (solve_warps, solve_prec, solve_per_value_head: its grid) unless
+    given as t, then
     the "tile" kernel from T (per value head / per key head).
     pf_only (the T-form scan, WYConfig.tform): P and f [chunks, Hv, 5, 64] only, f's rows 3 and 4 = beta e^gamma
     |k|^-1 and beta; no T, W or U (grid (chunk, value head); (chunk, key head) for mode "solve2"); split: P as
@@ -1031,7 +1032,8 @@ def wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, *, w_dtype, prec, num_w
     extra = ()
     if mode in ("solve", "solve2"):
         extra = (wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prec, num_warps=solve_warps,
-                          inv_prec=solve_prec, interpret=interpret) if t is None else t,)
+                          inv_prec=solve_prec, per_value_head=solve_per_value_head, interpret=interpret)
+                 if t is None else t,)
     kernel = {"tile": functools.partial(_prep_kernel, per_value_head=True), "tile2": _prep_kernel,
               "blocks": _prep_blocks_kernel, "solve": functools.partial(_prep_kernel, per_value_head=True, solved=True),
               "solve2": functools.partial(_prep_kernel, solved=True)}
@@ -1105,7 +1107,7 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
         raise ValueError(f"prep_mode {config.prep_mode!r} writes T, P and f for the T-form scan: it needs tform=True")
     w, u, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                          num_warps=config.prep_warps, mode=config.prep_mode, solve_warps=config.solve_warps,
-                         solve_prec=config.solve_prec,
+                         solve_prec=config.solve_prec, solve_per_value_head=config.solve_grid == "value",
                          interpret=interpret)
     return wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk_off, config=config,
                    precs=(h_prec, o_prec, s_prec), interpret=interpret)

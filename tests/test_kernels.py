@@ -693,6 +693,21 @@ def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
         grid(1, dataclasses.replace(WY, solve_grid="heads"))
 
 
+def test_solve_grid_reaches_the_w_form_solve():
+    """solve_grid reaches the T solve of either form: the W-form's (wy_prep's own solve, prep_mode "solve") runs one
+    program per key head or per value head as asked (read from the lowered kernels' grids), not the key grid alone."""
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    hk, hv, dk, dv, total = 2, 4, 64, 64, 64 * 12
+    packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
+              S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((3, hv, dv, dk), f32), S((1,), i32), S((1,), i32),
+              S((1,), i32), S((1,), jnp.bool_))
+    for grid, heads in (("key", hk), ("value", hv)):
+        c = dataclasses.replace(WY, tform=False, prep_mode="solve", solve_grid=grid, mgpu="")
+        text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c), *packed)
+        solve = text[:text.index('name = "gdn_solve"')]                  # its custom call's grid precedes its name
+        assert re.findall(r"grid_y = (\d+)", solve)[-1] == str(heads), grid
+
+
 def test_pf_warps_sets_the_pf_prep_alone():
     """WYConfig.pf_warps: the P / f prep after the T solve on its own warps (the T solve keeps solve_warps); the fused
     prep of few chunks keeps prep_warps (read from the kernels' lowered Triton parameters)."""
