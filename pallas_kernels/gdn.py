@@ -284,8 +284,9 @@ DEFAULT_PREFILL = WYConfig(bv=32, num_stages=None, prefetch=False, prep_mode="au
 PREVIOUS_PREFILL = dataclasses.replace(DEFAULT_PREFILL, v_parts=2, solve_prec="tf32x3", pf_warps=None,
                                        solve_grid="key")
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there. The T solve
-# per value head at every size: at 1x8k 328.0 against 319.0 us per key head (95822fc, one parts run); the headline
-# puts the "auto" rule to a same-run A/B at 1x32k and 8x2k. The last candidates: solve2 with pf_warps=2 and the solve
+# per value head at every size: at 1x8k 328.0 against 319.0 us per key head (95822fc, one parts run); in the
+# headline 334.1 / 1118.3 / 590.6 us at 1x8k / 1x32k / 8x2k against the default's 324.5 / 1170.7 / 559.5 (dc9bd2c),
+# 304.6 / 1233.2 / 543.7 against 283.5 / 1192.8 / 512.0 (6a53c84). The last candidates: solve2 with pf_warps=2 and the solve
 # per value head everywhere (95822fc: now the default wherever it was faster); P / f on 8 warps read 315.6 / 86.9 /
 # 1281.2 / 616.1 us at 1x8k / 1x1k / 1x32k / 8x2k against 350.2 / 87.2 / 1363.3 / 613.5 (40df20e); two warpgroups per
 # scan program (mgpu_wgs=2) 385.7 us at 1x8k against 370.8 (660dad0).

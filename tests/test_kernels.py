@@ -212,11 +212,8 @@ def test_mgpu_scan_cross_lowers_for_cuda():
     lookahead, the operand splits and the deferred store at V-blocks 16 and 32), lowers for CUDA (sm_90a) at the 9B
     shapes, one packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic
     scan)."""
-    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    total, n, hk, hv, dk, dv = 8 * 1024, 8, 16, 32, 128, 128
-    packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
-              S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((9, hv, dv, dk), f32), S((n,), i32), S((n,), i32),
-              S((n,), i32), S((n,), jnp.bool_))
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    packed = packed_prefill_shapes(8 * 1024, 8, 16, 32, 128, 128, 9)
     cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
             for o in ("chunks", "direct")]
     cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
@@ -419,6 +416,15 @@ def lower_for_cuda(fn, *shapes):
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=dev)):
         return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def packed_prefill_shapes(total, n, hk, hv, dk, dv, slots):
+    """Abstract arguments of gdn.gdn_prefill_packed: bf16 q, k, v, a, b over `total` rows, n sequences, a state
+    pool of `slots` slots."""
+    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
+    return (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
+            S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32),
+            S((n,), i32), S((n,), i32), S((n,), jnp.bool_))
 
 
 @pytest.mark.parametrize("hk,hv,dk,dv,conv_ch", [(16, 32, 128, 128, 8192), (2, 6, 16, 32, 256 + 96)])
@@ -696,11 +702,8 @@ def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
 def test_solve_grid_reaches_the_w_form_solve():
     """solve_grid reaches the T solve of either form: the W-form's (wy_prep's own solve, prep_mode "solve") runs one
     program per key head or per value head as asked (read from the lowered kernels' grids), not the key grid alone."""
-    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    hk, hv, dk, dv, total = 2, 4, 64, 64, 64 * 12
-    packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
-              S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((3, hv, dv, dk), f32), S((1,), i32), S((1,), i32),
-              S((1,), i32), S((1,), jnp.bool_))
+    hk, hv = 2, 4
+    packed = packed_prefill_shapes(64 * 12, 1, hk, hv, 64, 64, 3)
     for grid, heads in (("key", hk), ("value", hv)):
         c = dataclasses.replace(WY, tform=False, prep_mode="solve", solve_grid=grid, mgpu="")
         text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c), *packed)
@@ -711,13 +714,9 @@ def test_solve_grid_reaches_the_w_form_solve():
 def test_pf_warps_sets_the_pf_prep_alone():
     """WYConfig.pf_warps: the P / f prep after the T solve on its own warps (the T solve keeps solve_warps); the fused
     prep of few chunks keeps prep_warps (read from the kernels' lowered Triton parameters)."""
-    S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
-    hk, hv, dk, dv = 2, 4, 64, 64
     warps = {}
     for total in (64 * 12, 64 * 200):          # "auto": the fused prep (12 chunks x 4 heads), then solve2
-        packed = (S((total, hk, dk), bf), S((total, hk, dk), bf), S((total, hv, dv), bf), S((total, hv), bf),
-                  S((total, hv), bf), S((hv,), f32), S((hv,), f32), S((3, hv, dv, dk), f32), S((1,), i32),
-                  S((1,), i32), S((1,), i32), S((1,), jnp.bool_))
+        packed = packed_prefill_shapes(total, 1, 2, 4, 64, 64, 3)
         for c in (WY, dataclasses.replace(WY, pf_warps=8)):
             text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True), *packed)
             warps[total, c.pf_warps] = sorted(int(w) for w in re.findall(r"num_warps = (\d+) : i32", text))
