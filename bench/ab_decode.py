@@ -9,6 +9,7 @@ bench/throughput.py); the report gives each variant's median over the rounds and
 difference to the first variant.
 
     python bench/ab_decode.py --variants "" "QWEN35_GDN_DECODE=bv32_w2_vf" --batches 16,64 --record
+    python bench/ab_decode.py --variants "" "temperature=0.7"      # the greedy sampler vs the lean one
     python bench/ab_decode.py --config <tiny config.json> --kernel-backend pallas_interpret --batches 2 \
         --context 40 --rounds 2 --iters 2                                                       # CPU smoke run
 """
@@ -33,18 +34,22 @@ from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.profile import steady_step_seconds  # noqa: E402
 from qwen35_jax.sampler import host_batch  # noqa: E402
+from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
 
 
-def parse_variant(text: str) -> dict[str, str]:
-    """'A=1 B=x' -> {'A': '1', 'B': 'x'}; '' is the default build. Only QWEN35_* settings (read when an engine
-    builds its kernels); XLA_FLAGS cannot differ within one process."""
+def parse_variant(text: str) -> tuple[dict[str, str], float]:
+    """'A=1 B=x' -> ({'A': '1', 'B': 'x'}, 0.0); '' is the default build. QWEN35_* settings (read when an engine
+    builds its kernels; XLA_FLAGS cannot differ within one process), and `temperature=T`: the rows sample at T
+    with top_k 20 and top_p 0.8 (the lean sampler) instead of greedily (the greedy one)."""
     env = dict(kv.split("=", 1) for kv in text.split())
+    temperature = float(env.pop("temperature", 0.0))
     bad = [k for k in env if not k.startswith("QWEN35_")]
     if bad:
-        raise ValueError(f"variant {text!r}: only QWEN35_* settings can differ in one process, not {bad}")
-    return env
+        raise ValueError(f"variant {text!r}: only QWEN35_* settings and temperature can differ in one process, "
+                         f"not {bad}")
+    return env, temperature
 
 
 def build_engine(model_dir: str, eargs: EngineArgs, weights, env: dict[str, str]) -> Engine:
@@ -60,14 +65,19 @@ def build_engine(model_dir: str, eargs: EngineArgs, weights, env: dict[str, str]
                 os.environ[k] = v
 
 
-def decode_call(engine: Engine, batch: int, ctx: int):
-    """One decode step of `batch` live rows at context ctx (greedy), as bench/throughput.py dispatches it."""
+def decode_call(engine: Engine, batch: int, ctx: int, temperature: float = 0.0):
+    """One decode step of `batch` live rows at context ctx (greedy, or sampled at `temperature` with top_k 20 and
+    top_p 0.8), as bench/throughput.py dispatches it."""
     ex = engine.executor
     pps = engine.pages_per_seq
     slots = np.arange(1, batch + 1, dtype=np.int32)
     positions = np.full(batch, ctx, np.int32)
     pages = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
-    sp = host_batch([Row() for _ in range(batch)], batch)
+    rows = [Row() for _ in range(batch)]
+    if temperature > 0:
+        for r in rows:
+            r.params = SamplingParams(temperature=temperature, top_k=20, top_p=0.8)
+    sp = host_batch(rows, batch)
     return lambda: ex.decode(batch, slots, positions, pages, sp)
 
 
@@ -85,10 +95,10 @@ def main():
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
-    variants = [parse_variant(v) for v in args.variants]
+    variants, temps = zip(*[parse_variant(v) for v in args.variants])
     if len(variants) < 2:
         ap.error("--variants: at least two to compare")
-    names = [" ".join(f"{k}={v}" for k, v in env.items()) or "(default)" for env in variants]
+    names = [" ".join(args.variants[i].split()) or "(default)" for i in range(len(variants))]
     batches = [int(b) for b in args.batches.split(",")]
     raw = json.load(open(args.config))
     cfg = ModelConfig.from_hf(raw)
@@ -101,7 +111,7 @@ def main():
     engines = [build_engine(model_dir, eargs, weights, env) for env in variants]
     rows, failed = [], {}
     for b in batches:
-        calls = [decode_call(e, b, args.context) for e in engines]
+        calls = [decode_call(e, b, args.context, t) for e, t in zip(engines, temps)]
         t0 = time.perf_counter()
         for i, call in enumerate(calls):                # compile and warm up
             try:
@@ -136,7 +146,8 @@ def main():
             print(rows[-1], flush=True)
     for e in engines:
         e.shutdown()
-    body = (f"Model: `{args.config}` shapes, random bf16 weights, greedy decode at context {args.context}; one "
+    body = (f"Model: `{args.config}` shapes, random bf16 weights, greedy decode (where no temperature is named) at "
+            f"context {args.context}; one "
             f"engine per variant in one process, {args.rounds} alternating rounds, each a steady-state step (slope "
             f"of back-to-back dispatches from {args.iters} to {2 * args.iters} steps, median of 3 each).\n\n"
             + results.table(rows, list(rows[0]))

@@ -78,10 +78,22 @@ def decode_matmul(interpret: bool, variant: str = "kernel"):
     return jax.jit(run, static_argnums=2)
 
 
+GEMM_ROUNDS = ("in_proj", "qkv_proj")    # the decode projections Kernels.gemm_rounds may name
+
+
+def gemm_rounds(text: str | None) -> frozenset:
+    """'in_proj,qkv_proj' -> the projections whose decode GEMM rounds to bf16 itself (model.project)."""
+    names = frozenset(n for n in (text or "").split(",") if n)
+    if names - set(GEMM_ROUNDS):
+        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS names must be among {GEMM_ROUNDS}, got {sorted(names)}")
+    return names
+
+
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
                    attention: str | None = None, projections: str | None = None) -> Kernels:
     """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
-    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
+    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla");
+    $QWEN35_DECODE_GEMM_ROUNDS: `gemm_rounds`."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
@@ -89,6 +101,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
     if projections not in matmul_variants:
         raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
+    rounds = gemm_rounds(os.environ.get("QWEN35_DECODE_GEMM_ROUNDS"))
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -102,13 +115,14 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s%s", prefill,
              pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections,
+             f" (rounded in the GEMM: {', '.join(sorted(rounds))})" if rounds else "")
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=None if projections == "xla" else decode_matmul(interpret, projections))
+                   matmul=None if projections == "xla" else decode_matmul(interpret, projections), gemm_rounds=rounds)
 
 
 def default_backend() -> str:

@@ -1,8 +1,8 @@
-"""Compiled engine steps: one XLA executable per prefill bucket and three per decode bucket, built ahead of time.
+"""Compiled engine steps: one XLA executable per prefill bucket and four per decode bucket, built ahead of time.
 
-This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the three decode executables are the
-sampler's modes, sampler.sampler_mode: "lean" from the top candidates without penalties or logprobs, "top" with
-them, "full" over the sorted vocabulary): at start-up every bucket is lowered and
+This is the JAX counterpart of CUDA Graph capture per decode batch bucket (the four decode executables are the
+sampler's modes, sampler.sampler_mode: "greedy" an argmax, "lean" from the top candidates without penalties or
+logprobs, "top" with them, "full" over the sorted vocabulary): at start-up every bucket is lowered and
 compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
 objects are kept and called directly, and serving never compiles. With a cache directory, the compiled executables
 are also serialized there (`ExecutableCache`), so a warm start loads them without tracing or lowering the model
@@ -30,8 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.model import Batch, Kernels, forward
-from qwen35_jax.sampler import (MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch, host_batch_rows,
-                                sample, sampler_mode)
+from qwen35_jax.sampler import (EXTRAS_MODES, MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch,
+                                host_batch_rows, sample, sampler_mode)
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
@@ -66,7 +66,7 @@ def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, 
     if mode not in SAMPLER_MODES:
         raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab=mode == "full",
-                        extras=mode != "lean")
+                        extras=mode in EXTRAS_MODES, greedy_only=mode == "greedy")
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
     sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
                           counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)),
@@ -146,7 +146,7 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
         outs = jax.tree.map(lambda x: x[None], out)
     else:
         (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
-    return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode != "lean")
+    return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode in EXTRAS_MODES)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:

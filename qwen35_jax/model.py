@@ -46,17 +46,19 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
+    gemm_rounds: frozenset = frozenset()  # decode projections (scope names) whose XLA GEMM returns x.dtype itself
 
 
-def project(kernels: Kernels, x, w, out_dtype=None):
+def project(kernels: Kernels, x, w, out_dtype=None, name: str = ""):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
-    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one."""
+    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. Projections
+    named in kernels.gemm_rounds ask for out_dtype at decode too (the K split and its add kernel can then go)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
-    if t > 1:
+    if t > 1 or (name in kernels.gemm_rounds and kernels.matmul is None):
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
@@ -112,7 +114,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = project(kernels, x, w.qkv)
+        qkv = project(kernels, x, w.qkv, name="qkv_proj")
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -140,7 +142,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
+        proj = project(kernels, x, w.in_proj, name="in_proj")   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):

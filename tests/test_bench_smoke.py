@@ -24,18 +24,31 @@ def test_tp_bench_smoke():
 
 
 def test_ab_decode_bench_smoke():
-    """bench/ab_decode.py: two kernel variants, each its own engine in one process, timed in alternating rounds."""
+    """bench/ab_decode.py: two kernel variants, each its own engine in one process, timed in alternating rounds
+    (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ab_decode.py"), "--config",
            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--kernel-backend", "pallas_interpret",
-           "--variants", "", "QWEN35_GDN_DECODE=bv32_w2_vf", "--batches", "2", "--context", "40", "--rounds", "2",
+           "--variants", "", "QWEN35_GDN_DECODE=bv32_w2_vf temperature=0.7", "--batches", "2", "--context", "40", "--rounds", "2",
            "--iters", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "'variant': '(default)'" in r.stdout and "'variant': 'QWEN35_GDN_DECODE=bv32_w2_vf'" in r.stdout
+    assert "'variant': '(default)'" in r.stdout and "'variant': 'QWEN35_GDN_DECODE=bv32_w2_vf temperature=0.7'" in r.stdout
     assert "'rounds faster': '" in r.stdout and "batch 2 round 1: " in r.stdout
     bad = subprocess.run(cmd[:2] + ["--variants", "", "XLA_FLAGS=--x"], capture_output=True, text=True,
                          env=server_env(), timeout=600)
     assert bad.returncode != 0 and "only QWEN35_* settings" in bad.stderr
+
+
+def test_engine_check_bench_smoke():
+    """bench/engine_check.py: the same requests through two backends (here the reference twice: the script's
+    bookkeeping; the GPU run compares pallas with it), chunked prompts, compared along the common prefix."""
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "engine_check.py"), "--config",
+           os.path.join(fixture_dir("bf16_gate"), "config.json"), "--backends", "reference", "reference",
+           "--prompt-lens", "1,40,3", "--budget", "32", "--max-model-len", "96", "--output-len", "3"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "'identical leading tokens': '3 / 3'" in r.stdout
+    assert "top-1 agreement 1.0000 over 9 positions, mean |delta logprob| 0.0000 over 9" in r.stdout
 
 
 def test_gemm_bench_smoke():

@@ -587,7 +587,7 @@ def test_decode_step_has_no_host_synchronisation():
                                                                  pages_per_seq=8, mode=mode)
 
     text = lowered(kernels)
-    for mode in ("lean", "full"):
+    for mode in ("greedy", "lean", "full"):
         assert "stablehlo.while" not in lowered(kernels, mode)
     # Each kernel is lowered once (backends jit-wraps them) and called from every layer of its kind.
     assert text.count("__gpu$xla.gpu.triton") == 3                        # GDN decode, conv decode, attention

@@ -123,10 +123,14 @@ def test_needs_full_vocab_routing():
 
 
 def test_sampler_mode_routing_and_lean_tokens():
-    """Batches without penalties or logprobs run the lean sampler: the same tokens as the sampler with extras."""
+    """Batches without penalties or logprobs run the lean sampler (all-greedy ones the argmax alone): the same
+    tokens as the sampler with extras."""
     from qwen35_jax.sampler import sampler_mode
     assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 1.0])) == "lean"
-    assert sampler_mode(batch(2, temperature=[0.0, 0.0])) == "lean"
+    assert sampler_mode(batch(2, temperature=[0.0, 0.7])) == "lean"
+    assert sampler_mode(batch(2, temperature=[0.0, 0.0], top_k=[20, 0], top_p=[0.5, 1.0])) == "greedy"
+    assert sampler_mode(batch(2, temperature=[0.0, 0.0], logprobs=[True, False])) == "top"
+    assert sampler_mode(batch(2, temperature=[0.0, 0.0], repetition=[1.0, 1.2])) == "top"
     assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 1.0], logprobs=[False, True])) == "top"
     for kw in (dict(presence=[0, 0.5]), dict(frequency=[0.1, 0]), dict(repetition=[1.0, 1.1])):
         assert sampler_mode(batch(2, **kw)) == "top", kw
@@ -141,6 +145,12 @@ def test_sampler_mode_routing_and_lean_tokens():
     lean, lp = sample(logits, p, c, m, full_vocab=False, extras=False)
     np.testing.assert_array_equal(np.asarray(lean), np.asarray(full))
     assert lp["top_ids"].shape == (6, MAX_LOGPROBS) and not np.any(np.asarray(lp["logprob"]))
+    g = dataclasses.replace(p, temperature=np.zeros(6, np.float32))
+    assert sampler_mode(g) == "greedy"
+    greedy, lp = sample(logits, g, c, m, full_vocab=False, greedy_only=True)
+    np.testing.assert_array_equal(np.asarray(greedy), np.asarray(sample(logits, g, c, m, full_vocab=True)[0]))
+    np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
+    assert not np.any(np.asarray(lp["logprob"]))
 
 
 def test_draw_is_exact_on_a_grid_of_uniforms():

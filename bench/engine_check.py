@@ -1,0 +1,109 @@
+"""The engine's kernel path on the GPU against its reference path: the same random-weight model and requests through
+kernel_backend "pallas" and "reference", greedy, with logprobs.
+
+The kernels are checked one by one in bench/kernels.py; this checks them where the engine calls them: inside the
+model's shard_map, with the state pools donated, the GDN prefill reading and writing its slots in place, prompts
+split into chunks over several steps (a chunk continues the state the previous one left), mixed with decode rows.
+Compared along each request's common prefix of the two generations (where both fed the same tokens): the greedy
+token's agreement and |delta logprob| of the reference's token (issue 7's bars for bf16: agreement >= 0.99, mean
+|delta| <= 0.05).
+
+    python bench/engine_check.py --record                            # 9B shapes, 4 layers, on the GPU
+    python bench/engine_check.py --layers 4 --hidden 256 --backends pallas_interpret reference   # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.sharding import make_mesh  # noqa: E402
+from qwen35_jax.weights import random_weights  # noqa: E402
+
+
+def small_config(raw: dict, layers: int, hidden: int | None) -> dict:
+    """raw (an HF config, nested text_config or not) cut to `layers` layers (every 4th full attention), and to
+    `hidden` model width when given (the GDN and attention head shapes kept)."""
+    raw = json.loads(json.dumps(raw))
+    text = raw.get("text_config", raw)
+    text["num_hidden_layers"] = layers
+    text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    if hidden:
+        text["hidden_size"], text["intermediate_size"] = hidden, 2 * hidden
+    return raw
+
+
+def run(model_dir: str, cfg: ModelConfig, weights, backend: str, prompts, params, args) -> list:
+    eargs = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=len(prompts), precompile=False,
+                       max_num_batched_tokens=args.budget, max_prefill_rows=2, kernel_backend=backend)
+    engine = Engine(model_dir, eargs, weights=weights)
+    try:
+        return engine.generate(prompts, [params] * len(prompts))
+    finally:
+        engine.shutdown()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=None, help="model width (default: the config's)")
+    ap.add_argument("--backends", nargs=2, default=["pallas", "reference"])
+    ap.add_argument("--prompt-lens", default="1,65,300,1000,777,2")
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens: longer prompts go in chunks")
+    ap.add_argument("--max-model-len", type=int, default=1088)
+    ap.add_argument("--record", action="store_true")
+    args = ap.parse_args()
+
+    raw = small_config(json.load(open(args.config)), args.layers, args.hidden)
+    cfg = ModelConfig.from_hf(raw)
+    model_dir = tempfile.mkdtemp(prefix="qwen35-check-")
+    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
+    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    lens = [int(n) for n in args.prompt_lens.split(",")]
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=1)
+    outs = {b: run(model_dir, cfg, weights, b, prompts, params, args) for b in args.backends}
+    a_name, r_name = args.backends
+    rows, agree, deltas = [], 0, []
+    for n, a, r in zip(lens, outs[a_name], outs[r_name]):
+        ta, tr = a.outputs[0].token_ids, r.outputs[0].token_ids
+        same = next((i for i, (x, y) in enumerate(zip(ta, tr)) if x != y), len(tr))
+        compared = min(same + 1, len(tr))                # the positions fed the same tokens in both
+        d = [abs(a.outputs[0].logprobs[i][tr[i]].logprob - r.outputs[0].logprobs[i][tr[i]].logprob)
+             for i in range(compared) if tr[i] in a.outputs[0].logprobs[i]]
+        agree += sum(ta[i] == tr[i] for i in range(compared))
+        deltas += d
+        rows.append({"prompt tokens": n, "identical leading tokens": f"{same} / {len(tr)}",
+                     "max abs delta logprob": f"{max(d):.4f}" if d else "-"})
+        print(rows[-1], flush=True)
+    positions = sum(min(int(r["identical leading tokens"].split(" / ")[0]) + 1, args.output_len) for r in rows)
+    summary = (f"top-1 agreement {agree / positions:.4f} over {positions} positions, mean |delta logprob| "
+               f"{np.mean(deltas):.4f} over {len(deltas)}")
+    print(summary, flush=True)
+    if args.record:
+        body = (f"Model: `{args.config}` cut to {args.layers} layers"
+                f"{f', width {args.hidden}' if args.hidden else ''}, random bf16 weights; {len(lens)} requests "
+                f"at once (prompts of {args.prompt_lens} tokens, chunks of at most {args.budget} tokens per step, "
+                f"greedy, {args.output_len} output tokens, logprobs), `{a_name}` against `{r_name}` "
+                f"(on {jax.devices()[0].device_kind}). Compared along each request's common prefix of the two "
+                f"generations and the first position where they part.\n\n"
+                + results.table(rows, list(rows[0])) + f"\n{summary}.\n")
+        results.record(f"Engine kernel path check (bench/engine_check.py): {a_name} vs {r_name}", body)
+
+
+if __name__ == "__main__":
+    main()
