@@ -90,7 +90,7 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run $s ${PROFILE64_SHARE:-110} env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
                python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
-               --top-unattributed 5
+               --top-unattributed 5 ${PROFILE64_ARGS:-}      # e.g. PROFILE64_ARGS=--greedy
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
     profile64envs)   # the batch-64 profile once per entry of PROFILE64_ENVS (';'-separated; each entry is what `export`
                      # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MATMUL=kernel'; an empty entry: as is)

@@ -13,8 +13,9 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
-`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot
+(in_proj and qkv_proj asking for bf16, the others for fp32: model.DECODE_GEMM_ROUNDS; `QWEN35_DECODE_GEMM_ROUNDS=none`
+has them all ask for fp32, as before fdc0c83); `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
 `matmul.choose`, XLA's dot where none fits, logged once per shape; another name in matmul.RULES picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
 Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
@@ -33,7 +34,7 @@ import jax
 
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
-from qwen35_jax.model import Kernels
+from qwen35_jax.model import DECODE_GEMM_ROUNDS, Kernels
 
 log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_interpret")
@@ -78,14 +79,16 @@ def decode_matmul(interpret: bool, variant: str = "kernel"):
     return jax.jit(run, static_argnums=2)
 
 
-GEMM_ROUNDS = ("in_proj", "qkv_proj")    # the decode projections Kernels.gemm_rounds may name
-
-
 def gemm_rounds(text: str | None) -> frozenset:
-    """'in_proj,qkv_proj' -> the projections whose decode GEMM rounds to bf16 itself (model.project)."""
-    names = frozenset(n for n in (text or "").split(",") if n)
-    if names - set(GEMM_ROUNDS):
-        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS names must be among {GEMM_ROUNDS}, got {sorted(names)}")
+    """$QWEN35_DECODE_GEMM_ROUNDS -> the projections whose decode GEMM rounds to bf16 itself (model.project):
+    unset: model.DECODE_GEMM_ROUNDS; 'none': none (fp32 out, rounded where XLA adds its K-split partial sums);
+    else comma-separated names among those."""
+    if text is None:
+        return DECODE_GEMM_ROUNDS
+    names = frozenset() if text == "none" else frozenset(n for n in text.split(",") if n)
+    if not names <= DECODE_GEMM_ROUNDS:
+        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS must be 'none' or names among {sorted(DECODE_GEMM_ROUNDS)}, "
+                         f"got {text!r}")
     return names
 
 
@@ -118,7 +121,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s%s", prefill,
              pv[prefill].name, decode, dv[decode].name,
              paged_attention.DEFAULT.name if attention == "kernel" else attention, projections,
-             f" (rounded in the GEMM: {', '.join(sorted(rounds))})" if rounds else "")
+             f" (rounded in the GEMM: {', '.join(sorted(rounds)) or 'none'})")
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],

@@ -33,6 +33,11 @@ class Batch:
     pages: Any    # [N, P] int32: KV page table (0 = null page)
 
 
+# Decode projections whose XLA GEMM returns bf16 itself: their K-split partial sums and the kernel that adds them go
+# (bench/RESULTS.md, fdc0c83: -0.074 ms per 9B step at batch 64, 5 of 5 alternating rounds; -0.004 at batch 16)
+DECODE_GEMM_ROUNDS = frozenset({"in_proj", "qkv_proj"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.backends).
@@ -46,16 +51,17 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
-    gemm_rounds: frozenset = frozenset()  # decode projections (scope names) whose XLA GEMM returns x.dtype itself
+    gemm_rounds: frozenset = DECODE_GEMM_ROUNDS  # decode projections (scope names) whose XLA GEMM returns x.dtype
 
 
 def project(kernels: Kernels, x, w, out_dtype=None, name: str = ""):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
-    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
-    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. Projections
-    named in kernels.gemm_rounds ask for out_dtype at decode too (the K split and its add kernel can then go)."""
+    Decode (T = 1) asks for fp32 and rounds after where the sum has company (row-parallel projections: the psum,
+    or at tp = 1 the residual add, rides in the fusion that adds XLA's K-split partial sums); the projections named
+    in kernels.gemm_rounds (`DECODE_GEMM_ROUNDS`) ask for out_dtype, which spares a partial-sum kernel of its own.
+    It runs the backend's matmul kernel where there is one."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
     if t > 1 or (name in kernels.gemm_rounds and kernels.matmul is None):
