@@ -34,7 +34,7 @@ import jax
 
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
-from qwen35_jax.model import DECODE_GEMM_ROUNDS, Kernels
+from qwen35_jax.model import DECODE_GEMM_ROUNDS, PROJECTIONS, Kernels
 
 log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_interpret")
@@ -86,9 +86,8 @@ def gemm_rounds(text: str | None) -> frozenset:
     if text is None:
         return DECODE_GEMM_ROUNDS
     names = frozenset() if text == "none" else frozenset(n for n in text.split(",") if n)
-    if not names <= DECODE_GEMM_ROUNDS:
-        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS must be 'none' or names among {sorted(DECODE_GEMM_ROUNDS)}, "
-                         f"got {text!r}")
+    if not names <= set(PROJECTIONS):
+        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS must be 'none' or names among {PROJECTIONS}, got {text!r}")
     return names
 
 

@@ -36,6 +36,7 @@ class Batch:
 # Decode projections whose XLA GEMM returns bf16 itself: their K-split partial sums and the kernel that adds them go
 # (bench/RESULTS.md, fdc0c83: -0.074 ms per 9B step at batch 64, 5 of 5 alternating rounds; -0.004 at batch 16)
 DECODE_GEMM_ROUNDS = frozenset({"in_proj", "qkv_proj"})
+PROJECTIONS = ("in_proj", "qkv_proj", "gate_up", "out_proj", "o_proj", "down_proj")   # names Kernels.gemm_rounds takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +86,11 @@ def gated_norm(o, z, w, eps):
     return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
-def row_parallel(kernels: Kernels, x, w):
-    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
-    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
-    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
-        return project(kernels, x, w)
+def row_parallel(kernels: Kernels, x, w, name: str = ""):
+    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (at
+    tp = 1 a prefill, or a decode projection named in gemm_rounds, has nothing to sum: its GEMM rounds)."""
+    if jax.lax.axis_size(TP) == 1 and (x.shape[1] > 1 or name in kernels.gemm_rounds):
+        return project(kernels, x, w, name=name)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
 
@@ -138,7 +139,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
             o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
-        return row_parallel(kernels, o, w.o_proj), k_pages, v_pages
+        return row_parallel(kernels, o, w.o_proj, "o_proj"), k_pages, v_pages
 
 
 def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
@@ -168,18 +169,19 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):
-        return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
+        return row_parallel(kernels, o, w.out_proj, "out_proj"), conv_pool, rec_pool
 
 
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
+        fp32 = x.shape[1] == 1 and "gate_up" not in kernels.gemm_rounds
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if fp32 else None, "gate_up"), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
-        return row_parallel(kernels, h, w.down)
+        return row_parallel(kernels, h, w.down, "down_proj")
 
 
 def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,

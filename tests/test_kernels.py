@@ -578,7 +578,7 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     os.environ["QWEN35_DECODE_GEMM_ROUNDS"] = "none"
     try:
         assert "preferred_element_type=float32" in named(backends.pallas_kernels(interpret=True), "in_proj")
-        os.environ["QWEN35_DECODE_GEMM_ROUNDS"] = "in_proj,o_proj"
+        os.environ["QWEN35_DECODE_GEMM_ROUNDS"] = "in_proj,nope"
         with pytest.raises(ValueError, match="QWEN35_DECODE_GEMM_ROUNDS must be 'none' or names among"):
             backends.pallas_kernels(interpret=True)
     finally:
