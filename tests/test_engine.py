@@ -19,8 +19,8 @@ CASE = "text_untied_r1_g6"   # untied head: a spread-out distribution for the sa
 @functools.lru_cache(maxsize=2)
 def llm(tp):
     """tp=1 is precompiled (test_no_compilation_while_serving runs on it); tp=2 compiles the buckets it uses: the
-    precompile sweep under tp=2 is run by the dp x tp and warm-start tests below (three decode executables per
-    bucket made a full tp=2 sweep here the suite's slowest step)."""
+    precompile sweep under tp=2 is run by the dp x tp and warm-start tests below (a decode executable per sampler
+    mode and bucket made a full tp=2 sweep here the suite's slowest step)."""
     return LLM(fixture_dir(CASE), tensor_parallel_size=tp, skip_tokenizer_init=True,
                **engine_args(precompile=tp == 1))
 
