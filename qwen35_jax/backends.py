@@ -13,9 +13,8 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot
-(in_proj and qkv_proj asking for bf16, the others for fp32: model.DECODE_GEMM_ROUNDS; `QWEN35_DECODE_GEMM_ROUNDS=none`
-has them all ask for fp32, as before fdc0c83); `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
+`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
 `matmul.choose`, XLA's dot where none fits, logged once per shape; another name in matmul.RULES picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
 Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
@@ -34,7 +33,7 @@ import jax
 
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
-from qwen35_jax.model import DECODE_GEMM_ROUNDS, PROJECTIONS, Kernels
+from qwen35_jax.model import Kernels
 
 log = logging.getLogger(__name__)
 BACKENDS = ("reference", "pallas", "pallas_interpret")
@@ -79,23 +78,10 @@ def decode_matmul(interpret: bool, variant: str = "kernel"):
     return jax.jit(run, static_argnums=2)
 
 
-def gemm_rounds(text: str | None) -> frozenset:
-    """$QWEN35_DECODE_GEMM_ROUNDS -> the projections whose decode GEMM rounds to bf16 itself (model.project):
-    unset: model.DECODE_GEMM_ROUNDS; 'none': none (fp32 out, rounded where XLA adds its K-split partial sums);
-    else comma-separated names among those."""
-    if text is None:
-        return DECODE_GEMM_ROUNDS
-    names = frozenset() if text == "none" else frozenset(n for n in text.split(",") if n)
-    if not names <= set(PROJECTIONS):
-        raise ValueError(f"QWEN35_DECODE_GEMM_ROUNDS must be 'none' or names among {PROJECTIONS}, got {text!r}")
-    return names
-
-
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
                    attention: str | None = None, projections: str | None = None) -> Kernels:
     """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
-    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla");
-    $QWEN35_DECODE_GEMM_ROUNDS: `gemm_rounds`."""
+    $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
@@ -103,7 +89,6 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
     if projections not in matmul_variants:
         raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
-    rounds = gemm_rounds(os.environ.get("QWEN35_DECODE_GEMM_ROUNDS"))
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
@@ -117,14 +102,13 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s%s", prefill,
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
              pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections,
-             f" (rounded in the GEMM: {', '.join(sorted(rounds)) or 'none'})")
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=None if projections == "xla" else decode_matmul(interpret, projections), gemm_rounds=rounds)
+                   matmul=None if projections == "xla" else decode_matmul(interpret, projections))
 
 
 def default_backend() -> str:

@@ -33,12 +33,6 @@ class Batch:
     pages: Any    # [N, P] int32: KV page table (0 = null page)
 
 
-# Decode projections whose XLA GEMM returns bf16 itself: their K-split partial sums and the kernel that adds them go
-# (bench/RESULTS.md, fdc0c83: -0.074 ms per 9B step at batch 64, 5 of 5 alternating rounds; -0.004 at batch 16)
-DECODE_GEMM_ROUNDS = frozenset({"in_proj", "qkv_proj"})
-PROJECTIONS = ("in_proj", "qkv_proj", "gate_up", "out_proj", "o_proj", "down_proj")   # names Kernels.gemm_rounds takes
-
-
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.backends).
@@ -52,20 +46,18 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
-    gemm_rounds: frozenset = DECODE_GEMM_ROUNDS  # decode projections (scope names) whose XLA GEMM returns x.dtype
 
 
-def project(kernels: Kernels, x, w, out_dtype=None, name: str = ""):
+def project(kernels: Kernels, x, w, out_dtype=None):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
-    Decode (T = 1) asks for fp32 and rounds after where the sum has company (row-parallel projections: the psum,
-    or at tp = 1 the residual add, rides in the fusion that adds XLA's K-split partial sums); the projections named
-    in kernels.gemm_rounds (`DECODE_GEMM_ROUNDS`) ask for out_dtype, which spares a partial-sum kernel of its own.
-    It runs the backend's matmul kernel where there is one."""
+    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
+    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. (Asking bf16 of
+    the decode GEMMs, one projection or several, measured within the A/B's spread at c4a2046: bench/RESULTS.md.)"""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
-    if t > 1 or (name in kernels.gemm_rounds and kernels.matmul is None):
+    if t > 1:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
@@ -86,11 +78,11 @@ def gated_norm(o, z, w, eps):
     return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
-def row_parallel(kernels: Kernels, x, w, name: str = ""):
-    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (at
-    tp = 1 a prefill, or a decode projection named in gemm_rounds, has nothing to sum: its GEMM rounds)."""
-    if jax.lax.axis_size(TP) == 1 and (x.shape[1] > 1 or name in kernels.gemm_rounds):
-        return project(kernels, x, w, name=name)
+def row_parallel(kernels: Kernels, x, w):
+    """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
+    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
+    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
+        return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
 
@@ -121,7 +113,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = project(kernels, x, w.qkv, name="qkv_proj")
+        qkv = project(kernels, x, w.qkv)
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -139,7 +131,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
             o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
-        return row_parallel(kernels, o, w.o_proj, "o_proj"), k_pages, v_pages
+        return row_parallel(kernels, o, w.o_proj), k_pages, v_pages
 
 
 def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
@@ -149,7 +141,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj, name="in_proj")   # [q | k | v | z | b | a] per rank
+        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -169,19 +161,18 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):
-        return row_parallel(kernels, o, w.out_proj, "out_proj"), conv_pool, rec_pool
+        return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        fp32 = x.shape[1] == 1 and "gate_up" not in kernels.gemm_rounds
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if fp32 else None, "gate_up"), 2, axis=-1)
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
-        return row_parallel(kernels, h, w.down, "down_proj")
+        return row_parallel(kernels, h, w.down)
 
 
 def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
