@@ -135,7 +135,7 @@ def sampler_mode(p: SamplingBatch) -> str:
     """Which decode sampler a batch needs: "full" (sorts the vocabulary: `needs_full_vocab`), "top" (the top
     CANDIDATES tokens decide the filters, with penalties and logprobs), "lean" (the same without them:
     `needs_extras` is False) or "greedy" (every row greedy and no extras: one argmax, as vLLM's all-greedy path;
-    the lean sampler's filters and draw cost ~0.2 ms per step at batch 64 on the H200)."""
+    the lean sampler's thresholds and draw cost 0.10 ms of the 9B step at batch 16 and 64 on the H200, fdc0c83)."""
     if needs_full_vocab(p):
         return "full"
     if needs_extras(p):
