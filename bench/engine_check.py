@@ -7,7 +7,8 @@ split into chunks over several steps (a chunk continues the state the previous o
 Compared along each request's common prefix of the two generations (where both fed the same tokens): the greedy
 token's agreement and |delta logprob| of the reference's token (issue 7's bars for bf16: agreement >= 0.99, mean
 |delta| <= 0.05); where the two part, the reference's own margin between its token and the other (a near tie
-of a random-weight model parts them at a small margin; a wrong kernel path at any).
+of a random-weight model parts them at a small margin; a wrong kernel path at any). It fails (exit status 1, after
+recording) where the mean |delta| passes --max-mean-delta or a parting's margin passes --max-margin.
 
     python bench/engine_check.py --record                            # 9B shapes, 4 layers, on the GPU
     python bench/engine_check.py --layers 4 --hidden 256 --backends pallas_interpret reference   # CPU smoke run
@@ -65,6 +66,9 @@ def main():
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens: longer prompts go in chunks")
     ap.add_argument("--max-model-len", type=int, default=1088)
+    ap.add_argument("--max-mean-delta", type=float, default=0.05, help="bar on the mean |delta logprob|")
+    ap.add_argument("--max-margin", type=float, default=0.1,
+                    help="bar on the reference's margin where the two generations part (nats)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
@@ -79,7 +83,7 @@ def main():
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=5)
     outs = {b: run(model_dir, cfg, weights, b, prompts, params, args) for b in args.backends}
     a_name, r_name = args.backends
-    rows, agree, deltas = [], 0, []
+    rows, agree, positions, deltas, margins = [], 0, 0, [], []
     for n, a, r in zip(lens, outs[a_name], outs[r_name]):
         ta, tr = a.outputs[0].token_ids, r.outputs[0].token_ids
         same = next((i for i, (x, y) in enumerate(zip(ta, tr)) if x != y), len(tr))
@@ -87,18 +91,21 @@ def main():
         d = [abs(a.outputs[0].logprobs[i][tr[i]].logprob - r.outputs[0].logprobs[i][tr[i]].logprob)
              for i in range(compared) if tr[i] in a.outputs[0].logprobs[i]]
         agree += sum(ta[i] == tr[i] for i in range(compared))
+        positions += compared
         deltas += d
         margin = "-"
         if same < len(tr):                              # the reference's logprob of its token over the other's
             ref_lp = r.outputs[0].logprobs[same]
-            margin = (f"{ref_lp[tr[same]].logprob - ref_lp[ta[same]].logprob:.4f}" if ta[same] in ref_lp
-                      else "beyond the reference's top 5")
+            margins.append(ref_lp[tr[same]].logprob - ref_lp[ta[same]].logprob if ta[same] in ref_lp else np.inf)
+            margin = f"{margins[-1]:.4f}" if np.isfinite(margins[-1]) else "beyond the reference's top 5"
         rows.append({"prompt tokens": n, "identical leading tokens": f"{same} / {len(tr)}",
                      "max abs delta logprob": f"{max(d):.4f}" if d else "-", "margin where they part": margin})
         print(rows[-1], flush=True)
-    positions = sum(min(int(r["identical leading tokens"].split(" / ")[0]) + 1, args.output_len) for r in rows)
+    ok = np.mean(deltas) <= args.max_mean_delta and all(m <= args.max_margin for m in margins)
     summary = (f"top-1 agreement {agree / positions:.4f} over {positions} positions, mean |delta logprob| "
-               f"{np.mean(deltas):.4f} over {len(deltas)}")
+               f"{np.mean(deltas):.4f} over {len(deltas)}; {len(margins)} parting(s), largest margin "
+               f"{max(margins, default=0.0):.4f}: {'PASS' if ok else 'FAIL'} (bars: mean |delta| <= "
+               f"{args.max_mean_delta}, margin <= {args.max_margin})")
     print(summary, flush=True)
     if args.record:
         body = (f"Model: `{args.config}` cut to {args.layers} layers"
@@ -109,6 +116,8 @@ def main():
                 f"generations and the first position where they part.\n\n"
                 + results.table(rows, list(rows[0])) + f"\n{summary}.\n")
         results.record(f"Engine kernel path check (bench/engine_check.py): {a_name} vs {r_name}", body)
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,12 @@ def test_engine_check_bench_smoke():
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "'identical leading tokens': '3 / 3'" in r.stdout
-    assert "top-1 agreement 1.0000 over 9 positions, mean |delta logprob| 0.0000 over 9" in r.stdout
+    assert ("top-1 agreement 1.0000 over 9 positions, mean |delta logprob| 0.0000 over 9; 0 parting(s), largest "
+            "margin 0.0000: PASS") in r.stdout
+    # the bars bite: no |delta| is below a negative bar
+    bad = subprocess.run(cmd + ["--max-mean-delta", "-1"], capture_output=True, text=True, env=server_env(),
+                         timeout=600)
+    assert bad.returncode == 1 and ": FAIL (bars: mean |delta| <= -1.0" in bad.stdout
 
 
 def test_gemm_bench_smoke():
