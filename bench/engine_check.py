@@ -11,7 +11,8 @@ of a random-weight model parts them at a small margin; a wrong kernel path at an
 recording) where the mean |delta| passes --max-mean-delta or a parting's margin passes --max-margin.
 
     python bench/engine_check.py --record                            # 9B shapes, 4 layers, on the GPU
-    python bench/engine_check.py --layers 4 --hidden 256 --backends pallas_interpret reference   # CPU smoke run
+    python bench/engine_check.py --config tests/fixtures/hf/bf16_gate/config.json \
+        --backends pallas_interpret reference --prompt-lens 1,65,130,3 --budget 64 --max-model-len 200   # CPU
 """
 from __future__ import annotations
 
@@ -34,19 +35,16 @@ from qwen35_jax.sharding import make_mesh  # noqa: E402
 from qwen35_jax.weights import random_weights  # noqa: E402
 
 
-def small_config(raw: dict, layers: int, hidden: int | None) -> dict:
-    """raw (an HF config, nested text_config or not) cut to `layers` layers (every 4th full attention), and to
-    `hidden` model width when given (the GDN and attention head shapes kept)."""
+def small_config(raw: dict, layers: int) -> dict:
+    """raw (an HF config, nested text_config or not) cut to `layers` layers (every 4th full attention)."""
     raw = json.loads(json.dumps(raw))
     text = raw.get("text_config", raw)
     text["num_hidden_layers"] = layers
     text["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-    if hidden:
-        text["hidden_size"], text["intermediate_size"] = hidden, 2 * hidden
     return raw
 
 
-def run(model_dir: str, cfg: ModelConfig, weights, backend: str, prompts, params, args) -> list:
+def run(model_dir: str, weights, backend: str, prompts, params, args) -> list:
     eargs = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=len(prompts), precompile=False,
                        max_num_batched_tokens=args.budget, max_prefill_rows=2, kernel_backend=backend)
     engine = Engine(model_dir, eargs, weights=weights)
@@ -60,7 +58,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=None, help="model width (default: the config's)")
     ap.add_argument("--backends", nargs=2, default=["pallas", "reference"])
     ap.add_argument("--prompt-lens", default="1,65,300,1000,777,2")
     ap.add_argument("--output-len", type=int, default=16)
@@ -72,7 +69,7 @@ def main():
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
-    raw = small_config(json.load(open(args.config)), args.layers, args.hidden)
+    raw = small_config(json.load(open(args.config)), args.layers)
     cfg = ModelConfig.from_hf(raw)
     model_dir = tempfile.mkdtemp(prefix="qwen35-check-")
     json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
@@ -81,7 +78,7 @@ def main():
     lens = [int(n) for n in args.prompt_lens.split(",")]
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=5)
-    outs = {b: run(model_dir, cfg, weights, b, prompts, params, args) for b in args.backends}
+    outs = {b: run(model_dir, weights, b, prompts, params, args) for b in args.backends}
     a_name, r_name = args.backends
     rows, agree, positions, deltas, margins = [], 0, 0, [], []
     for n, a, r in zip(lens, outs[a_name], outs[r_name]):
@@ -108,8 +105,7 @@ def main():
                f"{args.max_mean_delta}, margin <= {args.max_margin})")
     print(summary, flush=True)
     if args.record:
-        body = (f"Model: `{args.config}` cut to {args.layers} layers"
-                f"{f', width {args.hidden}' if args.hidden else ''}, random bf16 weights; {len(lens)} requests "
+        body = (f"Model: `{args.config}` cut to {args.layers} layers, random bf16 weights; {len(lens)} requests "
                 f"at once (prompts of {args.prompt_lens} tokens, chunks of at most {args.budget} tokens per step, "
                 f"greedy, {args.output_len} output tokens, logprobs), `{a_name}` against `{r_name}` "
                 f"(on {jax.devices()[0].device_kind}). Compared along each request's common prefix of the two "

@@ -3,8 +3,8 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode gemm gemmlayout sampler throughput throughput_mm
-#   throughput_staged serving servinglite profile
+# Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode gemm gemmlayout sampler throughput
+#   throughput_mm throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -49,7 +49,7 @@ for s in $sections; do
              OUT=$work/parts CUDA_VISIBLE_DEVICES=0 run parts_$c 240 python3 bench/prefill_parts.py --record --case $c \
                ${PARTS:+--parts $PARTS} ${PARTS_WHOLE+--whole "$PARTS_WHOLE"} ${PARTS_KERNELS+--kernels "$PARTS_KERNELS"}
            done ;;
-    enginecheck) CUDA_VISIBLE_DEVICES=0 run enginecheck 150 python3 bench/engine_check.py --record ;;  # pallas vs reference
+    enginecheck) CUDA_VISIBLE_DEVICES=0 run enginecheck 150 python3 bench/engine_check.py --record ;;   # pallas vs ref.
     kmodel) OUT=$work/kmodel CUDA_VISIBLE_DEVICES=0 run kmodel 220 python3 bench/kernels.py --time-limit 200 \
               --only correct_defaults model_step ;;   # the 9B-shaped decode step, pallas vs reference backends
     kconv) OUT=$work/kconv CUDA_VISIBLE_DEVICES=0 run kconv 150 python3 bench/kernels.py --time-limit 130 --no-model \
