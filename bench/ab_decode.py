@@ -10,6 +10,7 @@ difference to the first variant.
 
     python bench/ab_decode.py --variants "" "QWEN35_GDN_DECODE=bv32_w2_vf" --batches 16,64 --record
     python bench/ab_decode.py --variants "" "temperature=0.7"      # the greedy sampler vs the lean one
+    python bench/ab_decode.py --variants "" "QWEN35_XLA_OPTIONS=xla_gpu_enable_pdl=false"   # XLA options
     python bench/ab_decode.py --config <tiny config.json> --kernel-backend pallas_interpret --batches 2 \
         --context 40 --rounds 2 --iters 2                                                       # CPU smoke run
 """

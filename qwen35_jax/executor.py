@@ -157,6 +157,21 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+def xla_options(text: str) -> dict:
+    """'xla_gpu_enable_pdl=true,xla_gpu_autotune_level=2' -> {'xla_gpu_enable_pdl': True, ...}: XLA debug options
+    for the step executables alone ($QWEN35_XLA_OPTIONS; XLA_FLAGS applies to every compile of the process, so
+    two engines of one process cannot differ by it). XLA wants typed values: true / false become bools, digits
+    ints."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name.startswith("xla_"):
+            raise ValueError(f"QWEN35_XLA_OPTIONS: {item!r} is not xla_<option>=<value>")
+        low = value.lower()
+        out[name] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
     """sha256 of the sources that define the compiled steps (this package and pallas_kernels/): any code change
@@ -285,6 +300,7 @@ class Executor:
         if inputs_mode not in ("host", "staged"):
             raise ValueError(f"QWEN35_STEP_INPUTS must be 'host' or 'staged', not {inputs_mode!r}")
         self.staged = inputs_mode == "staged"
+        self.compiler_options = xla_options(os.environ.get("QWEN35_XLA_OPTIONS", ""))
         self._stagers: dict[tuple, jax.stages.Compiled] = {}
         self._input_bufs: dict[tuple, jax.Array] = {}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
@@ -370,7 +386,7 @@ class Executor:
         exe = self.exe_cache.load(ckey, list(self.mesh.devices.flat)) if ckey else None
         if exe is None:
             before = getattr(_compile_hits, "n", 0)
-            exe = self._lower(key).compile()
+            exe = self._lower(key).compile(compiler_options=self.compiler_options or None)
             if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
                 self.exe_cache.store(ckey, exe)
         if self.staged:

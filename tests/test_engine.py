@@ -259,3 +259,26 @@ def test_staged_step_inputs(monkeypatch):
     monkeypatch.setenv("QWEN35_STEP_INPUTS", "pinned")
     with pytest.raises(ValueError, match="QWEN35_STEP_INPUTS"):
         lazy()
+
+
+def test_xla_options(monkeypatch):
+    """QWEN35_XLA_OPTIONS reaches the step executables' compile as typed XLA options (an unknown one fails that
+    compile, naming it); a malformed setting is refused when the engine is built."""
+    from qwen35_jax.executor import xla_options
+    assert xla_options(" xla_gpu_enable_pdl=true, xla_gpu_autotune_level=2,xla_x=abc ,") == {
+        "xla_gpu_enable_pdl": True, "xla_gpu_autotune_level": 2, "xla_x": "abc"}
+    for bad in ("xla_gpu_enable_pdl", "pdl=true"):
+        with pytest.raises(ValueError, match="QWEN35_XLA_OPTIONS"):
+            xla_options(bad)
+    lazy = lambda: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_backend_optimization_level=2")
+    model = lazy()
+    assert model.engine.executor.compiler_options == {"xla_backend_optimization_level": 2}
+    out = model.generate(prompts(1, seed=3), GREEDY)[0].outputs[0].token_ids
+    assert len(out) == GREEDY.max_tokens
+    model.shutdown()
+    monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_no_such_option_anywhere=1")
+    model = lazy()
+    assert model.generate(prompts(1, seed=3), GREEDY)[0].outputs[0].finish_reason == "error"
+    assert "xla_no_such_option_anywhere" in str(model.engine.error)
+    model.shutdown()
