@@ -15,7 +15,8 @@ choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT c
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
 paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
 `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
-`matmul.choose`, XLA's dot where none fits, logged once per shape; another name in matmul.RULES picks the
+`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
+limits the kernel to those K x N weights; another name in matmul.RULES picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
 Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
 bench/RESULTS.md, 7733060 and ffdcd27) the Triton kernel equals XLA's step within 0.03 ms at batch 16 and 64 under
@@ -54,10 +55,22 @@ def reference_kernels() -> Kernels:
                    attention_decode=decode_attention)
 
 
-def decode_matmul(interpret: bool, variant: str = "kernel"):
+def parse_shapes(text: str) -> frozenset | None:
+    """'4096x12352,4096x4096' -> {(4096, 12352), (4096, 4096)} (K x N of the per-rank weights); '' -> None (all)."""
+    out = set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        k, x, n = item.partition("x")
+        if not (x and k.isdigit() and n.isdigit()):
+            raise ValueError(f"QWEN35_DECODE_MATMUL_SHAPES: {item!r} is not <K>x<N>")
+        out.add((int(k), int(n)))
+    return frozenset(out) or None
+
+
+def decode_matmul(interpret: bool, variant: str = "kernel", shapes: frozenset | None = None):
     """(x [M, K], w [K, N], out_dtype) -> [M, N]: a name in matmul.RULES runs the Pallas-Triton kernel in the
     configuration `matmul.choose` gives for the shape by that rule, one in matmul_mgpu.RULES the Mosaic GPU kernel
-    (`matmul_mgpu.choose`); XLA's dot where no configuration fits (logged once per shape)."""
+    (`matmul_mgpu.choose`); XLA's dot where no configuration fits, or where `shapes` (K, N pairs) leaves the weight
+    out (logged once per shape)."""
     if variant in matmul.RULES:
         choose, kernel = functools.partial(matmul.choose, rule=matmul.RULES[variant]), matmul.matmul
     else:
@@ -66,11 +79,11 @@ def decode_matmul(interpret: bool, variant: str = "kernel"):
 
     def run(x, w, out_dtype):
         (m, k), n = x.shape, w.shape[1]
-        config = choose(m, k, n)
+        config = choose(m, k, n) if shapes is None or (k, n) in shapes else None
         if (m, k, n) not in logged:
             logged.add((m, k, n))
-            log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n,
-                     config.name if config else "XLA dot (no kernel configuration fits the shape)")
+            why = "no kernel configuration fits the shape" if shapes is None or (k, n) in shapes else "not listed"
+            log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n, config.name if config else f"XLA dot ({why})")
         if config is None:
             return matmul.reference(x, w, out_dtype=out_dtype)
         return kernel(x, w, out_dtype=out_dtype, config=config, interpret=interpret)
@@ -108,7 +121,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
-                   matmul=None if projections == "xla" else decode_matmul(interpret, projections))
+                   matmul=None if projections == "xla" else decode_matmul(
+                       interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))))
 
 
 def default_backend() -> str:

@@ -570,6 +570,15 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
     assert "preferred_element_type=bfloat16" in prefill and "convert_element_type" not in prefill
     assert "preferred_element_type=float32" in decode and "convert_element_type" in decode
     assert "QWEN35_DECODE_MATMUL" not in os.environ and backends.pallas_kernels(True).matmul is None
+    # QWEN35_DECODE_MATMUL_SHAPES: the kernel for the listed K x N weights only, XLA's dot for the others
+    only = backends.decode_matmul(True, "kernel", backends.parse_shapes("1024x256, 64x32"))
+    jaxpr = lambda w: str(jax.make_jaxpr(lambda x, w: only(x, w, jnp.bfloat16))(
+        jax.ShapeDtypeStruct((3, w[0]), jnp.bfloat16), jax.ShapeDtypeStruct(w, jnp.bfloat16)))
+    assert "decode_matmul" in jaxpr((1024, 256)) and "decode_matmul" not in jaxpr((1024, 512))
+    for bad in ("1024", "1024x", "ax256"):
+        with pytest.raises(ValueError, match="QWEN35_DECODE_MATMUL_SHAPES"):
+            backends.parse_shapes(bad)
+    assert backends.parse_shapes(" ") is None
     with pytest.raises(ValueError, match="decode matmul variant"):
         backends.pallas_kernels(interpret=True, projections="nope")
 
