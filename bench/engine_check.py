@@ -111,7 +111,10 @@ def main():
                 f"(on {jax.devices()[0].device_kind}). Compared along each request's common prefix of the two "
                 f"generations and the first position where they part.\n\n"
                 + results.table(rows, list(rows[0])) + f"\n{summary}.\n")
-        results.record(f"Engine kernel path check (bench/engine_check.py): {a_name} vs {r_name}", body)
+        env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                       if k.startswith("QWEN35_") and k != "QWEN35_COMMIT")
+        results.record(f"Engine kernel path check (bench/engine_check.py): {a_name} vs {r_name}"
+                       + (f", {env}" if env else ""), body)
     if not ok:
         sys.exit(1)
 

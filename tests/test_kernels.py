@@ -504,6 +504,93 @@ def test_decode_matmul_matches_dot(m, k, n, config):
         matmul.matmul(x, w[:, :n - 8], config=config, interpret=True)
 
 
+@pytest.mark.parametrize("m,config", [(5, matmul.MatmulConfig(bn=128, split_k=2)), (64, matmul.DEFAULT)])
+def test_prologue_matmuls_match_unfused(m, config):
+    """The SiLU product and the gated norm as the decode matmul's prologue equal the separate op (rounded to the
+    weight's dtype, as the model rounds it) followed by XLA's dot; z read in place at a column offset of a wider
+    array; a norm weight that is not one head per K step is refused."""
+    from qwen35_jax.model import gated_norm
+    for dt in (jnp.float32, jnp.bfloat16):
+        k, n, hv, dv = 512, 256, 4, 128
+        gu = jax.random.normal(jax.random.key(1), (m, 2 * k), dt)
+        w = (0.05 * jax.random.normal(jax.random.key(2), (k, n))).astype(dt)
+        h = (jax.nn.silu(gu[:, :k].astype(jnp.float32)) * gu[:, k:].astype(jnp.float32)).astype(dt)
+        for out in (jnp.float32, dt):
+            got = matmul.silu_mul_matmul(gu, w, out_dtype=out, config=config, interpret=True)
+            assert got.shape == (m, n) and got.dtype == out
+            assert rel(got, matmul.reference(h, w, out_dtype=out)) <= (1e-6 if out == jnp.float32 else 4e-3)
+        o = jax.random.normal(jax.random.key(3), (m, hv * dv), dt)
+        proj = jax.random.normal(jax.random.key(4), (m, 3 * hv * dv + 8), dt)
+        nw = 1 + 0.1 * jax.random.normal(jax.random.key(5), (dv,), jnp.float32)
+        z0 = hv * dv + 3
+        x = gated_norm(o.reshape(m, hv, dv), proj[:, z0:z0 + hv * dv].reshape(m, hv, dv), nw, 1e-6).reshape(m, -1)
+        got = matmul.gated_norm_matmul(o, proj, z0, nw, w, 1e-6, out_dtype=jnp.float32, config=config, interpret=True)
+        assert rel(got, matmul.reference(x, w, out_dtype=jnp.float32)) <= 1e-6
+    with pytest.raises(ValueError, match="one head"):
+        matmul.gated_norm_matmul(o, proj, z0, nw[:64], w, 1e-6, config=config, interpret=True)
+
+
+def test_prologue_matmuls_cross_lower_for_cuda():
+    """What matmul.choose picks (two x tiles per step) for the 9B down_proj and out_proj at 16 and 64 rows, under
+    every rule, lowers for CUDA; at 64 rows the default rule keeps four pipeline stages within shared memory."""
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    for m in (16, 64):
+        down = sorted({c for r in matmul.RULES.values() if (c := matmul.choose(m, 12288, 4096, r, x_tiles=2))}, key=str)
+        out = sorted({c for r in matmul.RULES.values() if (c := matmul.choose(m, 4096, 4096, r, x_tiles=2))}, key=str)
+        text = lower_for_cuda(lambda gu, w: [matmul.silu_mul_matmul(gu, w, config=c) for c in down],
+                              S((m, 24576), bf), S((12288, 4096), bf))
+        assert down and text.count("__gpu$xla.gpu.triton") == len(down)
+        text = lower_for_cuda(lambda o, p, nw, w: [matmul.gated_norm_matmul(o, p, 8192, nw, w, 1e-6, config=c)
+                                                   for c in out],
+                              S((m, 4096), bf), S((m, 12352), bf), S((128,), f32), S((4096, 4096), bf))
+        assert out and text.count("__gpu$xla.gpu.triton") == len(out)
+    assert matmul.choose(64, 12288, 4096, x_tiles=2) == matmul.MatmulConfig(split_k=4)
+    assert matmul.choose(64, 12288, 4096, matmul.RULES["bn128"], x_tiles=2) is None   # 262 KB of stages
+
+
+def test_model_decode_with_prologue_matmuls(monkeypatch, caplog):
+    """The model's decode with the SiLU product and the gated norm inside the down_proj / out_proj matmuls (at
+    tp = 2: per-rank K ranges, the all-reduce after) gives the logits of the unfused path (fp32, pallas_interpret);
+    QWEN35_DECODE_PROLOGUES selects them."""
+    from qwen35_jax import backends
+    from qwen35_jax.config import load_config
+    from qwen35_jax.runner import ModelRunner, make_batch
+    from qwen35_jax.sharding import make_mesh
+    from qwen35_jax.weights import load_weights
+    assert backends.parse_prologues("silu, norm,rule=bn128") == (frozenset({"silu", "norm"}), "bn128")
+    assert backends.parse_prologues("none") == (frozenset(), "kernel")
+    for bad in ("silu,gelu", "norm,rule=nope", "rule=bn128,rule=kernel"):
+        with pytest.raises(ValueError, match="QWEN35_DECODE_PROLOGUES"):
+            backends.parse_prologues(bad)
+    caplog.set_level("INFO", logger="qwen35_jax.backends")
+    monkeypatch.setenv("QWEN35_DECODE_PROLOGUES", "silu,norm")
+    env = backends.pallas_kernels(interpret=True)
+    assert env.silu_down is not None and env.norm_out is not None
+    assert backends.pallas_kernels(interpret=True, prologues="").silu_down is None
+    model = fixture_dir("mm_tied_r2_g2")
+    cfg = load_config(model)
+    mesh = make_mesh(2)
+    weights = load_weights(model, cfg, mesh, jnp.float32)
+    # the tiny model's K ranges (down 48, out_proj 128 per rank) need small steps; a K step of out_proj is one head
+    pick = lambda m, k, n: matmul.MatmulConfig(bn=32, bk=32 if k % 32 == 0 else 16, split_k=2 if k % 64 == 0 else 1)
+    pages = 6
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 40))
+    table = np.array([1 + np.arange(pages), 1 + pages + np.arange(pages)])
+    out = []
+    for fused in (frozenset(), frozenset({"silu", "norm"})):
+        runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=1 + 2 * pages, page_size=16,
+                             kernel_backend="pallas_interpret")
+        runner.kernels = dataclasses.replace(runner.kernels, **backends.prologue_matmuls(True, fused, pick=pick))
+        runner.run(make_batch(tokens, [0, 0], [30, 7], [1, 2], table), all_logits=True)
+        out.append([np.asarray(runner.run(make_batch(tokens[:, s:s + 1], [30 + s, 7 + s], [1, 1], [1, 2], table)))
+                    for s in range(2)])
+    scale = np.abs(out[0][0]).max()
+    for want, got in zip(*out):
+        assert np.abs(got - want).max() <= 1e-6 * scale
+    ran = [r.getMessage() for r in caplog.records if "silu-down" in r.getMessage() or "gated-norm" in r.getMessage()]
+    assert len(ran) == 2 and not any("unfused" in m for m in ran), ran          # both kernels ran, none fell back
+
+
 @pytest.mark.parametrize("m,k,n,config", [(64, 512, 256, matmul_mgpu.MgpuConfig()),
                                           (5, 1024, 192, matmul_mgpu.MgpuConfig(bn=64, split_k=2, stages=2)),
                                           (1, 512, 512, matmul_mgpu.MgpuConfig(bn=256, split_k=4, stages=3))])
