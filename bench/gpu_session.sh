@@ -99,7 +99,7 @@ for s in $sections; do
                CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "${envsets[$i]:+export ${envsets[$i]};} exec \
                  python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                  --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i --append-results \
-                 --compilation-cache-dir $xla/profile64_e$i --top-unattributed 5"
+                 --compilation-cache-dir $xla/profile64_e$i --top-unattributed 8 ${PROFILE64_ARGS:-}"
                (cd /tmp && tar czf "$out/profile64_e$i-hlo.tgz" $(find profile64_e$i -name "decode.hlo.txt"))
              done ;;
     ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated
