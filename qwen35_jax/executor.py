@@ -203,10 +203,10 @@ class ExecutableCache:
     """Compiled executables serialized on disk (jax.experimental.serialize_executable), one file per key. The key
     hashes everything that determines an executable: the caller's description of the step (bucket, model config,
     mesh, abstract inputs, kernels), the sources (`source_digest`), jax / jaxlib and the platform's versions,
-    the devices and XLA_FLAGS. A file that does not load (another jaxlib wrote it, a torn write) is a logged miss,
-    replaced once the bucket is compiled afresh. Only executables compiled in this process are stored: one that JAX's persistent
-    cache handed back was itself deserialized, and XLA:CPU does not serialize those faithfully (their functions
-    are missing when loaded again)."""
+    the devices, XLA_FLAGS and the QWEN35_* settings the kernels were chosen under. A file that does not load
+    (another jaxlib wrote it, a torn write) is a logged miss, replaced once the bucket is compiled afresh. Only
+    executables compiled in this process are stored: one that JAX's persistent cache handed back was itself
+    deserialized, and XLA:CPU does not serialize those faithfully (their functions are missing when loaded again)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -222,12 +222,17 @@ class ExecutableCache:
                 self.misses += 1
 
     @staticmethod
-    def key(*parts) -> str:
+    def settings() -> list:
+        """The environment that shapes a step: XLA_FLAGS and the QWEN35_* settings (kernel variants)."""
+        return sorted((k, v) for k, v in os.environ.items() if k == "XLA_FLAGS" or k.startswith("QWEN35_"))
+
+    @staticmethod
+    def key(*parts, env=None) -> str:
+        """env: `settings()` as they were when the step's kernels were chosen (default: now)."""
         import jaxlib
         dev = jax.devices()[0]
-        env = sorted((k, v) for k, v in os.environ.items() if k == "XLA_FLAGS" or k.startswith("QWEN35_"))
         ident = (parts, source_digest(), jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
-                 dev.client.platform_version, env)
+                 dev.client.platform_version, ExecutableCache.settings() if env is None else env)
         return hashlib.sha256(repr(ident).encode()).hexdigest()
 
     def load(self, key: str, devices):
@@ -301,6 +306,9 @@ class Executor:
             raise ValueError(f"QWEN35_STEP_INPUTS must be 'host' or 'staged', not {inputs_mode!r}")
         self.staged = inputs_mode == "staged"
         self.compiler_options = xla_options(os.environ.get("QWEN35_XLA_OPTIONS", ""))
+        # The settings in force now, when the kernels were chosen, key the cached executables: a bucket compiled
+        # later (lazily) under other settings must not be served another engine's executable.
+        self.settings = ExecutableCache.settings()
         self._stagers: dict[tuple, jax.stages.Compiled] = {}
         self._input_bufs: dict[tuple, jax.Array] = {}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
@@ -378,7 +386,8 @@ class Executor:
                                  [(x.shape, str(x.dtype), str(x.sharding.spec)) for x in jax.tree.leaves(tree)])
         mesh = (self.mesh.axis_names, self.mesh.devices.shape, [d.id for d in self.mesh.devices.flat])
         return ExecutableCache.key(key, repr(self.cfg), mesh, self.pages_per_seq, self.decode_steps, self.cache_tag,
-                                   describe(self.weights), describe(self.state), describe(self.sstate))
+                                   describe(self.weights), describe(self.state), describe(self.sstate),
+                                   env=self.settings)
 
     def _compile(self, key) -> jax.stages.Compiled:
         """The bucket's executable: from the executable cache, else lowered and compiled (and then cached)."""

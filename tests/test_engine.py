@@ -173,7 +173,7 @@ def without_persistent_cache():
         compilation_cache.reset_cache()
 
 
-def test_warm_start_loads_serialized_executables(tmp_path):
+def test_warm_start_loads_serialized_executables(tmp_path, monkeypatch):
     """A second engine of the same model and shapes (tp=2: the executables are loaded onto the mesh's 2 of 8
     devices) loads every bucket's executable from the executable cache, without tracing, lowering or compiling,
     and generates the same tokens; an unreadable entry is a logged miss, compiled and written again."""
@@ -219,6 +219,16 @@ def test_warm_start_loads_serialized_executables(tmp_path):
         assert tokens(third) == want
         third.shutdown()
         assert open(broken, "rb").read(4) != b"not "                   # compiled and written again
+
+        # An engine built under other QWEN35_* settings (kernel variants) and compiled after they are gone (as
+        # bench/ab_decode.py builds its variants, lazily) is not served the executables compiled without them.
+        monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_backend_optimization_level=2")
+        other = engine()
+        monkeypatch.delenv("QWEN35_XLA_OPTIONS")
+        other.executor.lazy = True
+        assert tokens(other) == want
+        assert other.executor.exe_cache.hits == 0 and other.executor.exe_cache.misses > 0
+        other.shutdown()
 
 
 def test_packed_step_inputs_round_trip():
