@@ -6,7 +6,9 @@ variant gets its own engine (the same weights, its own state and executables) an
 are timed in alternating rounds (the order reversed every other round), so drift of the machine falls on all of
 them alike. Each round times each variant's steady-state step (the slope of back-to-back dispatches, as
 bench/throughput.py); the report gives each variant's median over the rounds and the median of its per-round
-difference to the first variant.
+difference to the first variant. Each engine's executables are keyed on the QWEN35_* settings it was built under
+(qwen35_jax.executor.ExecutableCache); before f4fd1c0 they were keyed on the settings when a bucket compiled, after
+build_engine had restored them, so every variant was served the default's executable.
 
     python bench/ab_decode.py --variants "" "QWEN35_GDN_DECODE=bv32_w2_vf" --batches 16,64 --record
     python bench/ab_decode.py --variants "" "temperature=0.7"      # the greedy sampler vs the lean one

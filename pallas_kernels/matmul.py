@@ -56,10 +56,10 @@ def _rows(m: int) -> int:
     return max(MIN_ROWS, 1 << max(0, (m - 1).bit_length()))
 
 
-def fits(m: int, k: int, n: int, config: MatmulConfig, x_tiles: int = 1) -> bool:
+def fits(m: int, k: int, n: int, config: MatmulConfig) -> bool:
     """Whether the kernel takes this shape with this configuration (see the contract; the pipeline's bf16 x and w
-    tiles, num_stages deep, must fit in shared memory; a prologue loads x_tiles x tiles per step)."""
-    smem = config.num_stages * (x_tiles * _rows(m) * config.bk + config.bk * config.bn) * 2
+    tiles, num_stages deep, must fit in shared memory)."""
+    smem = config.num_stages * (_rows(m) * config.bk + config.bk * config.bn) * 2
     return n % config.bn == 0 and k % (config.split_k * config.bk) == 0 and m <= 256 and smem <= SMEM_BYTES
 
 
@@ -79,13 +79,13 @@ RULES = {"kernel": Rule(), "bn128": Rule(bn=128), "bn128_p528": Rule(bn=128, pro
          "bn64_st6": Rule(num_stages=6), "bn128_st3_w8": Rule(bn=128, num_stages=3, num_warps=8)}
 
 
-def choose(m: int, k: int, n: int, rule: Rule = Rule(), x_tiles: int = 1) -> MatmulConfig | None:
+def choose(m: int, k: int, n: int, rule: Rule = Rule()) -> MatmulConfig | None:
     """The configuration the model runs for [m, k] @ [k, n], or None where none fits (XLA's dot then). The
     default rule (column blocks of 64, >= 2 programs per H200 SM) is what the H200 runs of bench/gemm.py point to
     (its per-shape picks are noisy at 10-50 us per call); RULES holds others to compare in the decode step."""
     bn = rule.bn if n % rule.bn == 0 else 64
     make = lambda s: MatmulConfig(bn=bn, split_k=s, num_warps=rule.num_warps, num_stages=rule.num_stages)
-    return fewest_splits(make, lambda c: fits(m, k, n, c, x_tiles) and k // (c.split_k * c.bk) >= 8,
+    return fewest_splits(make, lambda c: fits(m, k, n, c) and k // (c.split_k * c.bk) >= 8,
                          lambda c: n // c.bn * c.split_k >= rule.programs, rule.max_split)
 
 
@@ -102,89 +102,44 @@ def fewest_splits(make, ok, enough, max_split: int):
     return best
 
 
-def _kernel(*refs, bk, steps, load):
-    """refs: the x-side inputs (whole arrays), w [K, bn] (this column block), o [R, bn] (this K range's partial);
-    load(x_refs, k0, bk) gives x's [R, bk] tile at column k0, in w's dtype: a slice of x, or a prologue's result."""
-    *x_refs, w_ref, o_ref = refs
+def _kernel(x_ref, w_ref, o_ref, *, bk, steps):
+    """x [R, K] (whole), w [K, bn] (this column block), o [R, bn] (this K range's partial)."""
     kr = pl.program_id(1)
     rows, bn = o_ref.shape
 
     def body(i, acc):
         k0 = (kr * steps + i) * bk
-        return acc + pltriton.dot(load(x_refs, k0, bk), w_ref[pl.ds(k0, bk), :])
+        return acc + pltriton.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), :])
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((rows, bn), jnp.float32)).astype(o_ref.dtype)
 
 
-def _call(load, xs, w, m, k, out_dtype, config, interpret, name, x_tiles=1):
-    """[m, k] @ w for the x tiles `load` makes out of the arrays xs (rows padded to the kernel's)."""
+def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False):
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default x.dtype), accumulated in fp32 and rounded once."""
     config = DEFAULT if config is None else config
+    m, k = x.shape
     n = w.shape[1]
-    if not fits(m, k, n, config, x_tiles):
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not fits(m, k, n, config):
         raise ValueError(f"matmul [{m}, {k}] @ [{k}, {n}] does not fit {config.name}: N must be a multiple of "
                          f"{config.bn}, K of {config.split_k * config.bk}, M at most 256, and the pipeline's "
                          f"tiles within {SMEM_BYTES} bytes of shared memory")
     rows = _rows(m)
-    xs = [a if a.ndim == 1 else jnp.pad(a, ((0, rows - m), (0, 0))) for a in xs]
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     s = config.split_k
     part_dtype = out_dtype if s == 1 else jnp.float32
-    whole = lambda a: pl.BlockSpec(a.shape, lambda j, r: (0,) * a.ndim)
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=config.bk, steps=k // (s * config.bk), load=load),
+        functools.partial(_kernel, bk=config.bk, steps=k // (s * config.bk)),
         grid=(n // config.bn, s),
-        in_specs=[*map(whole, xs), pl.BlockSpec((k, config.bn), lambda j, r: (0, j))],
+        in_specs=[pl.BlockSpec((rows, k), lambda j, r: (0, 0)),
+                  pl.BlockSpec((k, config.bn), lambda j, r: (0, j))],
         out_specs=pl.BlockSpec((None, rows, config.bn), lambda j, r: (r, 0, j)),
         out_shape=jax.ShapeDtypeStruct((s, rows, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name=name,
-    )(*xs, w)
+        interpret=interpret, name="decode_matmul",
+    )(xp, w)
     out = out[0] if s == 1 else jnp.sum(out, axis=0)
     return out[:m].astype(out_dtype)
-
-
-def matmul(x, w, *, out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False):
-    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default x.dtype), accumulated in fp32 and rounded once."""
-    m, k = x.shape
-    load = lambda refs, k0, bk: refs[0][:, pl.ds(k0, bk)]
-    return _call(load, [x], w, m, k, x.dtype if out_dtype is None else out_dtype, config, interpret,
-                 "decode_matmul")
-
-
-def silu_mul_matmul(gate_up, w, *, out_dtype=None, config: MatmulConfig | None = None, interpret: bool = False):
-    """(silu(gate) * up) @ w for gate_up [M, 2K] = [gate | up] (an MLP's gate/up projection), the SiLU product
-    made per x tile in the kernel (fp32, rounded to w's dtype as the separate op rounds it) instead of by a kernel
-    of its own before the GEMM."""
-    m, k2 = gate_up.shape
-    k = k2 // 2
-
-    def load(refs, k0, bk):
-        gate = refs[0][:, pl.ds(k0, bk)].astype(jnp.float32)
-        up = refs[0][:, pl.ds(k + k0, bk)].astype(jnp.float32)
-        return (jax.nn.silu(gate) * up).astype(w.dtype)
-
-    return _call(load, [gate_up], w, m, k, gate_up.dtype if out_dtype is None else out_dtype, config, interpret,
-                 "silu_mul_matmul", x_tiles=2)
-
-
-def gated_norm_matmul(o, z_src, z_col: int, norm_w, w, eps: float, *, out_dtype=None,
-                      config: MatmulConfig | None = None, interpret: bool = False):
-    """gated_norm(o, z) @ w: o [M, K] is Hv heads of dv = bk values, z = z_src[:, z_col:z_col + K] (read in place
-    from the packed input projection), gated_norm = RMS-normalise each head of o, scale by norm_w [dv], gate by
-    silu(z) (model.gated_norm), made per x tile (one head) in the kernel instead of by a kernel of its own."""
-    m, k = o.shape
-    if norm_w.shape != ((DEFAULT if config is None else config).bk,):
-        raise ValueError(f"gated_norm_matmul: the norm weight {norm_w.shape} must be one head: the K step of "
-                         f"{(DEFAULT if config is None else config).name}")
-
-    def load(refs, k0, bk):
-        o_ref, z_ref, nw_ref = refs
-        of = o_ref[:, pl.ds(k0, bk)].astype(jnp.float32)
-        y = of * jax.lax.rsqrt(jnp.mean(of * of, axis=1, keepdims=True) + eps)
-        zf = z_ref[:, pl.ds(z_col + k0, bk)].astype(jnp.float32)
-        return (y * nw_ref[...].astype(jnp.float32)[None, :] * jax.nn.silu(zf)).astype(w.dtype)
-
-    return _call(load, [o, z_src, norm_w], w, m, k, o.dtype if out_dtype is None else out_dtype, config, interpret,
-                 "gated_norm_matmul", x_tiles=2)
 
 
 def reference(x, w, *, out_dtype=None):

@@ -18,11 +18,12 @@ paged_attention.config_sweep() another configuration. Decode projections (T = 1)
 `matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
 limits the kernel to those K x N weights; another name in matmul.RULES picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
-Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Side by side in one process (bench/ab_decode.py,
-bench/RESULTS.md, 7733060 and ffdcd27) the Triton kernel equals XLA's step within 0.03 ms at batch 16 and 64 under
-every rule, the Mosaic GPU one within 0.04 ms, so both stay opt-in: the GEMMs under our control for tuning. (A fused
-decode gate/up + SiLU kernel, QWEN35_DECODE_MLP=fused, measured the same, -0.027 / +0.043 ms, and was removed in
-a6e6c0b.)
+Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64
+step (bench/ab_decode.py at f4fd1c0: +0.28 ms for the Triton kernel on every projection, +0.08 on in_proj alone,
+-0.02 on out_proj / o_proj alone, +0.22 for the Mosaic GPU kernel), so both stay opt-in. The A/Bs before f4fd1c0
+that named these variants timed the default's executable for every variant (bench/RESULTS.md, readings of the
+2026-12-03 evening). The same kernel with the SiLU product or the gated norm as its prologue (5017f1d) measured
++1.0 ms (gated norm) and a 12.1 ms step (both) and was removed.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
@@ -92,65 +92,14 @@ def decode_matmul(interpret: bool, variant: str = "kernel", shapes: frozenset | 
     return jax.jit(run, static_argnums=2)
 
 
-def parse_prologues(text: str) -> tuple[frozenset, str]:
-    """'silu,norm,rule=bn128' -> ({'silu', 'norm'}, 'bn128'); '' or 'none' -> no prologue GEMMs."""
-    items = {t.strip() for t in text.split(",")} - {"", "none"}
-    rules = {t.split("=", 1)[1] for t in items if t.startswith("rule=")}
-    kinds = frozenset(items - {f"rule={r}" for r in rules})
-    if kinds - {"silu", "norm"} or len(rules) > 1 or rules - set(matmul.RULES):
-        raise ValueError(f"QWEN35_DECODE_PROLOGUES: {text!r} is not a list of silu / norm with at most one "
-                         f"rule=<one of {sorted(matmul.RULES)}>")
-    return kinds, rules.pop() if rules else "kernel"
-
-
-def prologue_matmuls(interpret: bool, kinds: frozenset, rule: str = "kernel", pick=None) -> dict:
-    """Kernels' silu_down / norm_out (as `kinds` asks): the Pallas matmul with the SiLU product or the gated norm
-    as its prologue, in the configuration matmul.choose gives by `rule` (or pick(m, k, n)); the unfused ops on XLA
-    where none fits (the gated norm's also where a K step is not one head; logged once per shape)."""
-    from qwen35_jax.model import gated_norm
-    pick = pick or functools.partial(matmul.choose, rule=matmul.RULES[rule], x_tiles=2)
-    logged = set()
-
-    def config(what, m, k, n, bk=None):
-        c = pick(m, k, n)
-        c = c if c is not None and bk in (None, c.bk) else None
-        if (what, m, k, n) not in logged:
-            logged.add((what, m, k, n))
-            log.info("decode %s matmul [%d, %d] @ [%d, %d]: %s", what, m, k, k, n,
-                     c.name if c else "unfused on XLA (no kernel configuration fits the shape)")
-        return c
-
-    def silu_down(gate_up, w, out_dtype):
-        (m, k2), n = gate_up.shape, w.shape[1]
-        if c := config("silu-down", m, k2 // 2, n):
-            return matmul.silu_mul_matmul(gate_up, w, out_dtype=out_dtype, config=c, interpret=interpret)
-        f32 = lambda a: a.astype(jnp.float32)
-        h = (jax.nn.silu(f32(gate_up[:, :k2 // 2])) * f32(gate_up[:, k2 // 2:])).astype(gate_up.dtype)
-        return matmul.reference(h, w, out_dtype=out_dtype)
-
-    def norm_out(o, proj, z_col, norm_w, w, eps, out_dtype):
-        (m, k), n, dv = o.shape, w.shape[1], norm_w.shape[0]
-        if c := config("gated-norm-out", m, k, n, bk=dv):
-            return matmul.gated_norm_matmul(o, proj, z_col, norm_w, w, eps, out_dtype=out_dtype, config=c,
-                                            interpret=interpret)
-        x = gated_norm(o.reshape(m, -1, dv), proj[:, z_col:z_col + k].reshape(m, -1, dv), norm_w, eps)
-        return matmul.reference(x.reshape(m, k), w, out_dtype=out_dtype)
-
-    return {"silu_down": jax.jit(silu_down, static_argnums=2) if "silu" in kinds else None,
-            "norm_out": jax.jit(norm_out, static_argnums=(2, 5, 6)) if "norm" in kinds else None}
-
-
 def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | None = None,
-                   attention: str | None = None, projections: str | None = None,
-                   prologues: str | None = None) -> Kernels:
+                   attention: str | None = None, projections: str | None = None) -> Kernels:
     """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
     $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
-    fused, fused_rule = parse_prologues(os.environ.get("QWEN35_DECODE_PROLOGUES", "") if prologues is None
-                                        else prologues)
     matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
     if projections not in matmul_variants:
         raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
@@ -167,16 +116,14 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s%s", prefill,
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
              pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections,
-             f"; prologue GEMMs {sorted(fused)} ({fused_rule})" if fused else "")
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]), gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
-                       interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   **prologue_matmuls(interpret, fused, fused_rule))
+                       interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))))
 
 
 def default_backend() -> str:

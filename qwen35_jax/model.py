@@ -46,10 +46,6 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
-    # Decode GEMMs with the op before them as their prologue (one kernel where XLA runs two); None: unfused.
-    silu_down: Callable | None = None   # (gate_up [M, 2I], w_down, out_dtype) -> (silu(gate) * up) @ w_down
-    norm_out: Callable | None = None    # (o [M, Hv*dv], proj, z_col, norm_w, w_out, eps, out_dtype)
-                                        #   -> gated_norm(o, proj[:, z_col:z_col + Hv*dv]) @ w_out
 
 
 def project(kernels: Kernels, x, w, out_dtype=None):
@@ -58,7 +54,8 @@ def project(kernels: Kernels, x, w, out_dtype=None):
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
     the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. (Asking bf16 of
-    the decode GEMMs, one projection or several, measured within the A/B's spread at c4a2046: bench/RESULTS.md.)"""
+    the decode GEMMs was tried in fdc0c83-98515e8; the A/Bs of it timed one executable twice and decide nothing:
+    bench/RESULTS.md, readings of the 2026-12-03 evening.)"""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
     if t > 1:
@@ -88,11 +85,6 @@ def row_parallel(kernels: Kernels, x, w):
     if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
-
-
-def decode_row_parallel(partial, dtype):
-    """A fused decode kernel's fp32 [N, H] partial sums (row_parallel's) -> [N, 1, H]: all-reduced, rounded."""
-    return jax.lax.psum(partial, TP).astype(dtype)[:, None]
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -167,11 +159,6 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
         with jax.named_scope("gated_delta_rule"):
             o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,
                                               batch.start > 0)
-    if t == 1 and kernels.norm_out is not None:
-        with jax.named_scope("out_proj"):   # the gated norm in the GEMM's prologue, z read in place from proj
-            out = kernels.norm_out(o.reshape(n, vl), proj[:, 0], 2 * kl + vl, w.norm, w.out_proj, cfg.rms_norm_eps,
-                                   jnp.float32)
-            return decode_row_parallel(out, x.dtype), conv_pool, rec_pool
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):
@@ -179,11 +166,6 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 
 def mlp_block(kernels: Kernels, w, x):
-    if x.shape[1] == 1 and kernels.silu_down is not None:
-        with jax.named_scope("gate_up"):    # rounded by the GEMM itself, as HF rounds gate_proj and up_proj
-            gate_up = jnp.dot(x[:, 0], w.gate_up, preferred_element_type=x.dtype)
-        with jax.named_scope("down_proj"):  # the SiLU product in the GEMM's prologue
-            return decode_row_parallel(kernels.silu_down(gate_up, w.down, jnp.float32), x.dtype)
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
