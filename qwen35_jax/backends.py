@@ -16,7 +16,10 @@ H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp refer
 paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
 `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
 `matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
-limits the kernel to those K x N weights; another name in matmul.RULES picks the
+limits the kernel to those K x N weights; `QWEN35_DECODE_GEMM_OUT=in` has XLA's decode GEMMs with a bf16 result
+(in_proj, qkv_proj) round it themselves instead of returning fp32 to a convert, `in_row` also the row-parallel
+ones at tp = 1, `all` also gate_up (its SiLU then takes bf16 gate and up, as HF's); another name in matmul.RULES
+picks the
 configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
 Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64
 step (bench/ab_decode.py at f4fd1c0: +0.28 ms for the Triton kernel on every projection, +0.08 on in_proj alone,
@@ -100,6 +103,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
+    gemm_out = os.environ.get("QWEN35_DECODE_GEMM_OUT") or "fp32"
+    if gemm_out not in ("fp32", "in", "in_row", "all"):
+        raise ValueError(f"QWEN35_DECODE_GEMM_OUT must be fp32, in, in_row or all, got {gemm_out!r}")
     matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
     if projections not in matmul_variants:
         raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
@@ -123,7 +129,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
-                       interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))))
+                       interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
+                   gemm_out=gemm_out)
 
 
 def default_backend() -> str:

@@ -46,6 +46,7 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
+    gemm_out: str = "fp32"              # which decode GEMMs round in the GEMM: fp32 (none) | in | in_row | all
 
 
 def project(kernels: Kernels, x, w, out_dtype=None):
@@ -62,6 +63,8 @@ def project(kernels: Kernels, x, w, out_dtype=None):
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
+    if kernels.gemm_out != "fp32":
+        return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
@@ -82,7 +85,7 @@ def gated_norm(o, z, w, eps):
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
     prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
-    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
+    if (x.shape[1] > 1 or kernels.gemm_out in ("in_row", "all")) and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
@@ -169,7 +172,8 @@ def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
         # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if x.shape[1] == 1 else None), 2, axis=-1)
+        decode_f32 = x.shape[1] == 1 and kernels.gemm_out != "all"
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if decode_f32 else None), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):

@@ -583,6 +583,41 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
         backends.pallas_kernels(interpret=True, projections="nope")
 
 
+def test_decode_gemm_out(monkeypatch):
+    """QWEN35_DECODE_GEMM_OUT: the decode GEMMs named round in the GEMM (preferred_element_type bf16, no convert
+    after), equal to the fp32-then-round path within one bf16 rounding; the row-parallel ones at tp = 1 too
+    (in_row), gate_up too (all); an unknown value is refused."""
+    import dataclasses as dc
+    from qwen35_jax import backends
+    from qwen35_jax.model import mlp_block, project, row_parallel
+    from qwen35_jax.sharding import TP
+    from qwen35_jax.weights import MLP
+    P = jax.sharding.PartitionSpec
+    base = backends.pallas_kernels(interpret=True)
+    x = jax.random.normal(jax.random.key(0), (3, 1, 256), jnp.bfloat16)
+    w = (0.05 * jax.random.normal(jax.random.key(1), (256, 128))).astype(jnp.bfloat16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (TP,))
+    in_mesh = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    for mode in ("fp32", "in", "in_row", "all"):
+        k = dc.replace(base, gemm_out=mode)
+        text = str(jax.make_jaxpr(lambda x: project(k, x, w))(x))
+        assert ("convert_element_type" in text) == (mode == "fp32")
+        text = str(jax.make_jaxpr(in_mesh(lambda x: row_parallel(k, x, w)))(x))
+        assert ("preferred_element_type=bfloat16" in text) == (mode in ("in_row", "all"))
+        got = jax.jit(in_mesh(lambda x: row_parallel(k, x, w)))(x)
+        assert rel(got.astype(jnp.float32), matmul.reference(x[:, 0], w, out_dtype=jnp.float32)[:, None]) <= 4e-3
+    mlp = MLP(gate_up=(0.05 * jax.random.normal(jax.random.key(2), (256, 2 * 128))).astype(jnp.bfloat16),
+              down=(0.05 * jax.random.normal(jax.random.key(3), (128, 256))).astype(jnp.bfloat16))
+    outs = {m: jax.jit(in_mesh(lambda x, m=m: mlp_block(dc.replace(base, gemm_out=m), mlp, x)))(x)
+            for m in ("fp32", "all")}
+    assert rel(outs["all"].astype(jnp.float32), outs["fp32"].astype(jnp.float32)) <= 8e-3
+    monkeypatch.setenv("QWEN35_DECODE_GEMM_OUT", "in")
+    assert backends.pallas_kernels(interpret=True).gemm_out == "in"
+    monkeypatch.setenv("QWEN35_DECODE_GEMM_OUT", "bf16")
+    with pytest.raises(ValueError, match="QWEN35_DECODE_GEMM_OUT"):
+        backends.pallas_kernels(interpret=True)
+
+
 def test_decode_step_has_no_host_synchronisation():
     """XLA:GPU runs a while loop with a data-dependent trip count, and a conditional, by copying the predicate to
     the host and blocking on the stream; a decode step must have neither, so the engine can dispatch ahead. The
