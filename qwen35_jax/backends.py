@@ -13,15 +13,13 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the
 choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the
 H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
-paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot:
-`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
-`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
-limits the kernel to those K x N weights; `QWEN35_DECODE_GEMM_OUT=in` has XLA's decode GEMMs with a bf16 result
-(in_proj, qkv_proj) round it themselves instead of returning fp32 to a convert, `in_row` also the row-parallel
-ones at tp = 1, `all` also gate_up (its SiLU then takes bf16 gate and up, as HF's); another name in matmul.RULES
-picks the
-configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
-Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64
+paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's dot, gate_up's
+asked for its bf16 result itself in decode batches of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default
+64, `gate_up_rounds_from`, model.mlp_block). `QWEN35_DECODE_MATMUL=kernel` runs them through
+pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
+once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits the kernel to those K x N weights; another
+name in matmul.RULES picks the configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names
+in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64
 step (bench/ab_decode.py at f4fd1c0: +0.28 ms for the Triton kernel on every projection, +0.08 on in_proj alone,
 -0.02 on out_proj / o_proj alone, +0.22 for the Mosaic GPU kernel), so both stay opt-in. The A/Bs before f4fd1c0
 that named these variants timed the default's executable for every variant (bench/RESULTS.md, readings of the
@@ -53,10 +51,19 @@ def decode_variants() -> dict:
     return {"default": gdn.DEFAULT_DECODE, **{c.name: c for c in gdn.decode_sweep()}}
 
 
+def gate_up_rounds_from() -> int:
+    """Decode rows from which gate_up's GEMM rounds its result (model.mlp_block): $QWEN35_DECODE_GATE_UP_ROUNDS_FROM,
+    default 64 (the A/B at 868067b: -0.072 ms per 9B step at 64 rows, +0.036 at 16; 32 not measured)."""
+    text = os.environ.get("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "64")
+    if not text.isdigit():
+        raise ValueError(f"QWEN35_DECODE_GATE_UP_ROUNDS_FROM must be a row count, got {text!r}")
+    return int(text)
+
+
 def reference_kernels() -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode_packed,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
-                   attention_decode=decode_attention)
+                   attention_decode=decode_attention, gate_up_rounds_from=gate_up_rounds_from())
 
 
 def parse_shapes(text: str) -> frozenset | None:
@@ -103,9 +110,6 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
-    gemm_out = os.environ.get("QWEN35_DECODE_GEMM_OUT") or "fp32"
-    if gemm_out not in ("fp32", "in", "in_row", "all"):
-        raise ValueError(f"QWEN35_DECODE_GEMM_OUT must be fp32, in, in_row or all, got {gemm_out!r}")
     matmul_variants = ["xla", *matmul.RULES, *matmul_mgpu.RULES]
     if projections not in matmul_variants:
         raise ValueError(f"decode matmul variant must be one of {matmul_variants}, got {projections!r}")
@@ -130,7 +134,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   gemm_out=gemm_out)
+                   gate_up_rounds_from=gate_up_rounds_from())
 
 
 def default_backend() -> str:

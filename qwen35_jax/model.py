@@ -46,25 +46,23 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
-    gemm_out: str = "fp32"              # which decode GEMMs round in the GEMM: fp32 (none) | in | in_row | all
+    gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
 
 
-def project(kernels: Kernels, x, w, out_dtype=None):
+def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
     the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. (Asking bf16 of
-    the decode GEMMs was tried in fdc0c83-98515e8; the A/Bs of it timed one executable twice and decide nothing:
-    bench/RESULTS.md, readings of the 2026-12-03 evening.)"""
+    in_proj / qkv_proj and of the row-parallel GEMMs at tp = 1 measured the same, 868067b: bench/RESULTS.md.)
+    gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
-    if t > 1:
+    if t > 1 or (gemm_rounds and kernels.matmul is None):
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     if kernels.matmul is not None:
         return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
-    if kernels.gemm_out != "fp32":
-        return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
@@ -85,7 +83,7 @@ def gated_norm(o, z, w, eps):
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
     prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
-    if (x.shape[1] > 1 or kernels.gemm_out in ("in_row", "all")) and jax.lax.axis_size(TP) == 1:
+    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
@@ -170,10 +168,12 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
-        # decode: fp32 straight from the dot into SiLU (rounding it to x.dtype first took a kernel of its own per
-        # layer); prefill: x.dtype from the GEMM (as HF rounds gate_proj and up_proj), half the bytes to the SiLU
-        decode_f32 = x.shape[1] == 1 and kernels.gemm_out != "all"
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if decode_f32 else None), 2, axis=-1)
+        # Prefill, and decode from kernels.gate_up_rounds_from rows: x.dtype from the GEMM itself (as HF rounds
+        # gate_proj and up_proj), half the bytes to the SiLU (-0.072 ms per 9B step at 64 rows, 868067b). Smaller
+        # decode batches: fp32 from the dot into the SiLU (+0.036 ms the other way at 16 rows).
+        fp32_out = x.shape[1] == 1 and x.shape[0] < kernels.gate_up_rounds_from
+        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if fp32_out else None,
+                                     gemm_rounds=not fp32_out), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):

@@ -583,38 +583,34 @@ def test_model_projections_run_the_matmul_kernel_in_decode():
         backends.pallas_kernels(interpret=True, projections="nope")
 
 
-def test_decode_gemm_out(monkeypatch):
-    """QWEN35_DECODE_GEMM_OUT: the decode GEMMs named round in the GEMM (preferred_element_type bf16, no convert
-    after), equal to the fp32-then-round path within one bf16 rounding; the row-parallel ones at tp = 1 too
-    (in_row), gate_up too (all); an unknown value is refused."""
+def test_gate_up_rounds_in_the_gemm_from_64_decode_rows(monkeypatch):
+    """Decode batches of gate_up_rounds_from rows or more ask gate_up's GEMM for bf16 itself (no fp32 result), the
+    SiLU then on bf16 gate / up as in prefill and HF; smaller ones keep the fp32 path; both agree within bf16
+    roundings; $QWEN35_DECODE_GATE_UP_ROUNDS_FROM moves the threshold, a non-number is refused."""
     import dataclasses as dc
     from qwen35_jax import backends
-    from qwen35_jax.model import mlp_block, project, row_parallel
+    from qwen35_jax.model import mlp_block
     from qwen35_jax.sharding import TP
     from qwen35_jax.weights import MLP
     P = jax.sharding.PartitionSpec
-    base = backends.pallas_kernels(interpret=True)
-    x = jax.random.normal(jax.random.key(0), (3, 1, 256), jnp.bfloat16)
-    w = (0.05 * jax.random.normal(jax.random.key(1), (256, 128))).astype(jnp.bfloat16)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (TP,))
-    in_mesh = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    for mode in ("fp32", "in", "in_row", "all"):
-        k = dc.replace(base, gemm_out=mode)
-        text = str(jax.make_jaxpr(lambda x: project(k, x, w))(x))
-        assert ("convert_element_type" in text) == (mode == "fp32")
-        text = str(jax.make_jaxpr(in_mesh(lambda x: row_parallel(k, x, w)))(x))
-        assert ("preferred_element_type=bfloat16" in text) == (mode in ("in_row", "all"))
-        got = jax.jit(in_mesh(lambda x: row_parallel(k, x, w)))(x)
-        assert rel(got.astype(jnp.float32), matmul.reference(x[:, 0], w, out_dtype=jnp.float32)[:, None]) <= 4e-3
+    kernels = backends.pallas_kernels(interpret=True)
+    assert kernels.gate_up_rounds_from == backends.reference_kernels().gate_up_rounds_from == 64
     mlp = MLP(gate_up=(0.05 * jax.random.normal(jax.random.key(2), (256, 2 * 128))).astype(jnp.bfloat16),
               down=(0.05 * jax.random.normal(jax.random.key(3), (128, 256))).astype(jnp.bfloat16))
-    outs = {m: jax.jit(in_mesh(lambda x, m=m: mlp_block(dc.replace(base, gemm_out=m), mlp, x)))(x)
-            for m in ("fp32", "all")}
-    assert rel(outs["all"].astype(jnp.float32), outs["fp32"].astype(jnp.float32)) <= 8e-3
-    monkeypatch.setenv("QWEN35_DECODE_GEMM_OUT", "in")
-    assert backends.pallas_kernels(interpret=True).gemm_out == "in"
-    monkeypatch.setenv("QWEN35_DECODE_GEMM_OUT", "bf16")
-    with pytest.raises(ValueError, match="QWEN35_DECODE_GEMM_OUT"):
+    run = lambda k, x: jax.shard_map(lambda x: mlp_block(k, mlp, x), mesh=mesh, in_specs=P(), out_specs=P(),
+                                     check_vma=False)(x)
+    for rows in (16, 64):
+        x = jax.random.normal(jax.random.key(rows), (rows, 1, 256), jnp.bfloat16)
+        text = str(jax.make_jaxpr(lambda x: run(kernels, x))(x))
+        gate_up_dot = re.search(r"preferred_element_type=(\w+)", text).group(1)      # the first dot: gate_up
+        assert gate_up_dot == ("bfloat16" if rows >= 64 else "float32"), text
+        fp32_path = jax.jit(lambda x: run(dc.replace(kernels, gate_up_rounds_from=1 << 30), x))(x)
+        assert rel(jax.jit(lambda x: run(kernels, x))(x).astype(jnp.float32), fp32_path.astype(jnp.float32)) <= 8e-3
+    monkeypatch.setenv("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "16")
+    assert backends.pallas_kernels(interpret=True).gate_up_rounds_from == 16
+    monkeypatch.setenv("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "never")
+    with pytest.raises(ValueError, match="QWEN35_DECODE_GATE_UP_ROUNDS_FROM"):
         backends.pallas_kernels(interpret=True)
 
 
