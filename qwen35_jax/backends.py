@@ -90,10 +90,11 @@ def decode_matmul(interpret: bool, variant: str = "kernel", shapes: frozenset | 
 
     def run(x, w, out_dtype):
         (m, k), n = x.shape, w.shape[1]
-        config = choose(m, k, n) if shapes is None or (k, n) in shapes else None
+        listed = shapes is None or (k, n) in shapes
+        config = choose(m, k, n) if listed else None
         if (m, k, n) not in logged:
             logged.add((m, k, n))
-            why = "no kernel configuration fits the shape" if shapes is None or (k, n) in shapes else "not listed"
+            why = "no kernel configuration fits the shape" if listed else "not listed"
             log.info("decode matmul [%d, %d] @ [%d, %d]: %s", m, k, k, n,
                      config.name if config else f"XLA dot ({why})")
         if config is None:

@@ -227,12 +227,12 @@ class ExecutableCache:
         return sorted((k, v) for k, v in os.environ.items() if k == "XLA_FLAGS" or k.startswith("QWEN35_"))
 
     @staticmethod
-    def key(*parts, env=None) -> str:
-        """env: `settings()` as they were when the step's kernels were chosen (default: now)."""
+    def key(*parts, env) -> str:
+        """env: `settings()` as they were when the step's kernels were chosen."""
         import jaxlib
         dev = jax.devices()[0]
         ident = (parts, source_digest(), jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
-                 dev.client.platform_version, ExecutableCache.settings() if env is None else env)
+                 dev.client.platform_version, env)
         return hashlib.sha256(repr(ident).encode()).hexdigest()
 
     def load(self, key: str, devices):
