@@ -100,7 +100,8 @@ for s in $sections; do
                  python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                  --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i --append-results \
                  --compilation-cache-dir $xla/profile64_e$i --top-unattributed 8 ${PROFILE64_ARGS:-}"
-               (cd /tmp && tar czf "$out/profile64_e$i-hlo.tgz" $(find profile64_e$i -name "decode.hlo.txt"))
+               # the whole session comes back (trace, HLO, profile.json): qwen35_jax.profile.load_report re-reads it
+               tar czf "$out/profile64_e$i.tgz" -C /tmp profile64_e$i
              done ;;
     ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated
          # variants after the default, each space-separated QWEN35_*=value settings
