@@ -34,8 +34,7 @@ import os
 
 import jax
 
-from pallas_kernels import (conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention,
-                            residual_norm)
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.model import Kernels
 
@@ -58,17 +57,6 @@ def gate_up_rounds_from() -> int:
     text = os.environ.get("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "64")
     if not text.isdigit():
         raise ValueError(f"QWEN35_DECODE_GATE_UP_ROUNDS_FROM must be a row count, got {text!r}")
-    return int(text)
-
-
-def decode_split_k() -> int:
-    """$QWEN35_DECODE_SPLIT_K: 0 (the default): XLA runs the decode residual adds and norms, and splits the
-    row-parallel GEMMs over K as it sees fit; S >= 1: the residual_norm kernel does each residual add with the norm
-    after it, summing the S partials of the GEMM before it, which the model splits over S ranges of K itself
-    (model.row_parallel; where S divides K, at tp = 1)."""
-    text = os.environ.get("QWEN35_DECODE_SPLIT_K", "0")
-    if not text.isdigit():
-        raise ValueError(f"QWEN35_DECODE_SPLIT_K must be a number of K ranges (0: off), got {text!r}")
     return int(text)
 
 
@@ -140,21 +128,16 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    split_k = decode_split_k()
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s; decode "
-             "residual adds %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections,
-             f"residual_norm kernel, row-parallel GEMMs split {split_k}-way over K" if split_k else "XLA")
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
+             pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   gate_up_rounds_from=gate_up_rounds_from(),
-                   residual_norm=jax.jit(functools.partial(residual_norm.residual_norm, interpret=interpret),
-                                         static_argnums=3) if split_k else None,
-                   split_k=max(split_k, 1))
+                   gate_up_rounds_from=gate_up_rounds_from())
 
 
 def default_backend() -> str:

@@ -47,10 +47,6 @@ class Kernels:
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
-    # decode residual adds: (parts [S, M, D] fp32, x [M, D], w [D], eps) -> (x + round(sum parts), its RMSNorm);
-    # None: XLA's ops (add_norm). split_k: the K ranges of the row-parallel decode GEMMs it then sums (row_parallel)
-    residual_norm: Callable | None = None
-    split_k: int = 1
 
 
 def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
@@ -86,34 +82,10 @@ def gated_norm(o, z, w, eps):
 
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
-    prefill at tp = 1 has nothing to sum: its GEMM rounds). Decode with a residual_norm kernel: the fp32 sums
-    [S, N, 1, D], unrounded, for add_norm's kernel to add up, round and add to the residual; at tp = 1 over
-    kernels.split_k ranges of K (a batched dot: XLA splits these GEMMs over K itself and sums the parts in a kernel
-    of its own), else the all-reduced sum (S = 1)."""
-    n, t, k = x.shape
-    tp = jax.lax.axis_size(TP)
-    if t > 1 and tp == 1:
+    prefill at tp = 1 has nothing to sum: its GEMM rounds)."""
+    if x.shape[1] > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
-    if t == 1 and kernels.residual_norm is not None:
-        s = kernels.split_k
-        if tp == 1 and s > 1 and k % s == 0:
-            parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1),
-                                        (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)
-            return parts[:, :, None]
-        return jax.lax.psum(project(kernels, x, w, jnp.float32), TP)[None]
     return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
-
-
-def add_norm(cfg: ModelConfig, kernels: Kernels, x, h, w):
-    """The residual add x + h and its RMSNorm with weight w. h is a block's output, or in decode with a
-    residual_norm kernel its row-parallel projection's fp32 partial sums [S, N, 1, D] (row_parallel), which the
-    kernel adds up, rounds and adds before the norm: one kernel where XLA runs two."""
-    if h.ndim == x.ndim:
-        x = x + h
-        return x, rms_norm_1p(x, w, cfg.rms_norm_eps)
-    s, n, _, d = h.shape
-    x, y = kernels.residual_norm(h.reshape(s, n, d), x.reshape(n, d), w, cfg.rms_norm_eps)
-    return x.reshape(n, 1, d), y.reshape(n, 1, d)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -218,12 +190,9 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
         x = embed(cfg, weights.embed, batch.tokens)
     conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
     gi = ai = 0
-    # Each residual add comes with the norm after it (add_norm): the next layer's input norm, or the final norm.
-    next_norms = [layer.input_norm for layer in weights.layers[1:]] + [weights.final_norm]
-    with jax.named_scope("layer0"):
-        h = rms_norm_1p(x, weights.layers[0].input_norm, cfg.rms_norm_eps)
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
+            h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
                 with jax.named_scope("attention"):
                     h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
@@ -233,12 +202,11 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
                 with jax.named_scope("gdn"):
                     h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
                 gi += 1
-            x, h = add_norm(cfg, kernels, x, h, layer.post_norm)
+            x = x + h
             with jax.named_scope("mlp"):
-                h = mlp_block(kernels, layer.mlp, h)
-            x, h = add_norm(cfg, kernels, x, h, next_norms[i])
+                x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
     with jax.named_scope("lm_head"):
-        x = h                                   # the final norm's output
+        x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
         if not all_logits:
             x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T
