@@ -122,22 +122,33 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
           **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
+    prologue = os.environ.get("QWEN35_DECODE_ATTENTION_PROLOGUE", "xla")
+    if prologue not in ("xla", "kernel") or (prologue == "kernel" and attention == "jnp"):
+        raise ValueError(f"QWEN35_DECODE_ATTENTION_PROLOGUE must be 'xla' or 'kernel' (with a decode attention "
+                         f"kernel), got {prologue!r} with decode attention {attention!r}")
     if prefill not in pv:
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
     if decode not in dv:
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s; decode projections %s", prefill,
-             pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, projections)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
+             "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
+    tiles = None if prologue == "xla" else jax.jit(functools.partial(
+        paged_attention.attend_tiles, config=av[attention].__wrapped__.keywords["config"], interpret=interpret),
+        static_argnums=1)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   gate_up_rounds_from=gate_up_rounds_from())
+                   gate_up_rounds_from=gate_up_rounds_from(),
+                   attention_prologue=tiles and jax.jit(functools.partial(paged_attention.decode_prologue,
+                                                                          interpret=interpret),
+                                                        static_argnames=("q_heads", "rotary_dim", "theta", "eps")),
+                   attention_tiles=tiles)
 
 
 def default_backend() -> str:

@@ -47,6 +47,11 @@ class Kernels:
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
+    # decode attention from the packed qkv: (qkv [N, W], q_norm, k_norm, k_pages, v_pages, pages, positions, lens,
+    # *, q_heads, rotary_dim, theta, eps) -> (query tiles, k_pages, v_pages), then attention_tiles(tiles, q_heads,
+    # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
+    attention_prologue: Callable | None = None
+    attention_tiles: Callable | None = None
 
 
 def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
@@ -120,17 +125,26 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
         k, v = k.reshape(n, t, hkv, d), v.reshape(n, t, hkv, d)
-    with jax.named_scope("qk_norm_rope"):
-        q = rope(rms_norm_1p(q, w.q_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
-        k = rope(rms_norm_1p(k, w.k_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
-    with jax.named_scope("kv_write"):
-        k_pages, v_pages = attn_ops.write_kv(k_pages, v_pages, k, v, batch.pages, positions, batch.lens)
+    ctx = batch.start + batch.lens
+    if t == 1 and kernels.attention_prologue is not None:      # decode: one kernel up to the attention kernel's tiles
+        with jax.named_scope("qk_norm_rope"):
+            tiles, k_pages, v_pages = kernels.attention_prologue(
+                qkv[:, 0], w.q_norm, w.k_norm, k_pages, v_pages, batch.pages, batch.start, batch.lens, q_heads=hq,
+                rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta, eps=cfg.rms_norm_eps)
+        with jax.named_scope("attention"):
+            o = kernels.attention_tiles(tiles, hq, k_pages, v_pages, batch.pages, ctx)[:, None]
+    else:
+        with jax.named_scope("qk_norm_rope"):
+            q = rope(rms_norm_1p(q, w.q_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+            k = rope(rms_norm_1p(k, w.k_norm, cfg.rms_norm_eps), positions, cfg.rotary_dim, cfg.rope_theta)
+        with jax.named_scope("kv_write"):
+            k_pages, v_pages = attn_ops.write_kv(k_pages, v_pages, k, v, batch.pages, positions, batch.lens)
+        with jax.named_scope("attention"):
+            if t == 1:
+                o = kernels.attention_decode(q[:, 0], k_pages, v_pages, batch.pages, ctx)[:, None]
+            else:
+                o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
     with jax.named_scope("attention"):
-        ctx = batch.start + batch.lens
-        if t == 1:
-            o = kernels.attention_decode(q[:, 0], k_pages, v_pages, batch.pages, ctx)[:, None]
-        else:
-            o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
         return row_parallel(kernels, o, w.o_proj), k_pages, v_pages
