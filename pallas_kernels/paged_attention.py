@@ -15,6 +15,11 @@ gathered row by row from the pool viewed as [Hkv, num_pages * page_size, D] (key
 j % ps), one 2-D load feeding the dot with no reshape between, which Triton pipelines into asynchronous copies
 of K and V; the page-wise gather ([ppb, ps, D] reshaped) reached 0.55 of the copy bandwidth on the H200 where
 this one reaches 0.85 (bench/RESULTS.md).
+
+decode_prologue does in one kernel what the decode step runs between qkv_proj and this kernel: q / k RMSNorm and
+RoPE, the new K / V written into their pages, q scaled into the kernel's tiles (XLA ran six small kernels for it,
+~16 us per attention layer at batch 64 on the H200); its contract is the model's ops (qwen35_jax.model.rms_norm_1p,
+rope, qwen35_jax.attention.write_kv and the scaling / padding in paged_decode_attention).
 """
 from __future__ import annotations
 

@@ -13,8 +13,11 @@ timed on the H200 against the references and fla (bench/kernels.py, bench/RESULT
 selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another
 decode configuration; the choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config,
 checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference
-instead, and any name in paged_attention.config_sweep() another configuration. Decode projections (T = 1) run XLA's
-dot, gate_up's asked for its bf16 result itself in decode batches of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or
+instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and that
+kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too, paged_attention.decode_prologue
+(-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py at bbab894);
+`QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp attention). Decode projections
+(T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or
 more (default 64, `gate_up_rounds_from`, model.mlp_block). `QWEN35_DECODE_MATMUL=kernel` runs them through
 pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
 once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits the kernel to those K x N weights; another name
@@ -122,7 +125,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
           **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
-    prologue = os.environ.get("QWEN35_DECODE_ATTENTION_PROLOGUE", "xla")
+    prologue = os.environ.get("QWEN35_DECODE_ATTENTION_PROLOGUE") or ("xla" if attention == "jnp" else "kernel")
     if prologue not in ("xla", "kernel") or (prologue == "kernel" and attention == "jnp"):
         raise ValueError(f"QWEN35_DECODE_ATTENTION_PROLOGUE must be 'xla' or 'kernel' (with a decode attention "
                          f"kernel), got {prologue!r} with decode attention {attention!r}")

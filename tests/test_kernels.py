@@ -392,6 +392,38 @@ def test_paged_decode_attention_matches_reference(hq, hkv, config):
     assert not np.asarray(got[0]).any()                    # no visible key: zeros
 
 
+@pytest.mark.parametrize("hq,hkv,d,rd,dtype", [(16, 4, 256, 64, jnp.bfloat16), (24, 4, 256, 64, jnp.bfloat16),
+                                               (8, 4, 32, 8, jnp.float32)])
+def test_decode_prologue_matches_the_model_ops(hq, hkv, d, rd, dtype):
+    """decode_prologue against the ops it replaces (model.rms_norm_1p and rope on q and k, attention.write_kv,
+    paged_decode_attention's scaling and padding): the 9B and 27B head shapes (G 4 and 6) in bf16, the test
+    models' in fp32; a padding row (lens 0) writes the null page only, and no other page slot changes."""
+    from qwen35_jax import attention as attn_ops
+    from qwen35_jax.model import rms_norm_1p, rope
+    n, ps, num_pages, per_row = 4, 16, 11, 3
+    ks = jax.random.split(jax.random.key(hq + d), 5)
+    qkv = jax.random.normal(ks[0], (n, hq * 2 * d + 2 * hkv * d)).astype(dtype)
+    qw, kw = ((0.1 * jax.random.normal(k, (d,))).astype(dtype) for k in ks[1:3])
+    kp, vp = (jax.random.normal(k, (hkv, num_pages, ps, d)).astype(dtype) for k in ks[3:5])
+    pages = jnp.asarray(1 + np.arange(n * per_row).reshape(n, per_row) % (num_pages - 1), jnp.int32)
+    pos, lens = jnp.asarray([3, 16, 47, 5], jnp.int32), jnp.asarray([1, 1, 1, 0], jnp.int32)
+    got = paged_attention.decode_prologue(qkv, qw, kw, kp, vp, pages, pos, lens, q_heads=hq, rotary_dim=rd,
+                                          theta=1e7, eps=1e-6, interpret=True)
+    q = qkv[:, :hq * 2 * d].reshape(n, 1, hq, 2 * d)[..., :d]
+    k, v = (qkv[:, hq * 2 * d + i * hkv * d:][:, :hkv * d].reshape(n, 1, hkv, d) for i in (0, 1))
+    q, k = (rope(rms_norm_1p(x, w, 1e-6), pos[:, None], rd, 1e7) for x, w in ((q, qw), (k, kw)))
+    k_want, v_want = attn_ops.write_kv(kp, vp, k, v, pages, pos[:, None], lens)
+    g, rows = hq // hkv, paged_attention.query_rows(hq, hkv)
+    tiles = (q[:, 0].astype(jnp.float32) * d ** -0.5).astype(dtype).reshape(n, hkv, g, d)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+    ulp = 0 if dtype == jnp.bfloat16 else 1e-6          # fp32: an ulp or two of the norm's summation order
+    for a, b in zip(got, (tiles, k_want, v_want)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=ulp, atol=ulp)
+    changed = np.argwhere(np.any(np.asarray(got[1] != kp, bool), axis=(0, 3)))      # (page, slot) pairs written
+    assert {tuple(x) for x in changed} <= {(int(pages[i, pos[i] // ps]), int(pos[i] % ps)) for i in range(3)} | {(0, 0)}
+
+
 def test_paged_decode_attention_bf16():
     ctx = [33, 300, 7]
     args = attention_inputs(1, 3, 16, 4, 64, 16, 24, ctx, jnp.bfloat16)
@@ -480,6 +512,16 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
             text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
                                   S((k, nn), bf))
             assert len(mcfgs) >= 3 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
+
+    for b, hq in ((64, 16), (3, 24)):                    # the decode prologue and attention on its tiles, 9B / 27B
+        prologue = functools.partial(paged_attention.decode_prologue, q_heads=hq, rotary_dim=64, theta=1e7, eps=1e-6)
+        text = lower_for_cuda(prologue, S((b, hq * 512 + 2048), bf), S((256,), bf), S((256,), bf),
+                              S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32), S((b,), i32),
+                              S((b,), i32))
+        text += lower_for_cuda(lambda *x: paged_attention.attend_tiles(x[0], hq, *x[1:]),
+                               S((b, 4, paged_attention.query_rows(hq, 4), 256), bf), S((4, 4097, 16, 256), bf),
+                               S((4, 4097, 16, 256), bf), S((b, 512), i32), S((b,), i32))
+        assert text.count("__gpu$xla.gpu.triton") == 2
 
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
@@ -630,20 +672,31 @@ def test_decode_step_has_no_host_synchronisation():
     for mode in ("greedy", "lean", "full"):
         assert "stablehlo.while" not in lowered(kernels, mode)
     # Each kernel is lowered once (backends jit-wraps them) and called from every layer of its kind.
-    assert text.count("__gpu$xla.gpu.triton") == 3                        # GDN decode, conv decode, attention
+    assert text.count("__gpu$xla.gpu.triton") == 4          # GDN decode, conv decode, attention and its prologue
     gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
     assert text.count("call @gdn_decode_packed(") == text.count("call @conv_decode(") == gdn_layers
-    assert text.count("call @paged_decode_attention(") == len(cfg.layer_types) - gdn_layers
+    attention_layers = len(cfg.layer_types) - gdn_layers
+    assert text.count("call @decode_prologue(") == text.count("call @attend_tiles(") == attention_layers
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in text, f"{op} in the decode step: a host round trip per step on GPU"
     # The check sees a loop where there is one: the jnp attention walks its pages in a data-dependent while.
-    assert "stablehlo.while" in lowered(dataclasses.replace(kernels, attention_decode=decode_attention))
+    assert "stablehlo.while" in lowered(dataclasses.replace(kernels, attention_decode=decode_attention,
+                                                            attention_prologue=None, attention_tiles=None))
 
 
-def test_backend_kernel_variants():
+def test_backend_kernel_variants(monkeypatch):
     from qwen35_jax import backends
-    k = backends.pallas_kernels(interpret=True)
     config = lambda kernel: kernel.__wrapped__.keywords["config"]       # each kernel: jit(partial(kernel, ...))
+    k = backends.pallas_kernels(interpret=True)
+    assert k.attention_prologue is not None and config(k.attention_tiles) == paged_attention.DEFAULT
+    assert backends.pallas_kernels(interpret=True, attention="jnp").attention_prologue is None
+    monkeypatch.setenv("QWEN35_DECODE_ATTENTION_PROLOGUE", "xla")
+    assert backends.pallas_kernels(interpret=True).attention_prologue is None
+    for bad, attention in (("nope", None), ("kernel", "jnp")):
+        monkeypatch.setenv("QWEN35_DECODE_ATTENTION_PROLOGUE", bad)
+        with pytest.raises(ValueError, match="QWEN35_DECODE_ATTENTION_PROLOGUE"):
+            backends.pallas_kernels(interpret=True, attention=attention)
+    monkeypatch.delenv("QWEN35_DECODE_ATTENTION_PROLOGUE")
     assert config(k.gdn_prefill) == gdn.DEFAULT_PREFILL and config(k.gdn_decode) == gdn.DEFAULT_DECODE
     k = backends.pallas_kernels(interpret=True, prefill="v1", decode="bv32_w2")
     assert isinstance(config(k.gdn_prefill), gdn.PrefillConfig)
