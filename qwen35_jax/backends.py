@@ -13,18 +13,19 @@ timed on the H200 against the references and fla (bench/kernels.py, bench/RESULT
 selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another
 decode configuration; the choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config,
 checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference
-instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and that
-kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too, paged_attention.decode_prologue
-(-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py at bbab894);
-`QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp attention). Decode projections
-(T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or
-more (default 64, `gate_up_rounds_from`, model.mlp_block). `QWEN35_DECODE_MATMUL=kernel` runs them through
-pallas_kernels/matmul.py instead (configuration per shape by `matmul.choose`, XLA's dot where none fits, logged
-once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits the kernel to those K x N weights; another name
-in matmul.RULES picks the configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in
-matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's
-GEMMs in the 9B batch-64 step (bench/ab_decode.py at f4fd1c0: +0.28 ms for the Triton kernel on every projection,
-+0.08 on in_proj alone, -0.02 on out_proj / o_proj alone, +0.22 for the Mosaic GPU kernel), so both stay opt-in.
+instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and
+that kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too,
+paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each,
+bench/ab_decode.py at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp
+attention). Decode projections (T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches
+of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block).
+`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
+`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
+limits the kernel to those K x N weights; another name in matmul.RULES picks the configurations by another rule;
+`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads
+and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64 step (bench/ab_decode.py at f4fd1c0:
++0.28 ms for the Triton kernel on every projection, +0.22 for the Mosaic GPU kernel; at 17358e7 on each projection
+alone, +0.05 to +0.18 ms and +0.03 to +0.32), so both stay opt-in.
 The A/Bs before f4fd1c0 that named these variants timed the default's executable for every variant
 (bench/RESULTS.md, readings of the 2026-12-03 evening). The same kernel with the SiLU product or the gated norm as
 its prologue (5017f1d) measured +1.0 ms (gated norm) and a 12.1 ms step (both) and was removed.
@@ -138,9 +139,13 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
              "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
              paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
-    tiles = None if prologue == "xla" else jax.jit(functools.partial(
-        paged_attention.attend_tiles, config=av[attention].__wrapped__.keywords["config"], interpret=interpret),
-        static_argnums=1)
+    tiles = before_tiles = None
+    if prologue == "kernel":
+        config = av[attention].__wrapped__.keywords["config"]
+        tiles = jax.jit(functools.partial(paged_attention.attend_tiles, config=config, interpret=interpret),
+                        static_argnums=1)
+        before_tiles = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
+                               static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
                    conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
@@ -148,10 +153,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
                    gate_up_rounds_from=gate_up_rounds_from(),
-                   attention_prologue=tiles and jax.jit(functools.partial(paged_attention.decode_prologue,
-                                                                          interpret=interpret),
-                                                        static_argnames=("q_heads", "rotary_dim", "theta", "eps")),
-                   attention_tiles=tiles)
+                   attention_prologue=before_tiles, attention_tiles=tiles)
 
 
 def default_backend() -> str:
