@@ -126,6 +126,10 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
           **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
+    fused = os.environ.get("QWEN35_GDN_DECODE_FUSED", "off")
+    fv = {c.name: c for c in gdn.fused_decode_sweep()}
+    if fused != "off" and fused not in fv:
+        raise ValueError(f"QWEN35_GDN_DECODE_FUSED must be 'off' or one of {sorted(fv)}, got {fused!r}")
     prologue = os.environ.get("QWEN35_DECODE_ATTENTION_PROLOGUE") or ("xla" if attention == "jnp" else "kernel")
     if prologue not in ("xla", "kernel") or (prologue == "kernel" and attention == "jnp"):
         raise ValueError(f"QWEN35_DECODE_ATTENTION_PROLOGUE must be 'xla' or 'kernel' (with a decode attention "
@@ -136,9 +140,10 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
-             "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s), decode with conv and gated norm fused %s; decode "
+             "attention %s, its prologue %s; decode projections %s", prefill, pv[prefill].name, decode,
+             dv[decode].name, fused, paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue,
+             projections)
     tiles = before_tiles = None
     if prologue == "kernel":
         config = av[attention].__wrapped__.keywords["config"]
@@ -153,7 +158,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
                    gate_up_rounds_from=gate_up_rounds_from(),
-                   attention_prologue=before_tiles, attention_tiles=tiles)
+                   attention_prologue=before_tiles, attention_tiles=tiles,
+                   gdn_decode_fused=None if fused == "off" else jax.jit(functools.partial(
+                       gdn.gdn_decode_fused, config=fv[fused], interpret=interpret), static_argnames="eps"))
 
 
 def default_backend() -> str:
