@@ -68,6 +68,10 @@ logits must match the reference closely); interpret mode (CPU) reproduces the op
 "bf16x3" and "tf32" and computes the others in fp32.
 
 Decode: one program per (row, value head or key head group, V-block); see DecodeConfig.
+gdn_decode_fused (opt-in, QWEN35_GDN_DECODE_FUSED): the decode step with the conv before it and the gated norm after
+it, one program per (row, key head) so that it owns its conv channels' state; untimed on the GPU (the first version,
+fully unrolled, compiled for minutes and the A/B at d02e866 timed out; the loop form compiles in ~3 s for sm_90 at
+96-238 registers, 8-12 programs per SM, against 32 for gdn_decode: pallas_kernels/triton_compile_check.py).
 """
 from __future__ import annotations
 
@@ -1340,12 +1344,14 @@ def fused_decode_sweep():
 def _fused_decode_kernel(slot_ref, proj_ref, cw_ref, alog_ref, dtb_ref, nw_ref, conv_ref, rec_ref, o_ref,
                          conv_out_ref, rec_out_ref, *, bv, eps):
     """Grid (row, key head): the program owns every conv channel its key head and value heads read (q, k of the
-    key head, v of its value heads), so it shifts their conv state in place with no other program reading it."""
+    key head, v of its value heads), so it shifts their conv state in place with no other program reading it.
+    Per value head a loop over V-blocks (block j + 1's state loaded before block j's math, as _decode_kernel)
+    gathers the head's output in a [dv / bv, bv] register tile for the gated norm."""
     n, kh = pl.program_id(0), pl.program_id(1)
     slot = slot_ref[n]
     _, hv_all, dv, dk = rec_ref.shape
     hk = pl.num_programs(1)
-    ratio, kl, vl = hv_all // hk, hk * dk, hv_all * dv
+    ratio, kl, vl, nb = hv_all // hk, hk * dk, hv_all * dv, dv // bv
     taps = cw_ref.shape[0]
     f32, dtype = jnp.float32, proj_ref.dtype
     a0, b0 = proj_ref.shape[1] - hv_all, proj_ref.shape[1] - 2 * hv_all
@@ -1365,24 +1371,27 @@ def _fused_decode_kernel(slot_ref, proj_ref, cw_ref, alog_ref, dtb_ref, nw_ref, 
     q = _l2norm(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2norm(conv(kl + kh * dk, dk))
     qk = jnp.sum(q * k)
+    block_row = jnp.arange(nb, dtype=jnp.int32)[:, None]
     for hv in [kh * ratio + r for r in range(ratio)]:
         g, beta = _gates(proj_ref[n, a0 + hv], proj_ref[n, b0 + hv], alog_ref[hv], dtb_ref[hv])
         alpha = jnp.exp(g)
-        outs, s = [], rec_ref[slot, hv, pl.ds(0, bv), :]
-        for j in range(dv // bv):                 # unrolled: the norm below needs every block's output
-            nxt = rec_ref[slot, hv, pl.ds((j + 1) * bv, bv), :] if (j + 1) * bv < dv else None
+
+        def block(j, carry, hv=hv, beta=beta, alpha=alpha):
+            s, out = carry
+            nxt = rec_ref[slot, hv, pl.ds(jnp.minimum(j + 1, nb - 1) * bv, bv), :]
             v = conv(2 * kl + hv * dv + j * bv, bv)
             r_k = jnp.sum(s * k[None, :], axis=1)
             r_q = jnp.sum(s * q[None, :], axis=1)
             u = beta * (v - alpha * r_k)
             rec_out_ref[slot, hv, pl.ds(j * bv, bv), :] = alpha * s + u[:, None] * k[None, :]   # aliased: in place
-            outs.append((alpha * r_q + qk * u).astype(dtype).astype(f32))
-            s = nxt
-        inv = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / dv + eps)        # model.gated_norm over the head
-        for j, o in enumerate(outs):
-            z = proj_ref[n, pl.ds(2 * kl + vl + hv * dv + j * bv, bv)].astype(f32)
-            w = nw_ref[pl.ds(j * bv, bv)].astype(f32)
-            o_ref[n, pl.ds(hv * dv + j * bv, bv)] = (o * inv * w * jax.nn.silu(z)).astype(o_ref.dtype)
+            o = (alpha * r_q + qk * u).astype(dtype).astype(f32)
+            return nxt, jnp.where(block_row == j, o[None, :], out)
+
+        _, out = jax.lax.fori_loop(0, nb, block, (rec_ref[slot, hv, pl.ds(0, bv), :], jnp.zeros((nb, bv), f32)))
+        inv = jax.lax.rsqrt(jnp.sum(out * out) / dv + eps)            # model.gated_norm over the head
+        z = proj_ref[n, pl.ds(2 * kl + vl + hv * dv, dv)].astype(f32).reshape(nb, bv)
+        w = nw_ref[...].astype(f32).reshape(nb, bv)
+        o_ref[n, pl.ds(hv * dv, dv)] = (out * inv * w * jax.nn.silu(z)).reshape(dv).astype(o_ref.dtype)
 
 
 def gdn_decode_fused(proj, conv_w, A_log, dt_bias, norm_w, conv_pool, rec_pool, slots, *, eps: float,

@@ -3,32 +3,33 @@
 "reference": the pure-jnp references (any platform); "pallas": the Pallas kernels, compiled (GPU only);
 "pallas_interpret": the same kernels in Pallas interpret mode (any platform; slow, for tests).
 
-Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`:
-parallel Triton kernels for T and P (one fused kernel for few chunks, else a T solve and a P prep per key head:
-`gdn.resolve_prep`; T and P as bf16 tensor-core operands, T solved in TF32), then the chunk scan as a Mosaic GPU
-kernel, pallas_kernels/gdn_mgpu.py (its output by TMA straight into the token rows) wherever its shapes allow,
-which the model's always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the decode step
-`gdn.DEFAULT_DECODE` ([8, 128] state tiles, one warp per program, V-blocks fastest in the grid); both checked and
-timed on the H200 against the references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
-selects the previous prefill kernels and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another
-decode configuration; the choice is logged. Decode attention: pallas_kernels/paged_attention.py (DEFAULT config,
-checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference
-instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and
+Pallas kernel variants (pallas_kernels/gdn.py): the GDN prefill runs the WY pipeline (`gdn.DEFAULT_PREFILL`: parallel
+Triton kernels for T and P (one fused kernel for few chunks, else a T solve and a P prep per key head:
+`gdn.resolve_prep`; T and P as bf16 tensor-core operands, T solved in TF32), then the chunk scan as a Mosaic GPU kernel,
+pallas_kernels/gdn_mgpu.py (its output by TMA straight into the token rows) wherever its shapes allow, which the model's
+always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the decode step `gdn.DEFAULT_DECODE` (8 x
+128 state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
+references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels
+and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
+`QWEN35_GDN_DECODE_FUSED=<name in gdn.fused_decode_sweep()>` runs the decode GDN with its conv and gated norm in one
+kernel (gdn.gdn_decode_fused; opt-in, not yet timed on the GPU). Decode attention: pallas_kernels/paged_attention.py
+(DEFAULT config, checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp
+reference instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and
 that kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too,
-paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each,
-bench/ab_decode.py at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp
-attention). Decode projections (T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches
-of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block).
+paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py
+at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp attention). Decode
+projections (T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches of
+`QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block).
 `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
-`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...`
-limits the kernel to those K x N weights; another name in matmul.RULES picks the configurations by another rule;
-`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads
-and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64 step (bench/ab_decode.py at f4fd1c0:
-+0.28 ms for the Triton kernel on every projection, +0.22 for the Mosaic GPU kernel; at 17358e7 on each projection
-alone, +0.05 to +0.18 ms and +0.03 to +0.32), so both stay opt-in.
-The A/Bs before f4fd1c0 that named these variants timed the default's executable for every variant
-(bench/RESULTS.md, readings of the 2026-12-03 evening). The same kernel with the SiLU product or the gated norm as
-its prologue (5017f1d) measured +1.0 ms (gated norm) and a 12.1 ms step (both) and was removed.
+`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits
+the kernel to those K x N weights; another name in matmul.RULES picks the configurations by another rule;
+`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads and
+asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64 step (bench/ab_decode.py at f4fd1c0: +0.28 ms
+for the Triton kernel on every projection, +0.22 for the Mosaic GPU kernel; at 17358e7 on each projection alone, +0.05
+to +0.18 ms and +0.03 to +0.32), so both stay opt-in. The A/Bs before f4fd1c0 that named these variants timed the
+default's executable for every variant (bench/RESULTS.md, readings of the 2026-12-03 evening). The same kernel with the
+SiLU product or the gated norm as its prologue (5017f1d) measured +1.0 ms (gated norm) and a 12.1 ms step (both) and was
+removed.
 """
 from __future__ import annotations
 
