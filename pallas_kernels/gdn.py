@@ -85,7 +85,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import gdn_mgpu
-from pallas_kernels.conv1d import _conv_sum
+from pallas_kernels.conv1d import decode_taps
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -1360,13 +1360,11 @@ def _fused_decode_kernel(slot_ref, proj_ref, cw_ref, alog_ref, dtb_ref, nw_ref, 
         """Channels [c0, c0 + size) as conv1d's decode kernel: its output (rounded to the model dtype) in fp32;
         the slot's conv state shifted in place."""
         cols = pl.ds(c0, size)
-        st = [conv_ref[slot, m, cols] for m in range(taps - 1)]
-        x = proj_ref[n, cols]
-        ws = [cw_ref[j, cols].astype(f32) for j in range(taps)]
-        xs = [s.astype(dtype).astype(f32) for s in st] + [x.astype(f32)]
-        for m, s in enumerate(st[1:] + [x.astype(conv_out_ref.dtype)]):
-            conv_out_ref[slot, m, cols] = s
-        return jax.nn.silu(_conv_sum(xs, ws)).astype(dtype).astype(f32)
+        y, new = decode_taps([conv_ref[slot, m, cols] for m in range(taps - 1)], proj_ref[n, cols],
+                             [cw_ref[j, cols].astype(f32) for j in range(taps)])
+        for m, s in enumerate(new):
+            conv_out_ref[slot, m, cols] = s.astype(conv_out_ref.dtype)
+        return y.astype(dtype).astype(f32)
 
     q = _l2norm(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2norm(conv(kl + kh * dk, dk))
