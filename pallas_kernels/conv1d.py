@@ -161,18 +161,11 @@ def _decode_kernel(slot_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref, *, bc,
     st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask, other=0) for m in range(taps - 1)]
     x = pltriton.load(x_ref.at[n, cols], mask=cmask, other=0)
     ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
-    y, new = decode_taps(st, x, ws)
-    pltriton.store(y_ref.at[n, cols], y.astype(y_ref.dtype), mask=cmask)
-    for m in range(taps - 1):
-        pltriton.store(pool_out_ref.at[slot, _i(m), cols], new[m].astype(pool_out_ref.dtype), mask=cmask)
-
-
-def decode_taps(st, x, ws):
-    """One decode token of a block of channels (in-kernel; gdn.gdn_decode_fused shares it): the state's K-1 rows
-    st (oldest first), the new input x and the K taps' fp32 weights ws -> (SiLU of the conv in fp32, before its
-    rounding to x.dtype; the new state's rows, x last)."""
     xs = [s.astype(x.dtype).astype(jnp.float32) for s in st] + [x.astype(jnp.float32)]
-    return jax.nn.silu(_conv_sum(xs, ws)), st[1:] + [x]
+    pltriton.store(y_ref.at[n, cols], jax.nn.silu(_conv_sum(xs, ws)).astype(y_ref.dtype), mask=cmask)
+    new = st[1:] + [x.astype(pool_out_ref.dtype)]
+    for m in range(taps - 1):
+        pltriton.store(pool_out_ref.at[slot, _i(m), cols], new[m], mask=cmask)
 
 
 def conv_decode(x, w, pool, slots, *, config: ConvConfig = ConvConfig(), interpret=False):

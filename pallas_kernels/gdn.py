@@ -68,10 +68,6 @@ logits must match the reference closely); interpret mode (CPU) reproduces the op
 "bf16x3" and "tf32" and computes the others in fp32.
 
 Decode: one program per (row, value head or key head group, V-block); see DecodeConfig.
-gdn_decode_fused (opt-in, QWEN35_GDN_DECODE_FUSED): the decode step with the conv before it and the gated norm after
-it, one program per (row, key head) so that it owns its conv channels' state; untimed on the GPU (the first version,
-fully unrolled, compiled for minutes and the A/B at d02e866 timed out; the loop form compiles in ~3 s for sm_90 at
-96-238 registers, 8-12 programs per SM, against 32 for gdn_decode: pallas_kernels/triton_compile_check.py).
 """
 from __future__ import annotations
 
@@ -85,7 +81,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import gdn_mgpu
-from pallas_kernels.conv1d import decode_taps
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -1319,106 +1314,3 @@ def gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots, *, config: DecodeC
         raise ValueError(f"qkv {qkv.shape} / proj {proj.shape} do not match the state pool {pool.shape}")
     return _decode_call(qkv, qkv, qkv, proj, proj, A_log, dt_bias, pool, slots,
                         (0, hk * dk, 2 * hk * dk, gate_col + hv, gate_col), hk, config, interpret)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Decode with the conv before it and the gated norm after it, in one kernel.
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedDecodeConfig:
-    bv: int = 8                # state rows per step of a program's loop over its value heads
-    num_warps: int = 1
-
-    @property
-    def name(self):
-        return f"bv{self.bv}_w{self.num_warps}"
-
-
-def fused_decode_sweep():
-    """Fused decode configurations (QWEN35_GDN_DECODE_FUSED; tests cross-lower each one for CUDA)."""
-    return [FusedDecodeConfig(), FusedDecodeConfig(bv=16), FusedDecodeConfig(num_warps=2),
-            FusedDecodeConfig(bv=16, num_warps=2)]
-
-
-def _fused_decode_kernel(slot_ref, proj_ref, cw_ref, alog_ref, dtb_ref, nw_ref, conv_ref, rec_ref, o_ref,
-                         conv_out_ref, rec_out_ref, *, bv, eps):
-    """Grid (row, key head): the program owns every conv channel its key head and value heads read (q, k of the
-    key head, v of its value heads), so it shifts their conv state in place with no other program reading it.
-    Per value head a loop over V-blocks (block j + 1's state loaded before block j's math, as _decode_kernel)
-    gathers the head's output in a [dv / bv, bv] register tile for the gated norm."""
-    n, kh = pl.program_id(0), pl.program_id(1)
-    slot = slot_ref[n]
-    _, hv_all, dv, dk = rec_ref.shape
-    hk = pl.num_programs(1)
-    ratio, kl, vl, nb = hv_all // hk, hk * dk, hv_all * dv, dv // bv
-    taps = cw_ref.shape[0]
-    f32, dtype = jnp.float32, proj_ref.dtype
-    a0, b0 = proj_ref.shape[1] - hv_all, proj_ref.shape[1] - 2 * hv_all
-
-    def conv(c0, size):
-        """Channels [c0, c0 + size) as conv1d's decode kernel: its output (rounded to the model dtype) in fp32;
-        the slot's conv state shifted in place."""
-        cols = pl.ds(c0, size)
-        y, new = decode_taps([conv_ref[slot, m, cols] for m in range(taps - 1)], proj_ref[n, cols],
-                             [cw_ref[j, cols].astype(f32) for j in range(taps)])
-        for m, s in enumerate(new):
-            conv_out_ref[slot, m, cols] = s.astype(conv_out_ref.dtype)
-        return y.astype(dtype).astype(f32)
-
-    q = _l2norm(conv(kh * dk, dk)) * (dk ** -0.5)
-    k = _l2norm(conv(kl + kh * dk, dk))
-    qk = jnp.sum(q * k)
-    block_row = jnp.arange(nb, dtype=jnp.int32)[:, None]
-    for hv in [kh * ratio + r for r in range(ratio)]:
-        g, beta = _gates(proj_ref[n, a0 + hv], proj_ref[n, b0 + hv], alog_ref[hv], dtb_ref[hv])
-        alpha = jnp.exp(g)
-
-        def block(j, carry, hv=hv, beta=beta, alpha=alpha):
-            s, out = carry
-            nxt = rec_ref[slot, hv, pl.ds(jnp.minimum(j + 1, nb - 1) * bv, bv), :]
-            v = conv(2 * kl + hv * dv + j * bv, bv)
-            r_k = jnp.sum(s * k[None, :], axis=1)
-            r_q = jnp.sum(s * q[None, :], axis=1)
-            u = beta * (v - alpha * r_k)
-            rec_out_ref[slot, hv, pl.ds(j * bv, bv), :] = alpha * s + u[:, None] * k[None, :]   # aliased: in place
-            o = (alpha * r_q + qk * u).astype(dtype).astype(f32)
-            return nxt, jnp.where(block_row == j, o[None, :], out)
-
-        _, out = jax.lax.fori_loop(0, nb, block, (rec_ref[slot, hv, pl.ds(0, bv), :], jnp.zeros((nb, bv), f32)))
-        inv = jax.lax.rsqrt(jnp.sum(out * out) / dv + eps)            # model.gated_norm over the head
-        z = proj_ref[n, pl.ds(2 * kl + vl + hv * dv, dv)].astype(f32).reshape(nb, bv)
-        w = nw_ref[...].astype(f32).reshape(nb, bv)
-        o_ref[n, pl.ds(hv * dv, dv)] = (out * inv * w * jax.nn.silu(z)).reshape(dv).astype(o_ref.dtype)
-
-
-def gdn_decode_fused(proj, conv_w, A_log, dt_bias, norm_w, conv_pool, rec_pool, slots, *, eps: float,
-                     config: FusedDecodeConfig | None = None, interpret=False):
-    """One decode token per row from the layer's input projection proj [N, P] = [q | k | v | z | b | a] (the
-    model's per-rank layout) to the gated norm's output [N, Hv*dv]: conv1d.conv_decode on q | k | v, then
-    gdn_decode, then model.gated_norm, each rounded to the model dtype where those round. Both pools are
-    updated in place; padded rows use the null slot 0."""
-    config = FusedDecodeConfig() if config is None else config
-    n = proj.shape[0]
-    hv, dv, dk = rec_pool.shape[1:]
-    taps, c = conv_w.shape
-    hk, rem = divmod(c - hv * dv, 2 * dk)
-    _check_dims(dk, dv, hk, hv)
-    if rem or proj.shape[1] != c + hv * dv + 2 * hv or conv_pool.shape[1:] != (taps - 1, c):
-        raise ValueError(f"proj {proj.shape}, conv weight {conv_w.shape} and conv pool {conv_pool.shape} do not "
-                         f"match the state pool {rec_pool.shape}")
-    if rec_pool.dtype != jnp.float32 or dv % config.bv or config.bv & (config.bv - 1):
-        raise ValueError(f"the GDN state pool must be float32 (got {rec_pool.dtype}) and the V-block {config.bv} "
-                         f"a power of two dividing dv={dv}")
-    o, conv_pool, rec_pool = pl.pallas_call(
-        functools.partial(_fused_decode_kernel, bv=config.bv, eps=eps),
-        out_shape=(jax.ShapeDtypeStruct((n, hv * dv), proj.dtype), jax.ShapeDtypeStruct(conv_pool.shape,
-                                                                                        conv_pool.dtype),
-                   jax.ShapeDtypeStruct(rec_pool.shape, rec_pool.dtype)),
-        grid=(n, hk),
-        input_output_aliases={6: 1, 7: 2},
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
-        interpret=interpret, name="gdn_decode_fused",
-    )(jnp.asarray(slots).astype(jnp.int32), proj, conv_w, A_log.astype(jnp.float32), dt_bias.astype(jnp.float32),
-      norm_w, conv_pool, rec_pool)
-    return o, conv_pool, rec_pool

@@ -2,8 +2,7 @@
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
 further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
-gdn.fused_decode_sweep() / paged_attention.config_sweep() and decode_prologue / the decode matmul's matmul.RULES at
-the 9B shapes
+paged_attention.config_sweep() and decode_prologue / the decode matmul's matmul.RULES at the 9B shapes
 (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots, how many loads
@@ -61,10 +60,6 @@ def dump(out_dir, only=()):
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
              for c in (gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
-    fused = (S((64, 12352), bf), S((4, 8192), bf), S((hv,), f32), S((hv,), f32), S((dv,), bf),
-             S((slots, 3, 8192), bf), S((slots, hv, dv, dk), f32), S((64,), i32))
-    jobs += [("dec_fused_" + c.name, functools.partial(gdn.gdn_decode_fused, eps=1e-6, config=c), fused)
-             for c in gdn.fused_decode_sweep()]
     prologue = (S((64, 16 * 512 + 2048), bf), S((256,), bf), S((256,), bf), S((4, 8193, 16, 256), bf),
                 S((4, 8193, 16, 256), bf), S((64, 512), i32), S((64,), i32), S((64,), i32))
     jobs.append(("attn_prologue_b64", functools.partial(pa.decode_prologue, q_heads=16, rotary_dim=64, theta=1e7,

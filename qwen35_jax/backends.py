@@ -11,8 +11,9 @@ always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the 
 128 state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels
 and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
-`QWEN35_GDN_DECODE_FUSED=<name in gdn.fused_decode_sweep()>` runs the decode GDN with its conv and gated norm in one
-kernel (gdn.gdn_decode_fused; opt-in, not yet timed on the GPU). Decode attention: pallas_kernels/paged_attention.py
+The decode GDN with its conv and gated norm in one kernel (d02e866 / 38b1084, one program per row and key head) was
++0.15 to +0.46 ms per 9B step at batch 64 in its four configurations (bench/ab_decode.py at 997fa07) and was removed.
+Decode attention: pallas_kernels/paged_attention.py
 (DEFAULT config, checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp
 reference instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and
 that kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too,
@@ -127,10 +128,6 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
           **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
-    fused = os.environ.get("QWEN35_GDN_DECODE_FUSED", "off")
-    fv = {c.name: c for c in gdn.fused_decode_sweep()}
-    if fused != "off" and fused not in fv:
-        raise ValueError(f"QWEN35_GDN_DECODE_FUSED must be 'off' or one of {sorted(fv)}, got {fused!r}")
     prologue = os.environ.get("QWEN35_DECODE_ATTENTION_PROLOGUE") or ("xla" if attention == "jnp" else "kernel")
     if prologue not in ("xla", "kernel") or (prologue == "kernel" and attention == "jnp"):
         raise ValueError(f"QWEN35_DECODE_ATTENTION_PROLOGUE must be 'xla' or 'kernel' (with a decode attention "
@@ -141,10 +138,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s), decode with conv and gated norm fused %s; decode "
-             "attention %s, its prologue %s; decode projections %s", prefill, pv[prefill].name, decode,
-             dv[decode].name, fused, paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue,
-             projections)
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
+             "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
+             paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
     tiles = before_tiles = None
     if prologue == "kernel":
         config = av[attention].__wrapped__.keywords["config"]
@@ -159,9 +155,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
                    gate_up_rounds_from=gate_up_rounds_from(),
-                   attention_prologue=before_tiles, attention_tiles=tiles,
-                   gdn_decode_fused=None if fused == "off" else jax.jit(functools.partial(
-                       gdn.gdn_decode_fused, config=fv[fused], interpret=interpret), static_argnames="eps"))
+                   attention_prologue=before_tiles, attention_tiles=tiles)
 
 
 def default_backend() -> str:

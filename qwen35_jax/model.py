@@ -52,9 +52,6 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
-    # decode GDN from the input projection: (proj [N, P], conv_w, A_log, dt_bias, norm_w, conv_pool, rec_pool,
-    # slots, *, eps) -> (gated norm output [N, Hv*dv], conv_pool, rec_pool); None: conv_decode, gdn_decode, XLA's norm
-    gdn_decode_fused: Callable | None = None
 
 
 def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
@@ -162,12 +159,6 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     with jax.named_scope("in_proj"):
         proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
-    if t == 1 and kernels.gdn_decode_fused is not None:        # decode: conv, GDN and gated norm in one kernel
-        with jax.named_scope("gated_delta_rule"):
-            o, conv_pool, rec_pool = kernels.gdn_decode_fused(proj[:, 0], w.conv, w.A_log, w.dt_bias, w.norm,
-                                                              conv_pool, rec_pool, batch.slots, eps=cfg.rms_norm_eps)
-        with jax.named_scope("out_proj"):
-            return row_parallel(kernels, o[:, None], w.out_proj), conv_pool, rec_pool
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
             y, conv_pool = kernels.conv_decode(proj[:, 0], w.conv, conv_pool, batch.slots)

@@ -424,40 +424,6 @@ def test_decode_prologue_matches_the_model_ops(hq, hkv, d, rd, dtype):
     assert {tuple(x) for x in changed} <= {(int(pages[i, pos[i] // ps]), int(pos[i] % ps)) for i in range(3)} | {(0, 0)}
 
 
-@pytest.mark.parametrize("hk,hv,dtype,config", [(2, 4, jnp.float32, None), (2, 6, jnp.bfloat16, None),
-                                              (2, 2, jnp.bfloat16, gdn.FusedDecodeConfig(bv=16, num_warps=2))])
-def test_gdn_decode_fused_matches_the_unfused_ops(hk, hv, dtype, config):
-    """gdn_decode_fused against conv1d.conv_decode, gdn.gdn_decode_packed and model.gated_norm (Hv/Hk 1, 2, 3):
-    the output of real rows, both pools' slots used by real rows, and no other slot but the null one touched."""
-    from qwen35_jax.model import gated_norm
-    n, dk, dv, slots_n = 4, 16, 32, 7
-    kl, vl = hk * dk, hv * dv
-    c = 2 * kl + vl
-    ks = jax.random.split(jax.random.key(hk * hv), 7)
-    proj = jax.random.normal(ks[0], (n, c + vl + 2 * hv)).astype(dtype)
-    conv_w = (0.5 * jax.random.normal(ks[1], (4, c))).astype(dtype)
-    a_log, dt_bias = 0.5 * jax.random.normal(ks[2], (hv,)), 0.5 * jax.random.normal(ks[3], (hv,))
-    norm_w = (1 + 0.1 * jax.random.normal(ks[4], (dv,))).astype(dtype)
-    conv_pool = jax.random.normal(ks[5], (slots_n, 3, c)).astype(dtype)
-    rec_pool = 0.1 * jax.random.normal(ks[6], (slots_n, hv, dv, dk), jnp.float32)
-    slots = jnp.asarray([3, 1, 0, 5], jnp.int32)                 # row 2 pads on the null slot
-    o, conv_got, rec_got = gdn.gdn_decode_fused(proj, conv_w, a_log, dt_bias, norm_w, conv_pool, rec_pool, slots,
-                                                eps=1e-6, config=config, interpret=True)
-    y, conv_want = conv1d.conv_decode(proj, conv_w, conv_pool, slots, interpret=True)
-    o_want, rec_want = gdn.gdn_decode_packed(y, proj, a_log, dt_bias, rec_pool, slots, interpret=True)
-    z = proj[:, 2 * kl + vl:2 * kl + 2 * vl].reshape(n, hv, dv)
-    o_want = gated_norm(o_want, z, norm_w, 1e-6).reshape(n, vl)
-    f = lambda a: np.asarray(a, np.float32)
-    bar = 0 if dtype == jnp.bfloat16 else 1e-5            # fp32: the norm's and the state's summation order
-    real = np.asarray(slots) != 0
-    np.testing.assert_allclose(f(o)[real], f(o_want)[real], rtol=bar, atol=bar)
-    np.testing.assert_allclose(f(conv_got)[1:], f(conv_want)[1:], rtol=bar, atol=bar)
-    np.testing.assert_allclose(f(rec_got)[1:], f(rec_want)[1:], rtol=bar, atol=bar)
-    for untouched in (2, 4, 6):
-        assert np.array_equal(f(conv_got)[untouched], f(conv_pool)[untouched])
-        assert np.array_equal(f(rec_got)[untouched], f(rec_pool)[untouched])
-
-
 def test_paged_decode_attention_bf16():
     ctx = [33, 300, 7]
     args = attention_inputs(1, 3, 16, 4, 64, 16, 24, ctx, jnp.bfloat16)
@@ -523,12 +489,6 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     dcfgs = gdn.decode_sweep() + [None]
     text = lower_for_cuda(lambda *x: [gdn.gdn_decode(*x, config=cfg) for cfg in dcfgs], *decode)
     assert text.count("__gpu$xla.gpu.triton") == len(dcfgs)
-    fcfgs = gdn.fused_decode_sweep()
-    fused = (S((n, conv_ch + hv * dv + 2 * hv), bf), S((4, conv_ch), bf), S((hv,), f32), S((hv,), f32), S((dv,), bf),
-             S((slots, 3, conv_ch), bf), S((slots, hv, dv, dk), f32), S((n,), i32))
-    if conv_ch == 2 * hk * dk + hv * dv:          # the decode GDN with its conv and gated norm
-        text = lower_for_cuda(lambda *x: [gdn.gdn_decode_fused(*x, eps=1e-6, config=c) for c in fcfgs], *fused)
-        assert text.count("__gpu$xla.gpu.triton") == len(fcfgs)
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
     ccfgs = conv1d.prefill_sweep()
@@ -737,14 +697,6 @@ def test_backend_kernel_variants(monkeypatch):
         with pytest.raises(ValueError, match="QWEN35_DECODE_ATTENTION_PROLOGUE"):
             backends.pallas_kernels(interpret=True, attention=attention)
     monkeypatch.delenv("QWEN35_DECODE_ATTENTION_PROLOGUE")
-    assert k.gdn_decode_fused is None                      # QWEN35_GDN_DECODE_FUSED: off by default
-    monkeypatch.setenv("QWEN35_GDN_DECODE_FUSED", "bv16_w2")
-    fused = backends.pallas_kernels(interpret=True).gdn_decode_fused
-    assert config(fused) == gdn.FusedDecodeConfig(bv=16, num_warps=2)
-    monkeypatch.setenv("QWEN35_GDN_DECODE_FUSED", "nope")
-    with pytest.raises(ValueError, match="QWEN35_GDN_DECODE_FUSED"):
-        backends.pallas_kernels(interpret=True)
-    monkeypatch.delenv("QWEN35_GDN_DECODE_FUSED")
     assert config(k.gdn_prefill) == gdn.DEFAULT_PREFILL and config(k.gdn_decode) == gdn.DEFAULT_DECODE
     k = backends.pallas_kernels(interpret=True, prefill="v1", decode="bv32_w2")
     assert isinstance(config(k.gdn_prefill), gdn.PrefillConfig)
@@ -774,10 +726,8 @@ def test_illegal_head_dim_raises():
 # Model level: the whole forward (prefill rows of different lengths, a padded row, then decode steps).
 
 
-@pytest.mark.parametrize("tp,fused", [(1, "off"), (2, "off"), (1, "bv8_w1"), (2, "bv16_w2")])
-def test_model_logits_pallas_interpret_equal_reference(tp, fused, monkeypatch):
-    """fused: $QWEN35_GDN_DECODE_FUSED, the decode GDN with its conv and gated norm in one kernel or not."""
-    monkeypatch.setenv("QWEN35_GDN_DECODE_FUSED", fused)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_logits_pallas_interpret_equal_reference(tp):
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
     from qwen35_jax.sharding import make_mesh
