@@ -66,10 +66,20 @@ def gate_up_rounds_from() -> int:
     return int(text)
 
 
+def decode_split_k() -> int:
+    """K ranges of the row-parallel decode GEMMs as the model's batched dot (model.row_parallel):
+    $QWEN35_DECODE_SPLIT_K, default 1 (one dot, XLA splits it as it chooses)."""
+    text = os.environ.get("QWEN35_DECODE_SPLIT_K", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"QWEN35_DECODE_SPLIT_K must be a positive count of K ranges, got {text!r}")
+    return int(text)
+
+
 def reference_kernels() -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode_packed,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
-                   attention_decode=decode_attention, gate_up_rounds_from=gate_up_rounds_from())
+                   attention_decode=decode_attention, gate_up_rounds_from=gate_up_rounds_from(),
+                   split_k=decode_split_k())
 
 
 def parse_shapes(text: str) -> frozenset | None:
@@ -141,6 +151,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
              "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
              paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
+    if projections != "xla" and decode_split_k() > 1:
+        raise ValueError("QWEN35_DECODE_SPLIT_K splits XLA's decode GEMMs; the decode matmul kernel "
+                         f"({projections}) runs them instead")
     tiles = before_tiles = None
     if prologue == "kernel":
         config = av[attention].__wrapped__.keywords["config"]
@@ -154,7 +167,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   gate_up_rounds_from=gate_up_rounds_from(),
+                   gate_up_rounds_from=gate_up_rounds_from(), split_k=decode_split_k(),
                    attention_prologue=before_tiles, attention_tiles=tiles)
 
 

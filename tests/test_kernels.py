@@ -816,3 +816,43 @@ def test_pf_warps_sets_the_pf_prep_alone():
     assert warps[64 * 12, WY.pf_warps] == warps[64 * 12, 8] == [WY.prep_warps]
     assert warps[64 * 200, WY.pf_warps] == sorted([WY.solve_warps, WY.pf_warps])
     assert warps[64 * 200, 8] == sorted([WY.solve_warps, 8])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
+    """QWEN35_DECODE_SPLIT_K=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
+    (model.row_parallel) give the logits of the single dot within fp32 summation order; prefill is untouched."""
+    from qwen35_jax import backends
+    from qwen35_jax.config import load_config
+    from qwen35_jax.runner import ModelRunner, make_batch
+    from qwen35_jax.sharding import make_mesh
+    from qwen35_jax.weights import load_weights
+    model = fixture_dir("mm_tied_r2_g2")
+    cfg = load_config(model)
+    mesh = make_mesh(tp)
+    weights = load_weights(model, cfg, mesh, jnp.float32)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
+    page_table = np.array([1 + np.arange(2), 3 + np.arange(2)])
+    out = {}
+    for split in ("1", "4"):
+        monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", split)
+        runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
+                             kernel_backend="reference")
+        assert runner.kernels.split_k == int(split)
+        prefill = runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True)
+        decode = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
+        out[split] = [np.asarray(x, np.float32)[..., :cfg.vocab_size] for x in (prefill, decode)]
+    scale = np.abs(out["1"][1]).max()
+    assert np.array_equal(out["1"][0], out["4"][0])
+    assert np.abs(out["4"][1] - out["1"][1]).max() <= 1e-6 * scale
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "0")
+    with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):
+        backends.reference_kernels()
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "2")
+    with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):      # with the decode matmul kernel
+        backends.pallas_kernels(interpret=True, projections="kernel")
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "7")                      # divides no K of this model
+    runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
+                         kernel_backend="reference")
+    with pytest.raises(ValueError, match="does not divide"):
+        runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
