@@ -66,20 +66,28 @@ def gate_up_rounds_from() -> int:
     return int(text)
 
 
-def decode_split_k() -> int:
-    """K ranges of the row-parallel decode GEMMs as the model's batched dot (model.row_parallel):
-    $QWEN35_DECODE_SPLIT_K, default 1 (one dot, XLA splits it as it chooses)."""
-    text = os.environ.get("QWEN35_DECODE_SPLIT_K", "1")
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"QWEN35_DECODE_SPLIT_K must be a positive count of K ranges, got {text!r}")
-    return int(text)
+def decode_split_k(default: int) -> dict:
+    """Kernels.split_k / split_k_from: the model's own K split of the row-parallel decode GEMMs in batches of
+    $QWEN35_DECODE_SPLIT_K_FROM rows or more (default 64), over $QWEN35_DECODE_SPLIT_K ranges (1: none, XLA splits
+    every decode GEMM as it chooses). The pallas backend's default 4: -0.224 ms per 9B step at 64 rows, 5 / 5
+    rounds (bench/ab_decode.py at 827a9c7, H200), with XLA's own splits off, which puts in_proj back in one
+    kernel; 8 ranges -0.133. XLA's splits off cost +0.26 ms at 16 rows (+0.011 with 8 ranges, +0.049 with 4), and
+    batch 1 ran at 1.74x the floor (6.61 ms), hence only from 64 rows."""
+    out = {}
+    for name, key, value in (("QWEN35_DECODE_SPLIT_K", "split_k", str(default)),
+                             ("QWEN35_DECODE_SPLIT_K_FROM", "split_k_from", "64")):
+        text = os.environ.get(name, value)
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{name} must be a positive count, got {text!r}")
+        out[key] = int(text)
+    return out
 
 
 def reference_kernels() -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode_packed,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
                    attention_decode=decode_attention, gate_up_rounds_from=gate_up_rounds_from(),
-                   split_k=decode_split_k())
+                   **decode_split_k(1))
 
 
 def parse_shapes(text: str) -> frozenset | None:
@@ -151,7 +159,8 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
              "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
              paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
-    if projections != "xla" and decode_split_k() > 1:
+    split = decode_split_k(4 if projections == "xla" else 1)
+    if projections != "xla" and split["split_k"] > 1:
         raise ValueError("QWEN35_DECODE_SPLIT_K splits XLA's decode GEMMs; the decode matmul kernel "
                          f"({projections}) runs them instead")
     tiles = before_tiles = None
@@ -167,7 +176,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
-                   gate_up_rounds_from=gate_up_rounds_from(), split_k=decode_split_k(),
+                   gate_up_rounds_from=gate_up_rounds_from(), **split,
                    attention_prologue=before_tiles, attention_tiles=tiles)
 
 

@@ -272,6 +272,7 @@ class Executor:
         """exe_cache: where compiled steps are kept across processes (single-process runs only); cache_tag: what
         the cache key cannot see in the inputs' shapes, i.e. which kernels `kernels` holds."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
+        self.kernels = kernels
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
@@ -389,13 +390,21 @@ class Executor:
                                    describe(self.weights), describe(self.state), describe(self.sstate),
                                    env=self.settings)
 
+    def _compiler_options(self, key) -> dict:
+        """$QWEN35_XLA_OPTIONS; for a decode bucket whose row-parallel GEMMs the model splits over K itself
+        (Kernels.split_k), XLA's own K splits off too, so that it splits no other GEMM (in_proj)."""
+        k = self.kernels
+        if key[0] == "decode" and k.split_k > 1 and key[1] >= k.split_k_from:
+            return {"xla_gpu_experimental_force_split_k": 1, **self.compiler_options}
+        return self.compiler_options
+
     def _compile(self, key) -> jax.stages.Compiled:
         """The bucket's executable: from the executable cache, else lowered and compiled (and then cached)."""
         ckey = self._cache_key(key) if self.exe_cache is not None else None
         exe = self.exe_cache.load(ckey, list(self.mesh.devices.flat)) if ckey else None
         if exe is None:
             before = getattr(_compile_hits, "n", 0)
-            exe = self._lower(key).compile(compiler_options=self.compiler_options or None)
+            exe = self._lower(key).compile(compiler_options=self._compiler_options(key) or None)
             if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
                 self.exe_cache.store(ckey, exe)
         if self.staged:

@@ -47,7 +47,10 @@ class Kernels:
     attention_decode: Callable
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
-    split_k: int = 1                    # K ranges of the row-parallel decode GEMMs, one batched dot (row_parallel)
+    # decode batches from split_k_from rows: the row-parallel GEMMs as one batched dot over split_k ranges of K
+    # (row_parallel), compiled with XLA's own K splits off (Executor.compile_options: in_proj then runs unsplit)
+    split_k: int = 1
+    split_k_from: int = 64
     # decode attention from the packed qkv: (qkv [N, W], q_norm, k_norm, k_pages, v_pages, pages, positions, lens,
     # *, q_heads, rotary_dim, theta, eps) -> (query tiles, k_pages, v_pages), then attention_tiles(tiles, q_heads,
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
@@ -88,14 +91,14 @@ def gated_norm(o, z, w, eps):
 
 def row_parallel(kernels: Kernels, x, w):
     """x @ w where w's rows are split over tp: per-rank partial sums in fp32, one all-reduce, one rounding (a
-    prefill at tp = 1 has nothing to sum: its GEMM rounds). Decode with kernels.split_k = S > 1: each rank's GEMM
-    as one batched dot over S ranges of K, its fp32 parts summed before the all-reduce, the split XLA would choose
-    by itself (and with xla_gpu_experimental_force_split_k=1 chooses for no other GEMM, e.g. not in_proj)."""
+    prefill at tp = 1 has nothing to sum: its GEMM rounds). Decode of kernels.split_k_from rows or more with
+    kernels.split_k = S > 1: each rank's GEMM as one batched dot over S ranges of K, its fp32 parts summed before
+    the all-reduce: the split XLA makes of these GEMMs by itself, so that it can be told to split no other one."""
     n, t, k = x.shape
     if t > 1 and jax.lax.axis_size(TP) == 1:
         return project(kernels, x, w)
     s = kernels.split_k
-    if t == 1 and s > 1:
+    if t == 1 and s > 1 and n >= kernels.split_k_from:
         if k % s:
             raise ValueError(f"QWEN35_DECODE_SPLIT_K={s} does not divide this rank's K = {k} of a row-parallel GEMM")
         parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1), (((2,), (1,)), ((1,), (0,))),

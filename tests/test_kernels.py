@@ -821,7 +821,9 @@ def test_pf_warps_sets_the_pf_prep_alone():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
     """QWEN35_DECODE_SPLIT_K=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
-    (model.row_parallel) give the logits of the single dot within fp32 summation order; prefill is untouched."""
+    (model.row_parallel, from QWEN35_DECODE_SPLIT_K_FROM rows) give the logits of the single dot within fp32
+    summation order; prefill, and decode batches below the threshold, are untouched."""
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "2")
     from qwen35_jax import backends
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
@@ -844,7 +846,14 @@ def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
         out[split] = [np.asarray(x, np.float32)[..., :cfg.vocab_size] for x in (prefill, decode)]
     scale = np.abs(out["1"][1]).max()
     assert np.array_equal(out["1"][0], out["4"][0])
-    assert np.abs(out["4"][1] - out["1"][1]).max() <= 1e-6 * scale
+    assert 0 < np.abs(out["4"][1] - out["1"][1]).max() <= 1e-6 * scale      # split: other summation order
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "3")                  # 2 rows: below it, no split
+    runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
+                         kernel_backend="reference")
+    runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True)
+    decode = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
+    assert np.array_equal(np.asarray(decode, np.float32)[..., :cfg.vocab_size], out["1"][1])
+    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "2")
     monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "0")
     with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):
         backends.reference_kernels()
