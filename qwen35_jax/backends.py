@@ -72,7 +72,8 @@ def decode_split_k(default: int) -> dict:
     every decode GEMM as it chooses). The pallas backend's default 4: -0.224 ms per 9B step at 64 rows, 5 / 5
     rounds (bench/ab_decode.py at 827a9c7, H200), with XLA's own splits off, which puts in_proj back in one
     kernel; 8 ranges -0.133. XLA's splits off cost +0.26 ms at 16 rows (+0.011 with 8 ranges, +0.049 with 4), and
-    batch 1 ran at 1.74x the floor (6.61 ms), hence only from 64 rows."""
+    batch 1 ran at 1.74x the floor (6.61 ms), hence only from 64 rows (from 32: -0.046 ms at 32 rows, within the
+    noise; at 128 rows S = 4 -0.021, S = 8 +0.28; 4a6f0a5)."""
     out = {}
     for name, key, value in (("QWEN35_DECODE_SPLIT_K", "split_k", str(default)),
                              ("QWEN35_DECODE_SPLIT_K_FROM", "split_k_from", "64")):
