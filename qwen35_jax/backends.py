@@ -20,7 +20,8 @@ that kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one 
 paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py
 at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp attention). Decode
 projections (T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches of
-`QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block).
+`QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block); from 64 rows
+the model splits the row-parallel ones over K itself and XLA splits none (`decode_split_k`, model.row_parallel).
 `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
 `matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits
 the kernel to those K x N weights; another name in matmul.RULES picks the configurations by another rule;

@@ -62,8 +62,9 @@ def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
-    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K, and the rounding then rides in
-    the fusion that adds the partial sums; it runs the backend's matmul kernel where there is one. (Asking bf16 of
+    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K (or row_parallel does, from
+    kernels.split_k_from rows), and the rounding then rides in the fusion that adds the partial sums; it runs the
+    backend's matmul kernel where there is one. (Asking bf16 of
     in_proj / qkv_proj and of the row-parallel GEMMs at tp = 1 measured the same, 868067b: bench/RESULTS.md.)
     gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
