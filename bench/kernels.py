@@ -506,7 +506,7 @@ def fla_prefill(lens):
                                       use_qk_l2norm_in_kernel=True, state_v_first=True, cu_seqlens=cu)
             fv()
             out["varlen_eager_us"] = fla_med(fv)      # host-synchronising chunk indexing: not graph-capturable
-    del q, k, v, gg, beta, h0
+    q = k = v = gg = beta = h0 = None       # the lambdas' cells hold the tensors: release them before fla_free
     fla_free()
     return out
 
