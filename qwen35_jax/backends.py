@@ -13,25 +13,24 @@ references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1`
 and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
 The decode GDN with its conv and gated norm in one kernel (d02e866 / 38b1084, one program per row and key head) was
 +0.15 to +0.46 ms per 9B step at batch 64 in its four configurations (bench/ab_decode.py at 997fa07) and was removed.
-Decode attention: pallas_kernels/paged_attention.py
-(DEFAULT config, checked and timed on the H200 by bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp
-reference instead, and any name in paged_attention.config_sweep() another configuration. What comes between qkv_proj and
-that kernel (q / k norm and RoPE, the K / V page write, the query tiles) is one kernel too,
-paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py
-at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs XLA's ops instead (as with the jnp attention). Decode
-projections (T = 1) run XLA's dot, gate_up's asked for its bf16 result itself in decode batches of
-`QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`, model.mlp_block); from 64 rows
-the model splits the row-parallel ones over K itself and XLA splits none (`decode_split_k`, model.row_parallel).
-`QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead (configuration per shape by
-`matmul.choose`, XLA's dot where none fits, logged once per shape; `QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits
-the kernel to those K x N weights; another name in matmul.RULES picks the configurations by another rule;
-`QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the Mosaic GPU kernel instead: TMA loads and
-asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64 step (bench/ab_decode.py at f4fd1c0: +0.28 ms
-for the Triton kernel on every projection, +0.22 for the Mosaic GPU kernel; at 17358e7 on each projection alone, +0.05
-to +0.18 ms and +0.03 to +0.32), so both stay opt-in. The A/Bs before f4fd1c0 that named these variants timed the
-default's executable for every variant (bench/RESULTS.md, readings of the 2026-12-03 evening). The same kernel with the
-SiLU product or the gated norm as its prologue (5017f1d) measured +1.0 ms (gated norm) and a 12.1 ms step (both) and was
-removed.
+Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the H200 by
+bench/attention.py); `QWEN35_DECODE_ATTENTION=jnp` selects the jnp reference instead, and any name in
+paged_attention.config_sweep() another configuration. What comes between qkv_proj and that kernel (q / k norm and RoPE,
+the K / V page write, the query tiles) is one kernel too, paged_attention.decode_prologue (-0.072 / -0.062 ms per 9B
+step at batch 16 / 64, 5 / 5 rounds each, bench/ab_decode.py at bbab894); `QWEN35_DECODE_ATTENTION_PROLOGUE=xla` runs
+XLA's ops instead (as with the jnp attention). Decode projections (T = 1) run XLA's dot, gate_up's asked for its bf16
+result itself in decode batches of `QWEN35_DECODE_GATE_UP_ROUNDS_FROM` rows or more (default 64, `gate_up_rounds_from`,
+model.mlp_block); from 64 rows the model splits the row-parallel ones over K itself and XLA splits none
+(`decode_split_k`, model.row_parallel). `QWEN35_DECODE_MATMUL=kernel` runs them through pallas_kernels/matmul.py instead
+(configuration per shape by `matmul.choose`, XLA's dot where none fits, logged once per shape;
+`QWEN35_DECODE_MATMUL_SHAPES=4096x12352,...` limits the kernel to those K x N weights; another name in matmul.RULES
+picks the configurations by another rule; `QWEN35_DECODE_MATMUL=mgpu` and the other names in matmul_mgpu.RULES run the
+Mosaic GPU kernel instead: TMA loads and asynchronous wgmma). Both are slower than XLA's GEMMs in the 9B batch-64 step
+(bench/ab_decode.py at f4fd1c0: +0.28 ms for the Triton kernel on every projection, +0.22 for the Mosaic GPU kernel; at
+17358e7 on each projection alone, +0.05 to +0.18 ms and +0.03 to +0.32), so both stay opt-in. The A/Bs before f4fd1c0
+that named these variants timed the default's executable for every variant (bench/RESULTS.md, readings of the 2026-12-03
+evening). The same kernel with the SiLU product or the gated norm as its prologue (5017f1d) measured +1.0 ms (gated
+norm) and a 12.1 ms step (both) and was removed.
 """
 from __future__ import annotations
 
@@ -158,13 +157,14 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
         raise ValueError(f"decode attention variant must be one of {sorted(av)}, got {attention!r}")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
-             "projections %s", prefill, pv[prefill].name, decode, dv[decode].name,
-             paged_attention.DEFAULT.name if attention == "kernel" else attention, prologue, projections)
     split = decode_split_k(4 if projections == "xla" else 1)
     if projections != "xla" and split["split_k"] > 1:
         raise ValueError("QWEN35_DECODE_SPLIT_K splits XLA's decode GEMMs; the decode matmul kernel "
                          f"({projections}) runs them instead")
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
+             "projections %s, the row-parallel ones split over %d ranges of K from %d rows", prefill,
+             pv[prefill].name, decode, dv[decode].name, paged_attention.DEFAULT.name if attention == "kernel"
+             else attention, prologue, projections, split["split_k"], split["split_k_from"])
     tiles = before_tiles = None
     if prologue == "kernel":
         config = av[attention].__wrapped__.keywords["config"]

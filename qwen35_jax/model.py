@@ -48,7 +48,7 @@ class Kernels:
     matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
     # decode batches from split_k_from rows: the row-parallel GEMMs as one batched dot over split_k ranges of K
-    # (row_parallel), compiled with XLA's own K splits off (Executor.compile_options: in_proj then runs unsplit)
+    # (row_parallel), compiled with XLA's own K splits off (Executor._compiler_options: in_proj runs unsplit)
     split_k: int = 1
     split_k_from: int = 64
     # decode attention from the packed qkv: (qkv [N, W], q_norm, k_norm, k_pages, v_pages, pages, positions, lens,
@@ -64,8 +64,8 @@ def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
     go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
     Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K (or row_parallel does, from
     kernels.split_k_from rows), and the rounding then rides in the fusion that adds the partial sums; it runs the
-    backend's matmul kernel where there is one. (Asking bf16 of
-    in_proj / qkv_proj and of the row-parallel GEMMs at tp = 1 measured the same, 868067b: bench/RESULTS.md.)
+    backend's matmul kernel where there is one. (Asking bf16 of in_proj / qkv_proj and of the row-parallel GEMMs
+    at tp = 1 measured the same, 868067b: bench/RESULTS.md.)
     gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, t, k = x.shape
