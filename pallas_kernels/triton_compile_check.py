@@ -2,8 +2,8 @@
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
 further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
-paged_attention.config_sweep() and decode_prologue / the decode matmul's matmul.RULES at the 9B shapes
-(with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
+paged_attention.config_sweep() and decode_prologue / the decode matmul's matmul.RULES at the 9B shapes (with the
+project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots, how many loads
 became asynchronous copies (the software pipeliner's work) and how many layout conversions the TTGIR holds (a static

@@ -57,13 +57,18 @@ def decode_variants() -> dict:
     return {"default": gdn.DEFAULT_DECODE, **{c.name: c for c in gdn.decode_sweep()}}
 
 
+def env_count(name: str, default: int, least: int = 0) -> int:
+    """$name as a count of at least `least` (default when unset); anything else is refused, naming it."""
+    text = os.environ.get(name, str(default))
+    if not text.isdigit() or int(text) < least:
+        raise ValueError(f"{name} must be a count of at least {least}, got {text!r}")
+    return int(text)
+
+
 def gate_up_rounds_from() -> int:
     """Decode rows from which gate_up's GEMM rounds its result (model.mlp_block): $QWEN35_DECODE_GATE_UP_ROUNDS_FROM,
     default 64 (the A/B at 868067b: -0.072 ms per 9B step at 64 rows, +0.036 at 16; 32 not measured)."""
-    text = os.environ.get("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "64")
-    if not text.isdigit():
-        raise ValueError(f"QWEN35_DECODE_GATE_UP_ROUNDS_FROM must be a row count, got {text!r}")
-    return int(text)
+    return env_count("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", 64)
 
 
 def decode_split_k(default: int) -> dict:
@@ -74,14 +79,8 @@ def decode_split_k(default: int) -> dict:
     kernel; 8 ranges -0.133. XLA's splits off cost +0.26 ms at 16 rows (+0.011 with 8 ranges, +0.049 with 4), and
     batch 1 ran at 1.74x the floor (6.61 ms), hence only from 64 rows (from 32: -0.046 ms at 32 rows, within the
     noise; at 128 rows S = 4 -0.021, S = 8 +0.28; 4a6f0a5)."""
-    out = {}
-    for name, key, value in (("QWEN35_DECODE_SPLIT_K", "split_k", str(default)),
-                             ("QWEN35_DECODE_SPLIT_K_FROM", "split_k_from", "64")):
-        text = os.environ.get(name, value)
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{name} must be a positive count, got {text!r}")
-        out[key] = int(text)
-    return out
+    return {"split_k": env_count("QWEN35_DECODE_SPLIT_K", default, 1),
+            "split_k_from": env_count("QWEN35_DECODE_SPLIT_K_FROM", 64, 1)}
 
 
 def reference_kernels() -> Kernels:

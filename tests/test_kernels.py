@@ -823,7 +823,6 @@ def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
     """QWEN35_DECODE_SPLIT_K=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
     (model.row_parallel, from QWEN35_DECODE_SPLIT_K_FROM rows) give the logits of the single dot within fp32
     summation order; prefill, and decode batches below the threshold, are untouched."""
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "2")
     from qwen35_jax import backends
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
@@ -835,33 +834,28 @@ def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
     weights = load_weights(model, cfg, mesh, jnp.float32)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
     page_table = np.array([1 + np.arange(2), 3 + np.arange(2)])
-    out = {}
-    for split in ("1", "4"):
+
+    def run(split, split_from, prefill=True):
+        """(prefill logits or None, decode logits) of a fresh runner under these settings (2 rows)."""
         monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", split)
+        monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", split_from)
         runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
                              kernel_backend="reference")
-        assert runner.kernels.split_k == int(split)
-        prefill = runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True)
-        decode = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
-        out[split] = [np.asarray(x, np.float32)[..., :cfg.vocab_size] for x in (prefill, decode)]
+        assert (runner.kernels.split_k, runner.kernels.split_k_from) == (int(split), int(split_from))
+        pre = runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True) if prefill else None
+        dec = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
+        return [None if x is None else np.asarray(x, np.float32)[..., :cfg.vocab_size] for x in (pre, dec)]
+
+    out = {split: run(split, "2") for split in ("1", "4")}
     scale = np.abs(out["1"][1]).max()
     assert np.array_equal(out["1"][0], out["4"][0])
     assert 0 < np.abs(out["4"][1] - out["1"][1]).max() <= 1e-6 * scale      # split: other summation order
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "3")                  # 2 rows: below it, no split
-    runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
-                         kernel_backend="reference")
-    runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True)
-    decode = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
-    assert np.array_equal(np.asarray(decode, np.float32)[..., :cfg.vocab_size], out["1"][1])
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "2")
+    assert np.array_equal(run("4", "3")[1], out["1"][1])                   # 2 rows: below it, no split
     monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "0")
     with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):
         backends.reference_kernels()
     monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "2")
     with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):      # with the decode matmul kernel
         backends.pallas_kernels(interpret=True, projections="kernel")
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "7")                      # divides no K of this model
-    runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
-                         kernel_backend="reference")
-    with pytest.raises(ValueError, match="does not divide"):
-        runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
+    with pytest.raises(ValueError, match="does not divide"):               # 7 divides no K of this model
+        run("7", "2", prefill=False)
