@@ -85,6 +85,7 @@ OUT = os.environ.get("OUT", "/tmp/bench_out")
 os.makedirs(OUT, exist_ok=True)
 DRY = os.environ.get("BENCH_DRY") == "1"     # CPU smoke test of this script: tiny shapes, interpret-mode kernels
 HK, HV, DK, DV, CONV_CH = (2, 4, 16, 32, 96) if DRY else (16, 32, 128, 128, 8192)
+CONV_W = CONV_CH + HV * DV + 2 * HV         # the in_proj output the model's conv reads its channels from (9B: 12352)
 STATE_BYTES = HV * DV * DK * 4
 TITLE = "GDN / conv kernels vs fla (issue 3)"
 T_START = time.time()
@@ -837,6 +838,17 @@ def main():
                 out[nm] = dict(ok=False, error=repr(e)[:400])
             if out[nm]["ok"]:
                 RES["valid"]["conv_prefill"].append(nm)
+        # the model's call: the channels read in place from a wider input, q | k | v written as arrays of their own
+        xw = jnp.concatenate([x, jnp.full((*x.shape[:-1], CONV_W - CONV_CH), 3.0, x.dtype)], axis=-1)
+        cuts = (CONV_CH // 4, CONV_CH // 2)
+        try:
+            parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw()))(xw, w, cpool, cs,
+                                                                                                  cl, cu)
+            ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
+                  and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
+            out["conv_prefill_split"] = dict(ok=bool(ok))
+        except Exception as e:  # noqa: BLE001
+            out["conv_prefill_split"] = dict(ok=False, error=repr(e)[:400])
         for c in conv1d.decode_sweep():
             nm = f"conv_decode_{c.decode_name}"
             try:
@@ -1101,20 +1113,28 @@ def main():
                 r["fla_bytes"] = n * CONV_CH * 2 * (1 + 1 + 4 + 4)
             log("conv decode", n, r)
             save()
+        split_ok = RES["correct_decode_conv"].get("conv_prefill_split", {}).get("ok")
         for t in ((200,) if DRY else (8192, 32768)):
             r = RES["conv"].setdefault(f"prefill_{t}", {})
             x = jax.random.normal(key, (1, t, CONV_CH), jnp.bfloat16)
-            for cfg in vpre:
-                nm = cfg.prefill_name
-                if not have_time(f"conv prefill {t} {nm}", 4):
-                    break
-                call = lambda pool, x, cfg=cfg: conv1d.conv_prefill(x, w, pool, jnp.array([1]), jnp.array([t]),
-                                                                    jnp.array([True]), config=cfg, **kernel_kw())[1]
-                try:
-                    r[nm], _ = time_calls(call, jax.random.normal(key, (2, 3, CONV_CH), jnp.bfloat16), [(x,)],
-                                          calls=(4, 20))
-                except Exception as e:  # noqa: BLE001
-                    RES["errors"][f"conv prefill {t} {nm}"] = repr(e)[:400]
+            # the model's form: the conv channels read in place from the in_proj output (9B: 12352 columns), q | k | v
+            # written apart (split); timed at 8k tokens only
+            xw = jax.random.normal(key, (1, t, CONV_W), jnp.bfloat16)
+            forms = [("", x, None)] + ([("split_", xw, (CONV_CH // 4, CONV_CH // 2))] if t <= 8192 and split_ok
+                                       else [])
+            for form, xin, cuts in forms:
+                for cfg in vpre:
+                    nm = form + cfg.prefill_name
+                    if not have_time(f"conv prefill {t} {nm}", 4):
+                        break
+                    call = lambda pool, x, cfg=cfg, cuts=cuts: conv1d.conv_prefill(
+                        x, w, pool, jnp.array([1]), jnp.array([t]), jnp.array([True]), split=cuts, config=cfg,
+                        **kernel_kw())[1]
+                    try:
+                        r[nm], _ = time_calls(call, jax.random.normal(key, (2, 3, CONV_CH), jnp.bfloat16), [(xin,)],
+                                              calls=(4, 20))
+                    except Exception as e:  # noqa: BLE001
+                        RES["errors"][f"conv prefill {t} {nm}"] = repr(e)[:400]
             r["bytes"] = 2 * t * CONV_CH * 2
             if FLA and have_time(f"fla conv prefill {t}", 4):
                 torch = FLA["torch"]
@@ -1332,6 +1352,13 @@ def report() -> str:
         fb = r.get("fla_bytes", r.get("bytes"))
         L.append(f"| {case} | {us:.1f} ({best}) | {r['bytes'] / us / 1e6:.2f} | {fmt(fl)} | "
                  f"{fmt(fb / fl / 1e6 if fl else None, '.2f')} |")
+    sweep = {case: {k: v for k, v in r.items() if k.startswith(("bt", "split_"))}
+             for case, r in RES.get("conv", {}).items() if case.startswith("prefill")}
+    if any(sweep.values()):
+        L += ["", f"Conv prefill sweep (µs; default `{conv1d.ConvConfig().prefill_name}`; `split_*`: the model's call, "
+              f"the channels read in place from a [T, {CONV_W}] in_proj output and q | k | v written as three arrays): "
+              + "; ".join(f"{case}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()) for case, r in sweep.items()
+                          if r)]
     ms = RES.get("model_step")
     if ms:
         L += ["", "### Whole 9B-shaped model, one decode step (random weights, bf16, tp=1, position 512, wall time "

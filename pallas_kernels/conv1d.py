@@ -50,10 +50,15 @@ def decode_sweep():
 
 
 def prefill_sweep():
-    """Conv prefill configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
-    return [ConvConfig(), ConvConfig(bt=64, bc=64, num_warps=2), ConvConfig(bt=32, bc=128, num_warps=4),
-            ConvConfig(bt=128, bc=64, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=4),
-            ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8)]
+    """Conv prefill configurations bench/kernels.py times (tests cross-lower each one for CUDA). The first five are
+    from the H200 sweep at 5bfe895; the rest keep fewer values per thread live (4 taps x bt x bc / threads): for
+    sm_90 bt64_bc128_w8 compiles to 139 registers, one program (8 warps) per SM, bt16_bc128_w8 to 64 registers and
+    four programs (pallas_kernels/triton_compile_check.py)."""
+    return [ConvConfig(), ConvConfig(bt=32, bc=128, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=4),
+            ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8),
+            ConvConfig(bt=32, bc=128, num_warps=8), ConvConfig(bt=16, bc=128, num_warps=8),
+            ConvConfig(bt=16, bc=64, num_warps=4), ConvConfig(bt=32, bc=64, num_warps=8),
+            ConvConfig(bt=8, bc=128, num_warps=4)]
 
 
 def _i(i):
@@ -69,8 +74,9 @@ def _conv_sum(xs, ws):
     return acc
 
 
-def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref,
-                    *, bt, bc, taps):
+def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, *out_refs, bt, bc, taps,
+                    split):
+    *y_refs, pool_out_ref = out_refs
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
     c_total = w_ref.shape[-1]                       # x may have more columns than the conv's channels
@@ -101,8 +107,11 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
                 xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
             xs.append(xd)
         acc = _conv_sum(xs, ws)
-        y = jax.nn.silu(acc).astype(y_ref.dtype)
-        pltriton.store(y_ref.at[pl.ds(start + t0, bt), cols], y, mask=tile_mask)
+        y = jax.nn.silu(acc).astype(x_ref.dtype)
+        for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):    # the part holding this channel block
+            @pl.when((cb * bc >= lo) & (cb * bc < hi))
+            def _():
+                pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
 
         @pl.when(first)
         def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
@@ -115,42 +124,51 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
                 pltriton.store(pool_out_ref.at[slot, _i(i), cols], val, mask=cmask)
 
 
-def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=None, max_span=None,
+def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=None, max_span=None, split=None,
                         config: ConvConfig = ConvConfig(), interpret=False):
     """Packed conv prefill. The channels are x's first C = w.shape[1] columns (x [total, >= C]: the model passes
     the whole input projection, read in place); sequence n is rows [starts[n], starts[n] + lens[n]); outputs are
     written for rows [starts, starts + spans) (spans default to lens; the conv simply continues over padding);
-    max_span: static bound on spans (default total). Returns (y [total, C] in x.dtype, pool)."""
+    max_span: static bound on spans (default total). Returns (y [total, C] in x.dtype, pool); with split (channel
+    offsets, as jnp.split takes them) y is the tuple of its parts, each written by the kernel as an array of its own."""
     (total, width), (taps, c) = x.shape, w.shape
     if width < c:
         raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     if taps < 2 or config.bt < taps - 1:
         raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
+    cuts = tuple(split or ())
+    if list(cuts) != sorted(set(cuts)) or any(not 0 < s < c for s in cuts):
+        raise ValueError(f"conv split {cuts} must be increasing channel offsets inside (0, {c})")
     n = starts.shape[0]
     i32 = lambda v: jnp.asarray(v).astype(jnp.int32)
     starts, lens, slots, use_state = i32(starts), i32(lens), i32(slots), i32(use_state)
     spans = lens if spans is None else i32(spans)
     max_span = max_span or total
     bc = min(config.bc, pl.next_power_of_2(c))
-    y, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps),
-        out_shape=(jax.ShapeDtypeStruct((total, c), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
+    while any(s % bc for s in cuts):              # a channel block never straddles two parts
+        bc //= 2
+    widths = [hi - lo for lo, hi in zip((0, *cuts), (*cuts, c))]
+    *ys, pool = pl.pallas_call(
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts),
+        out_shape=(*(jax.ShapeDtypeStruct((total, wd), x.dtype) for wd in widths),
+                   jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),
-        input_output_aliases={7: 1},
+        input_output_aliases={7: len(widths)},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret, name="conv_prefill",
     )(starts, lens, spans, slots, use_state, x, w, pool)
-    return y, pool
+    return (ys[0] if split is None else tuple(ys)), pool
 
 
-def conv_prefill(x, w, pool, slots, lens, use_state, *, config: ConvConfig = ConvConfig(), interpret=False):
+def conv_prefill(x, w, pool, slots, lens, use_state, *, split=None, config: ConvConfig = ConvConfig(),
+                 interpret=False):
     """The model's padded-batch contract (conv1d_reference.conv_prefill); x [N, T, >= C]."""
     n, t, width = x.shape
-    c = w.shape[1]
     y, pool = conv_prefill_packed(x.reshape(n * t, width), w, pool, jnp.arange(n, dtype=jnp.int32) * t, lens, slots,
-                                  use_state, spans=jnp.full((n,), t, jnp.int32), max_span=t, config=config,
-                                  interpret=interpret)
-    return y.reshape(n, t, c), pool
+                                  use_state, spans=jnp.full((n,), t, jnp.int32), max_span=t, split=split,
+                                  config=config, interpret=interpret)
+    shape = lambda part: part.reshape(n, t, part.shape[-1])
+    return (shape(y) if split is None else tuple(map(shape, y))), pool
 
 
 def _decode_kernel(slot_ref, x_ref, w_ref, pool_ref, y_ref, pool_out_ref, *, bc, taps):

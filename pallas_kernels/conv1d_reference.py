@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 
-def conv_prefill(x, w, pool, slots, lens, use_state):
+def conv_prefill(x, w, pool, slots, lens, use_state, *, split=None):
     """Conv of each row continuing from its slot's state (zeros where use_state is False: a fresh request);
     the last K-1 real inputs become the new state. The channels are x's first C = w.shape[1] columns
-    (x [N, T, >= C])."""
+    (x [N, T, >= C]). split: channel offsets (as jnp.split takes them): y comes back as the tuple of its parts
+    (the model's q, k and v, which the kernel writes as arrays of their own)."""
     if x.shape[-1] < w.shape[1]:
         raise ValueError(f"conv input has {x.shape[-1]} columns, fewer than the weight's {w.shape[1]} channels")
     x = x[..., :w.shape[1]]
@@ -27,7 +28,8 @@ def conv_prefill(x, w, pool, slots, lens, use_state):
     y = jax.nn.silu(y).astype(x.dtype)
     take = lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, km1, axis=0)        # inputs lens-K+1 .. lens
     new_state = jax.vmap(take)(ext, lens)
-    return y, pool.at[slots].set(new_state.astype(pool.dtype))
+    pool = pool.at[slots].set(new_state.astype(pool.dtype))
+    return (y if split is None else tuple(jnp.split(y, split, axis=-1))), pool
 
 
 def conv_decode(x, w, pool, slots):

@@ -173,7 +173,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                                static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
-                   conv_prefill=p(conv1d.conv_prefill), conv_decode=p(conv1d.conv_decode),
+                   conv_prefill=jax.jit(functools.partial(conv1d.conv_prefill, interpret=interpret),
+                                        static_argnames="split"),
+                   conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),

@@ -182,9 +182,11 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
             o = o[:, None]
     else:
         b, a = proj[..., 2 * kl + 2 * vl:2 * kl + 2 * vl + hv], proj[..., 2 * kl + 2 * vl + hv:]
-        with jax.named_scope("conv1d"):     # q | k | v are proj's first columns: the conv reads them in place
-            y, conv_pool = kernels.conv_prefill(proj, w.conv, conv_pool, batch.slots, batch.lens, batch.start > 0)
-        q, k, v = jnp.split(y, [kl, 2 * kl], axis=-1)
+        # q | k | v are proj's first columns: the conv reads them in place and writes q, k and v as arrays of
+        # their own (a split after the kernel would copy them all once more)
+        with jax.named_scope("conv1d"):
+            (q, k, v), conv_pool = kernels.conv_prefill(proj, w.conv, conv_pool, batch.slots, batch.lens,
+                                                        batch.start > 0, split=(kl, 2 * kl))
         q, k, v = q.reshape(n, t, hk, dk), k.reshape(n, t, hk, dk), v.reshape(n, t, hv, dv)
         with jax.named_scope("gated_delta_rule"):
             o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,

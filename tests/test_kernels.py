@@ -333,6 +333,17 @@ def test_conv_prefill_and_decode_exact():
     np.testing.assert_array_equal(np.asarray(neww, np.float32), np.asarray(new, np.float32))
     np.testing.assert_array_equal(np.asarray(conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use)[0],
                                              np.float32), np.asarray(y_ref, np.float32))
+    # the model's q | k | v: each part written by the kernel as an array of its own (channel blocks of 32 here)
+    split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames="split")
+    parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64))
+    parts_ref, _ = conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use, split=(32, 64))
+    assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
+    for part, ref in zip(parts, parts_ref):
+        np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(news, np.float32), np.asarray(new, np.float32))
+    for bad in ((64, 32), (0, 32), (32, c)):
+        with pytest.raises(ValueError, match="must be increasing channel offsets"):
+            conv1d.conv_prefill(xw, w, pool, slots, lens, use, split=bad, interpret=True)
     # decode, padded rows on the null slot
     dslots = jnp.array([6, 0, 10, 0])
     xd = x[:4, 0]
@@ -492,8 +503,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
     ccfgs = conv1d.prefill_sweep()
-    text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs], *conv)
-    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
+    text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs]
+                          + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk))], *conv)   # the model's q, k, v
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 1
     ccfgs = conv1d.decode_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
