@@ -86,6 +86,7 @@ os.makedirs(OUT, exist_ok=True)
 DRY = os.environ.get("BENCH_DRY") == "1"     # CPU smoke test of this script: tiny shapes, interpret-mode kernels
 HK, HV, DK, DV, CONV_CH = (2, 4, 16, 32, 96) if DRY else (16, 32, 128, 128, 8192)
 CONV_W = CONV_CH + HV * DV + 2 * HV         # the in_proj output the model's conv reads its channels from (9B: 12352)
+CONV_MODEL_FORM = ("bt64_bc128_w8", "bt32_bc128_w4", "bt32_bc128_w8", "bt16_bc128_w8", "bt16_bc64_w4")
 STATE_BYTES = HV * DV * DK * 4
 TITLE = "GDN / conv kernels vs fla (issue 3)"
 T_START = time.time()
@@ -841,14 +842,17 @@ def main():
         # the model's call: the channels read in place from a wider input, q | k | v written as arrays of their own
         xw = jnp.concatenate([x, jnp.full((*x.shape[:-1], CONV_W - CONV_CH), 3.0, x.dtype)], axis=-1)
         cuts = (CONV_CH // 4, CONV_CH // 2)
-        try:
-            parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw()))(xw, w, cpool, cs,
-                                                                                                  cl, cu)
-            ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
-                  and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
-            out["conv_prefill_split"] = dict(ok=bool(ok))
-        except Exception as e:  # noqa: BLE001
-            out["conv_prefill_split"] = dict(ok=False, error=repr(e)[:400])
+        for store in ("branch", "mask"):
+            nm = "conv_prefill_split" + ("_mask" if store == "mask" else "")
+            try:
+                parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw(),
+                                                     config=conv1d.ConvConfig(split_store=store)))(xw, w, cpool, cs,
+                                                                                                   cl, cu)
+                ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
+                      and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
+                out[nm] = dict(ok=bool(ok))
+            except Exception as e:  # noqa: BLE001
+                out[nm] = dict(ok=False, error=repr(e)[:400])
         for c in conv1d.decode_sweep():
             nm = f"conv_decode_{c.decode_name}"
             try:
@@ -1113,17 +1117,23 @@ def main():
                 r["fla_bytes"] = n * CONV_CH * 2 * (1 + 1 + 4 + 4)
             log("conv decode", n, r)
             save()
-        split_ok = RES["correct_decode_conv"].get("conv_prefill_split", {}).get("ok")
+        checked = lambda nm: RES["correct_decode_conv"].get(nm, {}).get("ok")
+        model_form = [c for c in vpre if c.prefill_name in CONV_MODEL_FORM]
+        masked = [dataclasses.replace(c, split_store="mask") for c in model_form]
         for t in ((200,) if DRY else (8192, 32768)):
             r = RES["conv"].setdefault(f"prefill_{t}", {})
             x = jax.random.normal(key, (1, t, CONV_CH), jnp.bfloat16)
-            # the model's form: the conv channels read in place from the in_proj output (9B: 12352 columns), q | k | v
-            # written apart (split); timed at 8k tokens only
+            # the model's form at 8k tokens: the conv channels read in place from the in_proj output (9B: 12352
+            # columns), written whole ("wide_") or as q | k | v apart ("split_", by either store)
             xw = jax.random.normal(key, (1, t, CONV_W), jnp.bfloat16)
-            forms = [("", x, None)] + ([("split_", xw, (CONV_CH // 4, CONV_CH // 2))] if t <= 8192 and split_ok
-                                       else [])
-            for form, xin, cuts in forms:
-                for cfg in vpre:
+            cuts = (CONV_CH // 4, CONV_CH // 2)
+            forms = [("", x, None, vpre)]
+            if t <= 8192:
+                forms += [("wide_", xw, None, model_form)]
+                forms += [("split_", xw, cuts, model_form)] if checked("conv_prefill_split") else []
+                forms += [("split_", xw, cuts, masked)] if checked("conv_prefill_split_mask") else []
+            for form, xin, cuts, cfgs in forms:
+                for cfg in cfgs:
                     nm = form + cfg.prefill_name
                     if not have_time(f"conv prefill {t} {nm}", 4):
                         break
@@ -1352,11 +1362,12 @@ def report() -> str:
         fb = r.get("fla_bytes", r.get("bytes"))
         L.append(f"| {case} | {us:.1f} ({best}) | {r['bytes'] / us / 1e6:.2f} | {fmt(fl)} | "
                  f"{fmt(fb / fl / 1e6 if fl else None, '.2f')} |")
-    sweep = {case: {k: v for k, v in r.items() if k.startswith(("bt", "split_"))}
+    sweep = {case: {k: v for k, v in r.items() if k.startswith(("bt", "split_", "wide_"))}
              for case, r in RES.get("conv", {}).items() if case.startswith("prefill")}
     if any(sweep.values()):
-        L += ["", f"Conv prefill sweep (µs; default `{conv1d.ConvConfig().prefill_name}`; `split_*`: the model's call, "
-              f"the channels read in place from a [T, {CONV_W}] in_proj output and q | k | v written as three arrays): "
+        L += ["", f"Conv prefill sweep (µs; default `{conv1d.ConvConfig().prefill_name}`; `wide_*`: the channels read "
+              f"in place from a [T, {CONV_W}] in_proj output, `split_*`: the same with q | k | v written as three "
+              "arrays (the model's call), `*_mask`: by masked stores): "
               + "; ".join(f"{case}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()) for case, r in sweep.items()
                           if r)]
     ms = RES.get("model_step")

@@ -34,10 +34,14 @@ class ConvConfig:
     num_warps: int = 8      # 4 warps 171.0 / 653.0, 32 x 128 with 4 warps 116.8 / 438.1 (bench/RESULTS.md)
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
+    # prefill with split outputs: each program stores its tile into its part under a branch per part ("branch") or
+    # by a store per part masked off outside it ("mask"); sm_90 compiles them differently (bt64_bc128_w8: 93 / 104
+    # registers, 139 without a split) and the branches ran slower in the 9B prefill (1.41 vs 1.19 ms per layer)
+    split_store: str = "branch"
 
     @property
     def prefill_name(self):
-        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}"
+        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}" + ("" if self.split_store == "branch" else "_mask")
 
     @property
     def decode_name(self):
@@ -75,7 +79,7 @@ def _conv_sum(xs, ws):
 
 
 def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, *out_refs, bt, bc, taps,
-                    split):
+                    split, split_store):
     *y_refs, pool_out_ref = out_refs
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
@@ -108,10 +112,15 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
             xs.append(xd)
         acc = _conv_sum(xs, ws)
         y = jax.nn.silu(acc).astype(x_ref.dtype)
-        for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):    # the part holding this channel block
-            @pl.when((cb * bc >= lo) & (cb * bc < hi))
-            def _():
-                pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
+        for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):   # into the part holding this block
+            mine = (cb * bc >= lo) & (cb * bc < hi)
+            if split_store == "mask":
+                pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(jnp.clip(cb * bc - lo, 0, hi - lo - 1), bc)],
+                               y, mask=tile_mask & mine)
+            else:
+                @pl.when(mine)
+                def _():
+                    pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
 
         @pl.when(first)
         def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
@@ -136,6 +145,8 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     if taps < 2 or config.bt < taps - 1:
         raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
+    if config.split_store not in ("branch", "mask"):
+        raise ValueError(f"ConvConfig.split_store must be 'branch' or 'mask', got {config.split_store!r}")
     cuts = tuple(split or ())
     if list(cuts) != sorted(set(cuts)) or any(not 0 < s < c for s in cuts):
         raise ValueError(f"conv split {cuts} must be increasing channel offsets inside (0, {c})")
@@ -149,7 +160,7 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         bc //= 2
     widths = [hi - lo for lo, hi in zip((0, *cuts), (*cuts, c))]
     *ys, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts),
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts, split_store=config.split_store),
         out_shape=(*(jax.ShapeDtypeStruct((total, wd), x.dtype) for wd in widths),
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),

@@ -75,8 +75,9 @@ def dump(out_dir, only=()):
     jobs += [(f"conv_prefill_{c.prefill_name}", functools.partial(conv1d.conv_prefill_packed, config=c), conv_pre)
              for c in conv1d.prefill_sweep()]
     # as the model calls it: the whole input projection read in place, q, k and v written as arrays of their own
-    jobs.append(("conv_prefill_split", functools.partial(conv1d.conv_prefill_packed, split=(2048, 4096)),
-                 (S((t, 12352), bf), *conv_pre[1:])))
+    jobs += [(f"conv_prefill_{'split_' if cuts else 'wide_'}{c.prefill_name}",
+              functools.partial(conv1d.conv_prefill_packed, split=cuts, config=c), (S((t, 12352), bf), *conv_pre[1:]))
+             for c in conv1d.prefill_sweep() for cuts in ((2048, 4096), None)]
     conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
              for c in conv1d.decode_sweep()]

@@ -34,6 +34,7 @@ norm) and a 12.1 ms step (both) and was removed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -55,6 +56,13 @@ def prefill_variants() -> dict:
 
 def decode_variants() -> dict:
     return {"default": gdn.DEFAULT_DECODE, **{c.name: c for c in gdn.decode_sweep()}}
+
+
+def conv_prefill_variants() -> dict:
+    """Conv prefill configurations by name: the sweep's, each also with masked split stores (`*_mask`)."""
+    sweep = conv1d.prefill_sweep()
+    return {"default": conv1d.ConvConfig(), **{c.prefill_name: c for c in sweep},
+            **{f"{c.prefill_name}_mask": dataclasses.replace(c, split_store="mask") for c in sweep}}
 
 
 def env_count(name: str, default: int, least: int = 0) -> int:
@@ -133,6 +141,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     """prefill / decode / attention / projections: variant names (None: $QWEN35_GDN_PREFILL / $QWEN35_GDN_DECODE /
     $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
+    conv = os.environ.get("QWEN35_CONV_PREFILL") or "default"
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
@@ -152,6 +161,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                          f"kernel), got {prologue!r} with decode attention {attention!r}")
     if prefill not in pv:
         raise ValueError(f"GDN prefill variant must be one of {sorted(pv)}, got {prefill!r}")
+    cv = conv_prefill_variants()
+    if conv not in cv:
+        raise ValueError(f"conv prefill variant must be one of {sorted(cv)}, got {conv!r}")
     if decode not in dv:
         raise ValueError(f"GDN decode variant must be one of {sorted(dv)}, got {decode!r}")
     if attention not in av:
@@ -160,9 +172,10 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     if projections != "xla" and split["split_k"] > 1:
         raise ValueError("QWEN35_DECODE_SPLIT_K splits XLA's decode GEMMs; the decode matmul kernel "
                          f"({projections}) runs them instead")
-    log.info("GDN kernels: prefill %s (%s), decode %s (%s); decode attention %s, its prologue %s; decode "
-             "projections %s, the row-parallel ones split over %d ranges of K from %d rows", prefill,
-             pv[prefill].name, decode, dv[decode].name, paged_attention.DEFAULT.name if attention == "kernel"
+    log.info("GDN kernels: prefill %s (%s), decode %s (%s); conv prefill %s; decode attention %s, its prologue %s; "
+             "decode projections %s, the row-parallel ones split over %d ranges of K from %d rows", prefill,
+             pv[prefill].name, decode, dv[decode].name, cv[conv].prefill_name,
+             paged_attention.DEFAULT.name if attention == "kernel"
              else attention, prologue, projections, split["split_k"], split["split_k_from"])
     tiles = before_tiles = None
     if prologue == "kernel":
@@ -173,7 +186,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                                static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
-                   conv_prefill=jax.jit(functools.partial(conv1d.conv_prefill, interpret=interpret),
+                   conv_prefill=jax.jit(functools.partial(conv1d.conv_prefill, config=cv[conv], interpret=interpret),
                                         static_argnames="split"),
                    conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],

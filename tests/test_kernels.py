@@ -334,13 +334,15 @@ def test_conv_prefill_and_decode_exact():
     np.testing.assert_array_equal(np.asarray(conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use)[0],
                                              np.float32), np.asarray(y_ref, np.float32))
     # the model's q | k | v: each part written by the kernel as an array of its own (channel blocks of 32 here)
-    split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames="split")
-    parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64))
+    split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames=("split", "config"))
     parts_ref, _ = conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use, split=(32, 64))
-    assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
-    for part, ref in zip(parts, parts_ref):
-        np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(ref, np.float32))
-    np.testing.assert_array_equal(np.asarray(news, np.float32), np.asarray(new, np.float32))
+    for store in ("branch", "mask"):
+        parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64),
+                            config=conv1d.ConvConfig(split_store=store))
+        assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
+        for part, ref in zip(parts, parts_ref):
+            np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(ref, np.float32))
+        np.testing.assert_array_equal(np.asarray(news, np.float32), np.asarray(new, np.float32))
     for bad in ((64, 32), (0, 32), (32, c)):
         with pytest.raises(ValueError, match="must be increasing channel offsets"):
             conv1d.conv_prefill(xw, w, pool, slots, lens, use, split=bad, interpret=True)
@@ -504,8 +506,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
             S((n,), jnp.bool_))
     ccfgs = conv1d.prefill_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs]
-                          + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk))], *conv)   # the model's q, k, v
-    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 1
+                          + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk), config=conv1d.ConvConfig(
+                              split_store=store)) for store in ("branch", "mask")], *conv)   # the model's q, k, v
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 2
     ccfgs = conv1d.decode_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
@@ -721,12 +724,22 @@ def test_backend_kernel_variants(monkeypatch):
     assert config(backends.pallas_kernels(interpret=True, attention=other.name).attention_decode) == other
     with pytest.raises(ValueError, match="decode attention variant"):
         backends.pallas_kernels(interpret=True, attention="nope")
+    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig()
+    monkeypatch.setenv("QWEN35_CONV_PREFILL", "bt32_bc128_w4_mask")
+    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig(
+        bt=32, bc=128, num_warps=4, split_store="mask")
+    monkeypatch.setenv("QWEN35_CONV_PREFILL", "nope")
+    with pytest.raises(ValueError, match="conv prefill variant"):
+        backends.pallas_kernels(interpret=True)
 
 
 def test_sweep_names_unique():
     for sweep in (gdn.prefill_sweep(), gdn.decode_sweep(), paged_attention.config_sweep()):
         names = [c.name for c in sweep]
         assert len(names) == len(set(names)), names
+    from qwen35_jax import backends
+    names = [c.prefill_name for c in backends.conv_prefill_variants().values()]
+    assert len(names) == len(set(names)) + 1, names          # "default" names the default configuration again
 
 
 def test_illegal_head_dim_raises():
