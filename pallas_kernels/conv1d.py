@@ -29,14 +29,15 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    bt: int = 64            # prefill tokens per program   (H200 sweep at 5bfe895: 64 x 128 with 8 warps took
-    bc: int = 128           # prefill channels per program  116.8 / 434.8 us at 8k / 32k tokens, fla 121.2 / 446.2;
-    num_warps: int = 8      # 4 warps 171.0 / 653.0, 32 x 128 with 4 warps 116.8 / 438.1 (bench/RESULTS.md)
+    bt: int = 32            # prefill tokens per program   (H200: 32 x 128 on 4 warps in the model's call, q | k | v
+    bc: int = 128           # prefill channels per program  split: 1.155 ms per 9B layer at 64 x 1024 tokens, 64 x 128
+    num_warps: int = 4      # on 8 warps 1.410; alone at 8k 120.1 vs 125.2 us, fla 121.0; bench/RESULTS.md 2026-12-04)
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
     # prefill with split outputs: each program stores its tile into its part under a branch per part ("branch") or
-    # by a store per part masked off outside it ("mask"); sm_90 compiles them differently (bt64_bc128_w8: 93 / 104
-    # registers, 139 without a split) and the branches ran slower in the 9B prefill (1.41 vs 1.19 ms per layer)
+    # by a store per part masked off outside it ("mask"). sm_90 compiles each differently (64 x 128 on 8 warps: 93 /
+    # 104 registers, 139 unsplit); at 32 x 128 on 4 warps the masked stores took 1.795 ms per 9B layer, the branches
+    # 1.155 (64 x 1024 tokens, one profile run, 2026-12-04)
     split_store: str = "branch"
 
     @property
@@ -58,7 +59,7 @@ def prefill_sweep():
     from the H200 sweep at 5bfe895; the rest keep fewer values per thread live (4 taps x bt x bc / threads): for
     sm_90 bt64_bc128_w8 compiles to 139 registers, one program (8 warps) per SM, bt16_bc128_w8 to 64 registers and
     four programs (pallas_kernels/triton_compile_check.py)."""
-    return [ConvConfig(), ConvConfig(bt=32, bc=128, num_warps=4), ConvConfig(bt=64, bc=128, num_warps=4),
+    return [ConvConfig(), ConvConfig(bt=64, bc=128, num_warps=8), ConvConfig(bt=64, bc=128, num_warps=4),
             ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8),
             ConvConfig(bt=32, bc=128, num_warps=8), ConvConfig(bt=16, bc=128, num_warps=8),
             ConvConfig(bt=16, bc=64, num_warps=4), ConvConfig(bt=32, bc=64, num_warps=8),

@@ -391,9 +391,15 @@ class Executor:
                                    env=self.settings)
 
     def _compiler_options(self, key) -> dict:
-        """$QWEN35_XLA_OPTIONS; for a decode bucket whose row-parallel GEMMs the model splits over K itself
-        (Kernels.split_k), XLA's own K splits off too, so that it splits no other GEMM (in_proj)."""
+        """$QWEN35_XLA_OPTIONS over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs (at
+        thousands of rows cuBLAS runs them at ~650-690 TFLOP/s; the 9B prefill at 64 x 1024 compiled every one to
+        cuBLAS until the conv's output split changed the program, after which XLA's autotuner took a Triton GEMM for
+        out_proj / o_proj in three builds of three, 10% slower: bench/RESULTS.md, 2026-12-04). A decode bucket whose
+        row-parallel GEMMs the model splits over K itself (Kernels.split_k): XLA's own K splits off, so that it
+        splits no other GEMM (in_proj)."""
         k = self.kernels
+        if key[0] == "prefill":
+            return {"xla_gpu_enable_triton_gemm": False, **self.compiler_options}
         if key[0] == "decode" and k.split_k > 1 and key[1] >= k.split_k_from:
             return {"xla_gpu_experimental_force_split_k": 1, **self.compiler_options}
         return self.compiler_options

@@ -296,7 +296,8 @@ def test_xla_options(monkeypatch):
 
 def test_decode_split_k_buckets(monkeypatch):
     """Kernels.split_k from split_k_from rows: those decode buckets compile with XLA's own K splits off (the option
-    reaches the compile, which the CPU accepts), the others and prefill as before; greedy output is unchanged."""
+    reaches the compile, which the CPU accepts), the others as before, prefill with cuBLAS GEMMs alone; greedy output
+    is unchanged."""
     monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "2")
     monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "4")
     model = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
@@ -305,7 +306,7 @@ def test_decode_split_k_buckets(monkeypatch):
     forced = {"xla_gpu_experimental_force_split_k": 1}
     for b in ex.decode_buckets:
         assert ex._compiler_options(("decode", b, "greedy")) == (forced if b >= 4 else {})
-    assert ex._compiler_options(("prefill", 8, 64)) == {}
+    assert ex._compiler_options(("prefill", 8, 64)) == {"xla_gpu_enable_triton_gemm": False}
     ps = prompts(6, seed=5)
     got = [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)]
     model.shutdown()
