@@ -842,8 +842,8 @@ def main():
         # the model's call: the channels read in place from a wider input, q | k | v written as arrays of their own
         xw = jnp.concatenate([x, jnp.full((*x.shape[:-1], CONV_W - CONV_CH), 3.0, x.dtype)], axis=-1)
         cuts = (CONV_CH // 4, CONV_CH // 2)
-        for store in ("branch", "mask"):
-            nm = "conv_prefill_split" + ("_mask" if store == "mask" else "")
+        for store in conv1d.SPLIT_STORES:
+            nm = f"conv_prefill_split_{store}"
             try:
                 parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw(),
                                                      config=conv1d.ConvConfig(split_store=store)))(xw, w, cpool, cs,
@@ -1119,7 +1119,7 @@ def main():
             save()
         checked = lambda nm: RES["correct_decode_conv"].get(nm, {}).get("ok")
         model_form = [c for c in vpre if c.prefill_name in CONV_MODEL_FORM]
-        masked = [dataclasses.replace(c, split_store="mask") for c in model_form]
+
         for t in ((200,) if DRY else (8192, 32768)):
             r = RES["conv"].setdefault(f"prefill_{t}", {})
             x = jax.random.normal(key, (1, t, CONV_CH), jnp.bfloat16)
@@ -1130,8 +1130,8 @@ def main():
             forms = [("", x, None, vpre)]
             if t <= 8192:
                 forms += [("wide_", xw, None, model_form)]
-                forms += [("split_", xw, cuts, model_form)] if checked("conv_prefill_split") else []
-                forms += [("split_", xw, cuts, masked)] if checked("conv_prefill_split_mask") else []
+                forms += [("split_", xw, cuts, [dataclasses.replace(c, split_store=store) for c in model_form])
+                          for store in conv1d.SPLIT_STORES if checked(f"conv_prefill_split_{store}")]
             for form, xin, cuts, cfgs in forms:
                 for cfg in cfgs:
                     nm = form + cfg.prefill_name
@@ -1367,7 +1367,7 @@ def report() -> str:
     if any(sweep.values()):
         L += ["", f"Conv prefill sweep (µs; default `{conv1d.ConvConfig().prefill_name}`; `wide_*`: the channels read "
               f"in place from a [T, {CONV_W}] in_proj output, `split_*`: the same with q | k | v written as three "
-              "arrays (the model's call), `*_mask`: by masked stores): "
+              "arrays (the model's call; `*_store`, `*_mask`: conv1d.ConvConfig.split_store)): "
               + "; ".join(f"{case}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()) for case, r in sweep.items()
                           if r)]
     ms = RES.get("model_step")

@@ -27,6 +27,9 @@ from jax.experimental.pallas import triton as pltriton
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 
+SPLIT_STORES = ("tile", "store", "mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
     bt: int = 32            # prefill tokens per program   (H200: 32 x 128 on 4 warps in the model's call, q | k | v
@@ -34,15 +37,16 @@ class ConvConfig:
     num_warps: int = 4      # on 8 warps 1.410; alone at 8k 120.1 vs 125.2 us, fla 121.0; bench/RESULTS.md 2026-12-04)
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
-    # prefill with split outputs: each program stores its tile into its part under a branch per part ("branch") or
-    # by a store per part masked off outside it ("mask"). sm_90 compiles each differently (64 x 128 on 8 warps: 93 /
-    # 104 registers, 139 unsplit); at 32 x 128 on 4 warps the masked stores took 1.795 ms per 9B layer, the branches
-    # 1.155 (64 x 1024 tokens, one profile run, 2026-12-04)
-    split_store: str = "branch"
+    # prefill with split outputs (the model's q | k | v), how a program puts its tile into the part holding its
+    # channel block: "tile" computes and stores it under a branch per part (each branch as straight-line as the
+    # unsplit kernel), "store" computes it once and stores it under a branch per part, "mask" stores it into every
+    # part with the store masked off outside its own. sm_90 compiles each differently (bench/RESULTS.md, 2026-12-04).
+    split_store: str = "tile"
 
     @property
     def prefill_name(self):
-        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}" + ("" if self.split_store == "branch" else "_mask")
+        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}" + ("" if self.split_store == "tile" else
+                                                                 f"_{self.split_store}")
 
     @property
     def decode_name(self):
@@ -93,13 +97,13 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
     rows = jnp.arange(bt, dtype=jnp.int32)
     tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
 
-    @pl.when(t0 < span)
-    def _():
+    first = tb == 0
+    use = use_ref[n] != 0
+
+    def conv_tile():
         ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
         # x[t - d] by a row gather clamped to the sequence's first row; rows before it (a sequence's first block
         # only) take the slot's state instead, whose rows only that block loads
-        first = tb == 0
-        use = use_ref[n] != 0
         st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask & first & use, other=0)
               .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
         xs = []
@@ -111,17 +115,27 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
             for r in range(d):                   # src < 0 only for rows r < d of the first block
                 xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
             xs.append(xd)
-        acc = _conv_sum(xs, ws)
-        y = jax.nn.silu(acc).astype(x_ref.dtype)
-        for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):   # into the part holding this block
-            mine = (cb * bc >= lo) & (cb * bc < hi)
-            if split_store == "mask":
-                pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(jnp.clip(cb * bc - lo, 0, hi - lo - 1), bc)],
-                               y, mask=tile_mask & mine)
-            else:
-                @pl.when(mine)
-                def _():
-                    pltriton.store(y_ref.at[pl.ds(start + t0, bt), pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
+        return jax.nn.silu(_conv_sum(xs, ws)).astype(x_ref.dtype)
+
+    @pl.when(t0 < span)
+    def _():
+        out_rows = pl.ds(start + t0, bt)
+        parts = list(zip(y_refs, (0, *split), (*split, c_total)))
+        if not split:
+            pltriton.store(y_refs[0].at[out_rows, cols], conv_tile(), mask=tile_mask)
+        elif split_store == "mask":        # every part's store, masked off outside the part holding this block
+            y = conv_tile()
+            for y_ref, lo, hi in parts:
+                mine = (cb * bc >= lo) & (cb * bc < hi)
+                pltriton.store(y_ref.at[out_rows, pl.ds(jnp.clip(cb * bc - lo, 0, hi - lo - 1), bc)], y,
+                               mask=tile_mask & mine)
+        else:
+            y = conv_tile() if split_store == "store" else None
+            for y_ref, lo, hi in parts:
+                @pl.when((cb * bc >= lo) & (cb * bc < hi))
+                def _():       # "tile": the whole tile under the branch, as straight-line as the unsplit kernel
+                    pltriton.store(y_ref.at[out_rows, pl.ds(cb * bc - lo, bc)], conv_tile() if y is None else y,
+                                   mask=tile_mask)
 
         @pl.when(first)
         def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
@@ -146,8 +160,8 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     if taps < 2 or config.bt < taps - 1:
         raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
-    if config.split_store not in ("branch", "mask"):
-        raise ValueError(f"ConvConfig.split_store must be 'branch' or 'mask', got {config.split_store!r}")
+    if config.split_store not in SPLIT_STORES:
+        raise ValueError(f"ConvConfig.split_store must be one of {SPLIT_STORES}, got {config.split_store!r}")
     cuts = tuple(split or ())
     if list(cuts) != sorted(set(cuts)) or any(not 0 < s < c for s in cuts):
         raise ValueError(f"conv split {cuts} must be increasing channel offsets inside (0, {c})")

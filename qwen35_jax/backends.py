@@ -59,10 +59,10 @@ def decode_variants() -> dict:
 
 
 def conv_prefill_variants() -> dict:
-    """Conv prefill configurations by name: the sweep's, each also with masked split stores (`*_mask`)."""
-    sweep = conv1d.prefill_sweep()
-    return {"default": conv1d.ConvConfig(), **{c.prefill_name: c for c in sweep},
-            **{f"{c.prefill_name}_mask": dataclasses.replace(c, split_store="mask") for c in sweep}}
+    """Conv prefill configurations by name: the sweep's, each with every way of storing split outputs
+    (conv1d.SPLIT_STORES: `<name>_store`, `<name>_mask`)."""
+    sweep = [dataclasses.replace(c, split_store=s) for c in conv1d.prefill_sweep() for s in conv1d.SPLIT_STORES]
+    return {"default": conv1d.ConvConfig(), **{c.prefill_name: c for c in sweep}}
 
 
 def env_count(name: str, default: int, least: int = 0) -> int:

@@ -336,7 +336,7 @@ def test_conv_prefill_and_decode_exact():
     # the model's q | k | v: each part written by the kernel as an array of its own (channel blocks of 32 here)
     split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames=("split", "config"))
     parts_ref, _ = conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use, split=(32, 64))
-    for store in ("branch", "mask"):
+    for store in conv1d.SPLIT_STORES:
         parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64),
                             config=conv1d.ConvConfig(split_store=store))
         assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
@@ -507,8 +507,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     ccfgs = conv1d.prefill_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs]
                           + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk), config=conv1d.ConvConfig(
-                              split_store=store)) for store in ("branch", "mask")], *conv)   # the model's q, k, v
-    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 2
+                              split_store=store)) for store in conv1d.SPLIT_STORES], *conv)   # the model's q, k, v
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + len(conv1d.SPLIT_STORES)
     ccfgs = conv1d.decode_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
