@@ -842,17 +842,14 @@ def main():
         # the model's call: the channels read in place from a wider input, q | k | v written as arrays of their own
         xw = jnp.concatenate([x, jnp.full((*x.shape[:-1], CONV_W - CONV_CH), 3.0, x.dtype)], axis=-1)
         cuts = (CONV_CH // 4, CONV_CH // 2)
-        for store in conv1d.SPLIT_STORES:
-            nm = f"conv_prefill_split_{store}"
-            try:
-                parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw(),
-                                                     config=conv1d.ConvConfig(split_store=store)))(xw, w, cpool, cs,
-                                                                                                   cl, cu)
-                ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
-                      and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
-                out[nm] = dict(ok=bool(ok))
-            except Exception as e:  # noqa: BLE001
-                out[nm] = dict(ok=False, error=repr(e)[:400])
+        try:
+            parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw()))(xw, w, cpool, cs,
+                                                                                                  cl, cu)
+            ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
+                  and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
+            out["conv_prefill_split"] = dict(ok=bool(ok))
+        except Exception as e:  # noqa: BLE001
+            out["conv_prefill_split"] = dict(ok=False, error=repr(e)[:400])
         for c in conv1d.decode_sweep():
             nm = f"conv_decode_{c.decode_name}"
             try:
@@ -1130,8 +1127,7 @@ def main():
             forms = [("", x, None, vpre)]
             if t <= 8192:
                 forms += [("wide_", xw, None, model_form)]
-                forms += [("split_", xw, cuts, [dataclasses.replace(c, split_store=store) for c in model_form])
-                          for store in conv1d.SPLIT_STORES if checked(f"conv_prefill_split_{store}")]
+                forms += [("split_", xw, cuts, model_form)] if checked("conv_prefill_split") else []
             for form, xin, cuts, cfgs in forms:
                 for cfg in cfgs:
                     nm = form + cfg.prefill_name
@@ -1367,7 +1363,7 @@ def report() -> str:
     if any(sweep.values()):
         L += ["", f"Conv prefill sweep (µs; default `{conv1d.ConvConfig().prefill_name}`; `wide_*`: the channels read "
               f"in place from a [T, {CONV_W}] in_proj output, `split_*`: the same with q | k | v written as three "
-              "arrays (the model's call; `*_store`, `*_mask`: conv1d.ConvConfig.split_store)): "
+              "arrays (the model's call)): "
               + "; ".join(f"{case}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()) for case, r in sweep.items()
                           if r)]
     ms = RES.get("model_step")

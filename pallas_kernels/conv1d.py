@@ -10,8 +10,11 @@ first row, so no load starts before it. In a sequence's first block the rows bef
 and that block writes the final state (the last K-1 real inputs, part of the old state for sequences shorter
 than K-1) back in place. One code path for every block: the first version shifted the first block's tile with
 0/1 matrix products under a branch, which cost every program 255 registers (552 B spilled) and left two
-programs per SM (sm_90 compile check, pallas_kernels/triton_compile_check.py). Decode: one program per (row,
-channel block), state in place.
+programs per SM (sm_90 compile check, pallas_kernels/triton_compile_check.py). With `split` (the model's q | k | v
+as arrays of their own, so that no slice copies them for the GDN kernels) each program stores its tile under a
+branch per part, into the part holding its channel block; a store per part masked off outside it, or the whole tile
+computed inside each branch, measured slower on the H200 (bench/RESULTS.md, readings of 2026-12-04). Decode: one
+program per (row, channel block), state in place.
 """
 from __future__ import annotations
 
@@ -27,26 +30,17 @@ from jax.experimental.pallas import triton as pltriton
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 
-SPLIT_STORES = ("tile", "store", "mask")
-
-
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    bt: int = 32            # prefill tokens per program   (H200: 32 x 128 on 4 warps in the model's call, q | k | v
-    bc: int = 128           # prefill channels per program  split: 1.155 ms per 9B layer at 64 x 1024 tokens, 64 x 128
-    num_warps: int = 4      # on 8 warps 1.410; alone at 8k 120.1 vs 125.2 us, fla 121.0; bench/RESULTS.md 2026-12-04)
+    bt: int = 32            # prefill tokens per program   (H200, the model's call with q | k | v split: 1.155 ms
+    bc: int = 128           # prefill channels per program  per 9B layer at 64 x 1024 tokens, 64 x 128 on 8 warps 1.410
+    num_warps: int = 4      # in the same run; bench/RESULTS.md, readings of 2026-12-04)
     decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
     decode_warps: int = 8
-    # prefill with split outputs (the model's q | k | v), how a program puts its tile into the part holding its
-    # channel block: "tile" computes and stores it under a branch per part (each branch as straight-line as the
-    # unsplit kernel), "store" computes it once and stores it under a branch per part, "mask" stores it into every
-    # part with the store masked off outside its own. sm_90 compiles each differently (bench/RESULTS.md, 2026-12-04).
-    split_store: str = "tile"
 
     @property
     def prefill_name(self):
-        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}" + ("" if self.split_store == "tile" else
-                                                                 f"_{self.split_store}")
+        return f"bt{self.bt}_bc{self.bc}_w{self.num_warps}"
 
     @property
     def decode_name(self):
@@ -84,7 +78,7 @@ def _conv_sum(xs, ws):
 
 
 def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, *out_refs, bt, bc, taps,
-                    split, split_store):
+                    split):
     *y_refs, pool_out_ref = out_refs
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
@@ -97,13 +91,13 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
     rows = jnp.arange(bt, dtype=jnp.int32)
     tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
 
-    first = tb == 0
-    use = use_ref[n] != 0
-
-    def conv_tile():
+    @pl.when(t0 < span)
+    def _():
         ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
         # x[t - d] by a row gather clamped to the sequence's first row; rows before it (a sequence's first block
         # only) take the slot's state instead, whose rows only that block loads
+        first = tb == 0
+        use = use_ref[n] != 0
         st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask & first & use, other=0)
               .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
         xs = []
@@ -115,27 +109,15 @@ def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_re
             for r in range(d):                   # src < 0 only for rows r < d of the first block
                 xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
             xs.append(xd)
-        return jax.nn.silu(_conv_sum(xs, ws)).astype(x_ref.dtype)
-
-    @pl.when(t0 < span)
-    def _():
+        y = jax.nn.silu(_conv_sum(xs, ws)).astype(x_ref.dtype)
         out_rows = pl.ds(start + t0, bt)
-        parts = list(zip(y_refs, (0, *split), (*split, c_total)))
-        if not split:
-            pltriton.store(y_refs[0].at[out_rows, cols], conv_tile(), mask=tile_mask)
-        elif split_store == "mask":        # every part's store, masked off outside the part holding this block
-            y = conv_tile()
-            for y_ref, lo, hi in parts:
-                mine = (cb * bc >= lo) & (cb * bc < hi)
-                pltriton.store(y_ref.at[out_rows, pl.ds(jnp.clip(cb * bc - lo, 0, hi - lo - 1), bc)], y,
-                               mask=tile_mask & mine)
-        else:
-            y = conv_tile() if split_store == "store" else None
-            for y_ref, lo, hi in parts:
+        if not split:          # no branch around the one store (one cost 139 registers instead of 88 at 64 x 128)
+            pltriton.store(y_refs[0].at[out_rows, cols], y, mask=tile_mask)
+        else:                  # a store per part, under a branch: the part holding this channel block stores
+            for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):
                 @pl.when((cb * bc >= lo) & (cb * bc < hi))
-                def _():       # "tile": the whole tile under the branch, as straight-line as the unsplit kernel
-                    pltriton.store(y_ref.at[out_rows, pl.ds(cb * bc - lo, bc)], conv_tile() if y is None else y,
-                                   mask=tile_mask)
+                def _():
+                    pltriton.store(y_ref.at[out_rows, pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
 
         @pl.when(first)
         def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
@@ -160,8 +142,6 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         raise ValueError(f"conv input has {width} columns, fewer than the weight's {c} channels")
     if taps < 2 or config.bt < taps - 1:
         raise ValueError(f"conv width {taps} needs 2 <= K <= bt + 1 (bt={config.bt})")
-    if config.split_store not in SPLIT_STORES:
-        raise ValueError(f"ConvConfig.split_store must be one of {SPLIT_STORES}, got {config.split_store!r}")
     cuts = tuple(split or ())
     if list(cuts) != sorted(set(cuts)) or any(not 0 < s < c for s in cuts):
         raise ValueError(f"conv split {cuts} must be increasing channel offsets inside (0, {c})")
@@ -175,7 +155,7 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         bc //= 2
     widths = [hi - lo for lo, hi in zip((0, *cuts), (*cuts, c))]
     *ys, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts, split_store=config.split_store),
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts),
         out_shape=(*(jax.ShapeDtypeStruct((total, wd), x.dtype) for wd in widths),
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),

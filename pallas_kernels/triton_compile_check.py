@@ -16,7 +16,6 @@ own Triton, so PyPI Triton's passes are a close proxy, not the exact compiler th
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -79,10 +78,6 @@ def dump(out_dir, only=()):
     jobs += [(f"conv_prefill_{'split_' if cuts else 'wide_'}{c.prefill_name}",
               functools.partial(conv1d.conv_prefill_packed, split=cuts, config=c), (S((t, 12352), bf), *conv_pre[1:]))
              for c in conv1d.prefill_sweep() for cuts in ((2048, 4096), None)]
-    jobs += [(f"conv_prefill_split_{c.prefill_name}_{store}",
-              functools.partial(conv1d.conv_prefill_packed, split=(2048, 4096),
-                                config=dataclasses.replace(c, split_store=store)), (S((t, 12352), bf), *conv_pre[1:]))
-             for c in conv1d.prefill_sweep() for store in conv1d.SPLIT_STORES[1:]]
     conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
              for c in conv1d.decode_sweep()]

@@ -34,7 +34,6 @@ norm) and a 12.1 ms step (both) and was removed.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -59,10 +58,8 @@ def decode_variants() -> dict:
 
 
 def conv_prefill_variants() -> dict:
-    """Conv prefill configurations by name: the sweep's, each with every way of storing split outputs
-    (conv1d.SPLIT_STORES: `<name>_store`, `<name>_mask`)."""
-    sweep = [dataclasses.replace(c, split_store=s) for c in conv1d.prefill_sweep() for s in conv1d.SPLIT_STORES]
-    return {"default": conv1d.ConvConfig(), **{c.prefill_name: c for c in sweep}}
+    """Conv prefill configurations by name ($QWEN35_CONV_PREFILL): the sweep's (conv1d.prefill_sweep)."""
+    return {"default": conv1d.ConvConfig(), **{c.prefill_name: c for c in conv1d.prefill_sweep()}}
 
 
 def env_count(name: str, default: int, least: int = 0) -> int:

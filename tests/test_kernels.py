@@ -334,15 +334,13 @@ def test_conv_prefill_and_decode_exact():
     np.testing.assert_array_equal(np.asarray(conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use)[0],
                                              np.float32), np.asarray(y_ref, np.float32))
     # the model's q | k | v: each part written by the kernel as an array of its own (channel blocks of 32 here)
-    split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames=("split", "config"))
+    split = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames="split")
     parts_ref, _ = conv1d_reference.conv_prefill(xw, w, pool, slots, lens, use, split=(32, 64))
-    for store in conv1d.SPLIT_STORES:
-        parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64),
-                            config=conv1d.ConvConfig(split_store=store))
-        assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
-        for part, ref in zip(parts, parts_ref):
-            np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(ref, np.float32))
-        np.testing.assert_array_equal(np.asarray(news, np.float32), np.asarray(new, np.float32))
+    parts, news = split(xw, w, pool, slots, lens, use, split=(32, 64))
+    assert [p.shape for p in parts] == [p.shape for p in parts_ref] == [(n, t, 32), (n, t, 32), (n, t, 96)]
+    for part, ref in zip(parts, parts_ref):
+        np.testing.assert_array_equal(np.asarray(part, np.float32), np.asarray(ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(news, np.float32), np.asarray(new, np.float32))
     for bad in ((64, 32), (0, 32), (32, c)):
         with pytest.raises(ValueError, match="must be increasing channel offsets"):
             conv1d.conv_prefill(xw, w, pool, slots, lens, use, split=bad, interpret=True)
@@ -506,9 +504,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
             S((n,), jnp.bool_))
     ccfgs = conv1d.prefill_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs]
-                          + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk), config=conv1d.ConvConfig(
-                              split_store=store)) for store in conv1d.SPLIT_STORES], *conv)   # the model's q, k, v
-    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + len(conv1d.SPLIT_STORES)
+                          + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk))], *conv)   # the model's q, k, v
+    assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 1
     ccfgs = conv1d.decode_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
@@ -725,9 +722,8 @@ def test_backend_kernel_variants(monkeypatch):
     with pytest.raises(ValueError, match="decode attention variant"):
         backends.pallas_kernels(interpret=True, attention="nope")
     assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig()
-    monkeypatch.setenv("QWEN35_CONV_PREFILL", "bt32_bc128_w4_mask")
-    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig(
-        bt=32, bc=128, num_warps=4, split_store="mask")
+    monkeypatch.setenv("QWEN35_CONV_PREFILL", "bt64_bc128_w8")
+    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig(bt=64, num_warps=8)
     monkeypatch.setenv("QWEN35_CONV_PREFILL", "nope")
     with pytest.raises(ValueError, match="conv prefill variant"):
         backends.pallas_kernels(interpret=True)
