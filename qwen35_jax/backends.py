@@ -11,6 +11,8 @@ always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the 
 128 state tiles, one warp per program, V-blocks fastest in the grid); both checked and timed on the H200 against the
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels
 and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
+The conv prefill (pallas_kernels/conv1d.py) writes the model's q, k and v as arrays of their own, 32 x 128 tiles on 4
+warps by default; `QWEN35_CONV_PREFILL=<name in conv1d.prefill_sweep()>` picks another tile.
 The decode GDN with its conv and gated norm in one kernel (d02e866 / 38b1084, one program per row and key head) was
 +0.15 to +0.46 ms per 9B step at batch 64 in its four configurations (bench/ab_decode.py at 997fa07) and was removed.
 Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the H200 by

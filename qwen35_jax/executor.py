@@ -391,12 +391,12 @@ class Executor:
                                    env=self.settings)
 
     def _compiler_options(self, key) -> dict:
-        """$QWEN35_XLA_OPTIONS over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs (at
-        thousands of rows cuBLAS runs them at ~650-690 TFLOP/s; the 9B prefill at 64 x 1024 compiled every one to
-        cuBLAS until the conv's output split changed the program, after which XLA's autotuner took a Triton GEMM for
-        out_proj / o_proj in three builds of three, 10% slower: bench/RESULTS.md, 2026-12-04). A decode bucket whose
-        row-parallel GEMMs the model splits over K itself (Kernels.split_k): XLA's own K splits off, so that it
-        splits no other GEMM (in_proj)."""
+        """$QWEN35_XLA_OPTIONS over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs. XLA's
+        autotuner picked a Triton GEMM for the 9B prefill's out_proj / o_proj in 7 of 9 builds this session (10%
+        slower than the cuBLAS GEMM of the other 2); with Triton GEMMs off XLA also folds the residual adds into
+        cuBLAS's epilogue: the 9B prefill at 64 x 1024 took 1557.7 against 1594.1 ms in one run (bench/RESULTS.md,
+        2026-12-04). A decode bucket whose row-parallel GEMMs the model splits over K itself (Kernels.split_k): XLA's
+        own K splits off, so that it splits no other GEMM (in_proj)."""
         k = self.kernels
         if key[0] == "prefill":
             return {"xla_gpu_enable_triton_gemm": False, **self.compiler_options}
