@@ -56,8 +56,8 @@ def prefill_sweep():
     """Conv prefill configurations bench/kernels.py times and QWEN35_CONV_PREFILL names (tests cross-lower each one
     for CUDA). The first five are from the H200 sweep at 5bfe895; the rest keep fewer values per thread live (4 taps
     x bt x bc / threads): for sm_90 bt16_bc128_w8 compiles to 64 registers and four programs per SM, bt64_bc128_w8 to
-    88 and two (pallas_kernels/triton_compile_check.py). None of them beat the default in the 9B prefill or at 8k
-    (bench/RESULTS.md, readings of 2026-12-04)."""
+    88 and two (pallas_kernels/triton_compile_check.py). In the 9B prefill's profile neither bt32_bc128_w8 nor
+    bt64_bc128_w8 beat the default (bench/RESULTS.md, readings of 2026-12-04)."""
     return [ConvConfig(), ConvConfig(bt=64, bc=128, num_warps=8), ConvConfig(bt=64, bc=128, num_warps=4),
             ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8),
             ConvConfig(bt=32, bc=128, num_warps=8), ConvConfig(bt=16, bc=128, num_warps=8),
