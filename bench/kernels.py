@@ -86,6 +86,7 @@ os.makedirs(OUT, exist_ok=True)
 DRY = os.environ.get("BENCH_DRY") == "1"     # CPU smoke test of this script: tiny shapes, interpret-mode kernels
 HK, HV, DK, DV, CONV_CH = (2, 4, 16, 32, 96) if DRY else (16, 32, 128, 128, 8192)
 CONV_W = CONV_CH + HV * DV + 2 * HV         # the in_proj output the model's conv reads its channels from (9B: 12352)
+CONV_SPLIT = (CONV_CH // 4, CONV_CH // 2)    # the model's q | k | v channel offsets (9B: 2048, 4096)
 CONV_MODEL_FORM = ("bt64_bc128_w8", "bt32_bc128_w4", "bt32_bc128_w8", "bt16_bc128_w8", "bt16_bc64_w4")
 STATE_BYTES = HV * DV * DK * 4
 TITLE = "GDN / conv kernels vs fla (issue 3)"
@@ -841,10 +842,9 @@ def main():
                 RES["valid"]["conv_prefill"].append(nm)
         # the model's call: the channels read in place from a wider input, q | k | v written as arrays of their own
         xw = jnp.concatenate([x, jnp.full((*x.shape[:-1], CONV_W - CONV_CH), 3.0, x.dtype)], axis=-1)
-        cuts = (CONV_CH // 4, CONV_CH // 2)
         try:
-            parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=cuts, **kernel_kw()))(xw, w, cpool, cs,
-                                                                                                  cl, cu)
+            parts, p = jax.jit(functools.partial(conv1d.conv_prefill, split=CONV_SPLIT, **kernel_kw()))(
+                xw, w, cpool, cs, cl, cu)
             ok = (np.array_equal(np.asarray(jnp.concatenate(parts, -1), np.float32), np.asarray(y_r, np.float32))
                   and np.array_equal(np.asarray(p, np.float32), np.asarray(p_r, np.float32)))
             out["conv_prefill_split"] = dict(ok=bool(ok))
@@ -1114,20 +1114,18 @@ def main():
                 r["fla_bytes"] = n * CONV_CH * 2 * (1 + 1 + 4 + 4)
             log("conv decode", n, r)
             save()
-        checked = lambda nm: RES["correct_decode_conv"].get(nm, {}).get("ok")
         model_form = [c for c in vpre if c.prefill_name in CONV_MODEL_FORM]
-
+        split_ok = RES["correct_decode_conv"].get("conv_prefill_split", {}).get("ok")
         for t in ((200,) if DRY else (8192, 32768)):
             r = RES["conv"].setdefault(f"prefill_{t}", {})
             x = jax.random.normal(key, (1, t, CONV_CH), jnp.bfloat16)
             # the model's form at 8k tokens: the conv channels read in place from the in_proj output (9B: 12352
-            # columns), written whole ("wide_") or as q | k | v apart ("split_", by either store)
+            # columns), written whole ("wide_") or as q | k | v apart ("split_")
             xw = jax.random.normal(key, (1, t, CONV_W), jnp.bfloat16)
-            cuts = (CONV_CH // 4, CONV_CH // 2)
             forms = [("", x, None, vpre)]
             if t <= 8192:
                 forms += [("wide_", xw, None, model_form)]
-                forms += [("split_", xw, cuts, model_form)] if checked("conv_prefill_split") else []
+                forms += [("split_", xw, CONV_SPLIT, model_form)] if split_ok else []
             for form, xin, cuts, cfgs in forms:
                 for cfg in cfgs:
                     nm = form + cfg.prefill_name

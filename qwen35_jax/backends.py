@@ -150,7 +150,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     pv, dv = prefill_variants(), decode_variants()
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once per
     # executable instead of once per layer (lowering a 9B-shaped step: ~4x faster on CPU, bench notes in RESULTS).
-    p = lambda f, **kw: jax.jit(functools.partial(f, interpret=interpret, **kw))
+    p = lambda f, static=(), **kw: jax.jit(functools.partial(f, interpret=interpret, **kw), static_argnames=static)
     # "jnp" rules the kernel out (the reference's page loop costs a host round trip per block on GPU).
     av = {"kernel": p(paged_attention.paged_decode_attention, config=paged_attention.DEFAULT), "jnp": decode_attention,
           **{c.name: p(paged_attention.paged_decode_attention, config=c) for c in paged_attention.config_sweep()}}
@@ -185,8 +185,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                                static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=pv[prefill]),
                    gdn_decode=p(gdn.gdn_decode_packed, config=dv[decode]),
-                   conv_prefill=jax.jit(functools.partial(conv1d.conv_prefill, config=cv[conv], interpret=interpret),
-                                        static_argnames="split"),
+                   conv_prefill=p(conv1d.conv_prefill, static=("split",), config=cv[conv]),
                    conv_decode=p(conv1d.conv_decode),
                    attention_decode=av[attention],
                    matmul=None if projections == "xla" else decode_matmul(
