@@ -3,7 +3,7 @@
 # a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
 # into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts enginecheck kmodel kconv kconvgdn kdecode gemm gemmlayout sampler throughput
+# Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode gemm gemmlayout sampler throughput
 #   throughput_mm throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
@@ -52,8 +52,6 @@ for s in $sections; do
     enginecheck) CUDA_VISIBLE_DEVICES=0 run enginecheck 150 python3 bench/engine_check.py --record ;;   # pallas vs ref.
     kmodel) OUT=$work/kmodel CUDA_VISIBLE_DEVICES=0 run kmodel 220 python3 bench/kernels.py --time-limit 200 \
               --only correct_defaults model_step ;;   # the 9B-shaped decode step, pallas vs reference backends
-    kconvgdn) OUT=$work/kconvgdn CUDA_VISIBLE_DEVICES=0 run kconvgdn 200 python3 bench/kernels.py --time-limit 170 \
-                --no-model --only conv_gdn ;;   # the conv inside the GDN prep vs the conv kernel then the GDN
     kconv) OUT=$work/kconv CUDA_VISIBLE_DEVICES=0 run kconv 150 python3 bench/kernels.py --time-limit 130 --no-model \
              --only correct_defaults conv ;;          # the conv kernels' sweep against fla's
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \

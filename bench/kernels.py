@@ -84,10 +84,9 @@ results_md.commit = functools.lru_cache(maxsize=None)(results_md.commit)
 OUT = os.environ.get("OUT", "/tmp/bench_out")
 os.makedirs(OUT, exist_ok=True)
 DRY = os.environ.get("BENCH_DRY") == "1"     # CPU smoke test of this script: tiny shapes, interpret-mode kernels
-HK, HV, DK, DV = (2, 4, 16, 32) if DRY else (16, 32, 128, 128)
-CONV_CH = 2 * HK * DK + HV * DV             # the conv's channels: q | k | v (9B: 8192)
+HK, HV, DK, DV, CONV_CH = (2, 4, 16, 32, 96) if DRY else (16, 32, 128, 128, 8192)
 CONV_W = CONV_CH + HV * DV + 2 * HV         # the in_proj output the model's conv reads its channels from (9B: 12352)
-CONV_SPLIT = (HK * DK, 2 * HK * DK)         # the model's q | k | v channel offsets (9B: 2048, 4096)
+CONV_SPLIT = (CONV_CH // 4, CONV_CH // 2)    # the model's q | k | v channel offsets (9B: 2048, 4096)
 CONV_MODEL_FORM = ("bt64_bc128_w8", "bt32_bc128_w4", "bt32_bc128_w8", "bt16_bc128_w8", "bt16_bc64_w4")
 STATE_BYTES = HV * DV * DK * 4
 TITLE = "GDN / conv kernels vs fla (issue 3)"
@@ -1158,62 +1157,6 @@ def main():
             log("conv prefill", t, r)
             save()
 
-
-    # ------------------------------------------------------------------ the conv inside the GDN prep vs apart
-    RES["conv_gdn"] = {}
-
-    @section("conv_gdn", need=20)
-    def _():
-        """conv1d.conv_prefill (q | k | v split, the model's call) then gdn.gdn_prefill, against gdn.gdn_conv_prefill
-        (the conv computed by the P / f prep) in each gdn.conv_prefill_sweep() configuration, on the model's padded
-        batch read from a [N, T, CONV_W] in_proj output: checked against the pair on the GPU first (o, both states),
-        then timed by the slope as the prefill cases (each call waits for the previous one's output)."""
-        key = jax.random.key(11)
-        w = (0.3 * jax.random.normal(key, (4, CONV_CH))).astype(jnp.bfloat16)
-        A_log, dt_bias = gates_params(jax.random.fold_in(key, 1))
-        kw = kernel_kw()
-        pair = lambda x, a, b, pool, cpool, slots, lens, use: (lambda qkv, cp: (*gdn.gdn_prefill(
-            *(y.reshape(*x.shape[:2], -1, DK if i < 2 else DV) for i, y in enumerate(qkv)), a, b, A_log, dt_bias,
-            pool, slots, lens, use, **kw), cp))(*conv1d.conv_prefill(x, w, cpool, slots, lens, use, split=CONV_SPLIT,
-                                                                       **kw))
-        fused = lambda cfg: lambda x, a, b, pool, cpool, slots, lens, use: gdn.gdn_conv_prefill(
-            x, w, cpool, a, b, A_log, dt_bias, pool, slots, lens, use, config=cfg, **kw)
-        variants = {"conv_then_gdn": pair, **{"fused_" + c.name: fused(c) for c in gdn.conv_prefill_sweep()}}
-        for n, t in (((2, 100),) if DRY else ((1, 8192), (8, 2048), (64, 1024))):
-            r = RES["conv_gdn"].setdefault(f"{n}x{t}", {})
-            ks = jax.random.split(jax.random.fold_in(key, n * t), 4)
-            x = jax.random.normal(ks[0], (n, t, CONV_W), jnp.bfloat16)
-            a = jax.random.normal(ks[1], (n, t, HV), jnp.bfloat16)
-            b = jax.random.normal(ks[2], (n, t, HV), jnp.bfloat16)
-            slots, lens, use = 1 + jnp.arange(n, dtype=jnp.int32), jnp.full((n,), t, jnp.int32), jnp.ones(n, bool)
-            pool0 = rand_pool(ks[3], n + 1)
-            cpool0 = jax.random.normal(ks[3], (n + 1, 3, CONV_CH), jnp.bfloat16)
-            outs = {}
-            for nm, f in variants.items():
-                if not have_time(f"conv_gdn {n}x{t} {nm}", 8):
-                    break
-                try:
-                    o, pool, cpool = jax.jit(f)(x, a, b, pool0, cpool0, slots, lens, use)
-                    outs[nm] = (o, pool[1:], cpool[1:])
-                    if nm != "conv_then_gdn":
-                        ref = outs["conv_then_gdn"]
-                        errs = [rel(u, v) for u, v in zip(outs[nm], ref)]
-                        r[nm + "_rel"] = errs
-                        if not all(np.isfinite(errs)) or max(errs) > 1e-3:
-                            RES["errors"][f"conv_gdn {n}x{t} {nm}"] = f"differs from the pair: {errs}"
-                            continue
-
-                    def call(c, x, a, b, f=f):
-                        o, pool, cpool = f(x, a, b, c[0], c[1], slots, lens, use)
-                        o = jax.lax.optimization_barrier(o)
-                        return pool, cpool, c[2] + o[0, 0, 0, :1].astype(jnp.float32)
-                    r[nm], _ = time_calls(call, (jnp.copy(pool0), jnp.copy(cpool0), jnp.zeros((1,), jnp.float32)),
-                                          [(x, a, b)], calls=(2, 6) if n * t >= 32768 else (2, 10))
-                except Exception as e:  # noqa: BLE001
-                    RES["errors"][f"conv_gdn {n}x{t} {nm}"] = repr(e)[:400]
-            log("conv_gdn", n, t, r)
-            save()
-
     # ------------------------------------------------------------------ whole model decode step (reserved slice)
     problems.clear()
 
@@ -1401,19 +1344,6 @@ def report() -> str:
         L.append("")
         L.append("Decode sweep (µs): " + "; ".join(f"{n}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items())
                                                  for n, r in dsw.items()))
-    conv_gdn = {case: r for case, r in RES.get("conv_gdn", {}).items() if r}
-    if conv_gdn:
-        L += ["", "### The conv inside the GDN prep (gdn.gdn_conv_prefill) vs the conv kernel then the GDN prefill",
-              "", "The model's padded batch N x T read from a [N, T, " + str(CONV_W) + "] in_proj output; µs per call "
-              "(slope); rel-L2 of (o, GDN state, conv state) against the pair in brackets.", "",
-              "| case | conv then GDN | " + " | ".join(f"fused {c.name}" for c in gdn.conv_prefill_sweep()) + " |",
-              "|---|---|" + "---|" * len(gdn.conv_prefill_sweep())]
-        for case, r in conv_gdn.items():
-            cells = [fmt(r.get("conv_then_gdn"))]
-            for c in gdn.conv_prefill_sweep():
-                us, errs = r.get("fused_" + c.name), r.get("fused_" + c.name + "_rel")
-                cells.append(fmt(us) + (" (" + ", ".join(f"{e:.1e}" for e in errs) + ")" if errs else ""))
-            L.append(f"| {case} | " + " | ".join(cells) + " |")
     L += ["", "### Conv (width 4, 8192 channels, bf16; decode bytes = x + y + 3-row state r/w; fla's cache has 4 rows)",
           "", "| case | ours µs (best) | ours TB/s | fla µs | fla TB/s |", "|---|---|---|---|---|"]
     for case, r in RES.get("conv", {}).items():

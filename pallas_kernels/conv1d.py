@@ -78,71 +78,57 @@ def _conv_sum(xs, ws):
     return acc
 
 
-def conv_tile(x_ref, w_ref, pool_ref, *, start, t0, span, slot, first, use, c0, width, bt):
-    """SiLU(conv) of one tile: sequence rows t0 .. t0 + bt - 1 (of the sequence at x row `start`), x's columns
-    c0 .. c0 + width - 1 (= the channels), in x's dtype; rows from `span` on read as 0. The shifted inputs x[t - d]
-    come by a row gather clamped to the sequence's first row; rows before it (in the tile where `first`) take the
-    slot's state (zeros unless `use`). Returns (y, the tile's row mask, the channel mask). Shared by the conv kernel
-    and the GDN prep that computes its chunk's q, k and v itself (gdn.gdn_conv_prefill_packed)."""
-    taps, c_total = w_ref.shape                     # x may have more columns than the conv's channels
-    km1 = taps - 1
-    cols = pl.ds(c0, width)
-    col_idx = c0 + jnp.arange(width, dtype=jnp.int32)
-    cmask = col_idx < c_total
-    rows = jnp.arange(bt, dtype=jnp.int32)
-    tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
-    ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
-    st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask & first & use, other=0)
-          .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
-    xs = []
-    for d in range(km1, -1, -1):
-        src = t0 + rows - d
-        xd = pltriton.load(x_ref.at[(start + jnp.maximum(src, 0))[:, None], col_idx[None, :]], mask=tile_mask,
-                           other=0)
-        xd = xd.astype(jnp.float32)
-        for r in range(d):                   # src < 0 only for rows r < d of the first tile
-            xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
-        xs.append(xd)
-    return jax.nn.silu(_conv_sum(xs, ws)).astype(x_ref.dtype), tile_mask, cmask
-
-
-def store_final_state(x_ref, pool_ref, pool_out_ref, *, start, length, slot, use, c0, width):
-    """The slot's new state for channels c0 .. c0 + width - 1: inputs length-K+1 .. length-1 of the sequence (older
-    ones from the previous state, zeros unless `use`). The program that read the slot's old state stores it."""
-    km1 = pool_ref.shape[1]
-    cols = pl.ds(c0, width)
-    cmask = c0 + jnp.arange(width, dtype=jnp.int32) < pool_ref.shape[-1]
-    for i in range(km1):
-        p = length - km1 + i
-        from_x = pltriton.load(x_ref.at[start + jnp.maximum(p, 0), cols], mask=cmask, other=0)
-        old = pltriton.load(pool_ref.at[slot, jnp.clip(p + km1, 0, km1 - 1), cols], mask=cmask, other=0)
-        old = jnp.where(use, old.astype(x_ref.dtype).astype(pool_out_ref.dtype), 0)
-        val = jnp.where(p >= 0, from_x.astype(pool_out_ref.dtype), old)
-        pltriton.store(pool_out_ref.at[slot, _i(i), cols], val, mask=cmask)
-
-
-def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, *out_refs, bt, bc, split):
+def _prefill_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, x_ref, w_ref, pool_ref, *out_refs, bt, bc, taps,
+                    split):
     *y_refs, pool_out_ref = out_refs
     n, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, span, slot = start_ref[n], len_ref[n], span_ref[n], slot_ref[n]
+    c_total = w_ref.shape[-1]                       # x may have more columns than the conv's channels
+    km1 = taps - 1
     t0 = tb * bt
-    first, use = tb == 0, use_ref[n] != 0
+    cols = pl.ds(cb * bc, bc)
+    col_idx = cb * bc + jnp.arange(bc, dtype=jnp.int32)
+    cmask = col_idx < c_total
+    rows = jnp.arange(bt, dtype=jnp.int32)
+    tile_mask = (rows < span - t0)[:, None] & cmask[None, :]
 
     @pl.when(t0 < span)
     def _():
-        y, tile_mask, _ = conv_tile(x_ref, w_ref, pool_ref, start=start, t0=t0, span=span, slot=slot, first=first,
-                                    use=use, c0=cb * bc, width=bc, bt=bt)
+        ws = [pltriton.load(w_ref.at[_i(j), cols], mask=cmask, other=0).astype(jnp.float32) for j in range(taps)]
+        # x[t - d] by a row gather clamped to the sequence's first row; rows before it (a sequence's first block
+        # only) take the slot's state instead, whose rows only that block loads
+        first = tb == 0
+        use = use_ref[n] != 0
+        st = [pltriton.load(pool_ref.at[slot, _i(m), cols], mask=cmask & first & use, other=0)
+              .astype(x_ref.dtype).astype(jnp.float32) for m in range(km1)]
+        xs = []
+        for d in range(km1, -1, -1):
+            src = t0 + rows - d
+            xd = pltriton.load(x_ref.at[(start + jnp.maximum(src, 0))[:, None], col_idx[None, :]], mask=tile_mask,
+                               other=0)
+            xd = xd.astype(jnp.float32)
+            for r in range(d):                   # src < 0 only for rows r < d of the first block
+                xd = jnp.where(first & (rows == r)[:, None], st[km1 - d + r][None, :], xd)
+            xs.append(xd)
+        y = jax.nn.silu(_conv_sum(xs, ws)).astype(x_ref.dtype)
         out_rows = pl.ds(start + t0, bt)
         if not split:          # no branch around the one store (one cost 139 registers instead of 88 at 64 x 128)
-            pltriton.store(y_refs[0].at[out_rows, pl.ds(cb * bc, bc)], y, mask=tile_mask)
+            pltriton.store(y_refs[0].at[out_rows, cols], y, mask=tile_mask)
         else:                  # a store per part, under a branch: the part holding this channel block stores
-            for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, w_ref.shape[-1])):
+            for y_ref, lo, hi in zip(y_refs, (0, *split), (*split, c_total)):
                 @pl.when((cb * bc >= lo) & (cb * bc < hi))
                 def _():
                     pltriton.store(y_ref.at[out_rows, pl.ds(cb * bc - lo, bc)], y, mask=tile_mask)
 
-        pl.when(first)(lambda: store_final_state(x_ref, pool_ref, pool_out_ref, start=start, length=length,
-                                                 slot=slot, use=use, c0=cb * bc, width=bc))
+        @pl.when(first)
+        def _():   # final state: inputs length-K+1 .. length-1 (older ones from the previous state)
+            for i in range(km1):
+                p = length - km1 + i
+                from_x = pltriton.load(x_ref.at[start + jnp.maximum(p, 0), cols], mask=cmask, other=0)
+                old = pltriton.load(pool_ref.at[slot, jnp.clip(p + km1, 0, km1 - 1), cols], mask=cmask, other=0)
+                old = jnp.where(use, old.astype(x_ref.dtype).astype(pool_out_ref.dtype), 0)
+                val = jnp.where(p >= 0, from_x.astype(pool_out_ref.dtype), old)
+                pltriton.store(pool_out_ref.at[slot, _i(i), cols], val, mask=cmask)
 
 
 def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=None, max_span=None, split=None,
@@ -170,7 +156,7 @@ def conv_prefill_packed(x, w, pool, starts, lens, slots, use_state, *, spans=Non
         bc //= 2
     widths = [hi - lo for lo, hi in zip((0, *cuts), (*cuts, c))]
     *ys, pool = pl.pallas_call(
-        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, split=cuts),
+        functools.partial(_prefill_kernel, bt=config.bt, bc=bc, taps=taps, split=cuts),
         out_shape=(*(jax.ShapeDtypeStruct((total, wd), x.dtype) for wd in widths),
                    jax.ShapeDtypeStruct(pool.shape, pool.dtype)),
         grid=(n, pl.cdiv(max_span, config.bt), pl.cdiv(c, bc)),

@@ -53,6 +53,14 @@ kernel, so the sequential scan does the minimum per 64-token chunk.
    solve runs per value head for few chunks (solve_grid "auto", half the chain per program) and the P / f prep on
    2 warps (pf_warps), "solve2" wins from two waves of fused programs on (1x1k: 70.9 vs 86.1 us): prep_mode "auto"
    (the default) picks the fused prep within one wave (FUSED_PREP_PROGRAMS) and "solve2" otherwise.
+6. The conv computed inside the P / f prep (3c2e063, removed): each (chunk, key head) program made its q, k and v
+   tiles from the in_proj output (in 16-column pieces: whole tiles spilled 2.5 KB per thread at 2 warps), stored
+   them for the solve and the scan and wrote the conv state; bit-identical outputs, no conv kernel. On the H200 it
+   took 877.9 / 766.2 us (2 / 8 warps) against 429.7 for the conv kernel then this prefill at 1x8k, 1687.1 vs
+   750.2 at 8x2k (bench/kernels.py conv_gdn), and the 9B prefill at 64 x 1024 tokens 1618.2 vs 1564.4 ms (GDN +
+   conv 168.0 vs 89.8 ms): a program per (chunk, key head) makes its 32k conv outputs one piece after another,
+   where the conv kernel's 16k programs of 32 x 128 run at memory speed (bench/RESULTS.md, readings of the
+   2026-12-04 late morning).
 
 PrefillConfig (the previous kernels, "v1", kept for side-by-side timing): `_solve_kernel` writes T per
 (chunk, value head) and `_scan_kernel` computes Vnew = T (beta (v - e^gamma K H)), o and the state update per
@@ -80,12 +88,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import conv1d, gdn_mgpu
+from pallas_kernels import gdn_mgpu
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
 CHUNK = 64
-CONV_PIECE = 16     # channels per conv tile in the conv prep (_conv_prep_kernel): sm_90 192 registers at 2 warps, 32: 255 + spills
 SUB = 16            # diagonal-block size of the triangular solve
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -369,14 +376,6 @@ PREP_VARIANTS = (dict(prep_mode="tile", prep_warps=4), dict(prep_mode="tile", pr
                  dict(prep_mode="solve2", solve_warps=1, prep_warps=4),
                  dict(prep_mode="solve2", solve_warps=1, prep_warps=8),
                  dict(prep_mode="tile2", prep_warps=4), dict(prep_mode="blocks", prep_warps=4))
-
-
-def conv_prefill_sweep():
-    """Configurations of the conv inside the P / f prep (gdn_conv_prefill_packed) that bench/kernels.py times against
-    the conv kernel followed by gdn_prefill_packed (tests cross-lower each one for CUDA): the default and the prep on
-    4 and 8 warps (the conv's tiles add 4 x 64 x 128 values per program to the prep's own)."""
-    return [DEFAULT_PREFILL, dataclasses.replace(DEFAULT_PREFILL, pf_warps=4),
-            dataclasses.replace(DEFAULT_PREFILL, pf_warps=8, prep_warps=8)]
 
 
 def decode_sweep():
@@ -725,17 +724,48 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
     def _():
         row0 = row0_ref[c]
         dk = k_ref.shape[-1]
+        scale = dk ** -0.5
         mm = functools.partial(_mm, interpret=interpret)
         rows = jnp.arange(CHUNK, dtype=jnp.int32)
+        incl = rows[:, None] >= rows[None, :]
         valid64 = rows < nvalid
         nb = CHUNK // SUB
         raw = "bf16" if k_ref.dtype == jnp.bfloat16 else prec  # raw bf16 products are exact on tensor cores
+        # Ordered for register pressure (the whole-tile values die before the next phase starts; ptxas spilled
+        # 528 B per thread when they all lived at once): P and f per head from the full q, k tiles; then the
+        # 16-row blocks and the solve; then W and U from a fresh load of the k tile.
         full = jnp.broadcast_to(valid64[:, None], (CHUNK, dk))
         kt = _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], full)
         qt = _load(q_ref.at[pl.ds(row0, CHUNK), kh, :], full)
+        rk = jax.lax.rsqrt(jnp.sum(jnp.square(kt.astype(jnp.float32)), axis=1) + 1e-6)
+        rq = jax.lax.rsqrt(jnp.sum(jnp.square(qt.astype(jnp.float32)), axis=1) + 1e-6) * scale
+        qk = mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
+        # fused: K^ K^T here too, so that the q and k tiles die now (exact bf16 products for bf16 inputs)
+        kk = None if t_out_ref is None else mm(kt, kt, (1, 1), raw) * (rk[:, None] * rk[None, :])
         heads = [pid1] if per_value_head else [kh * ratio + r for r in range(ratio)]
-        rk, gates = _pf_tiles(c, heads, row0, valid64, qt, kt, a_ref, b_ref, alog_ref, dtb_ref, p_ref, f_ref,
-                              t_out_ref, prec=prec, t_prec=t_prec, pf_only=pf_only, interpret=interpret)
+        gates = []
+        for hv in heads:
+            a_log, dt_bias = alog_ref[hv], dtb_ref[hv]
+            g, beta = _gates(_load(a_ref.at[pl.ds(row0, CHUNK), hv], valid64),
+                             _load(b_ref.at[pl.ds(row0, CHUNK), hv], valid64), a_log, dt_bias)
+            gam, beta = jnp.cumsum(jnp.where(valid64, g, 0.0)), jnp.where(valid64, beta, 0.0)
+            g_last = jnp.min(gam)                            # gamma at the last valid row (non-increasing)
+            gates.append((gam, beta))
+            _store_t(p_ref, (c, hv), (slice(None), slice(None)),
+                     jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0))
+            f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
+            f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
+            f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
+            if pf_only:
+                f_ref[c, hv, 3, :] = beta * jnp.exp(gam) * rk
+                f_ref[c, hv, 4, :] = beta
+        if t_out_ref is not None:                            # fused: T per head from K^ K^T
+            strict = rows[:, None] > rows[None, :]
+            tmm = functools.partial(mm, contract=(1, 0), prec=t_prec)
+            for hv, (gam, beta) in zip(heads, gates):
+                a = jnp.where(strict, beta[:, None] * kk * jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :],
+                                                                                  0.0)), 0.0)
+                _store_t(t_out_ref, (c, hv), (slice(None), slice(None)), _doubling_inverse(a, tmm))
         if pf_only:
             return
 
@@ -757,99 +787,6 @@ def _prep_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_r
                 for cols in (pl.ds(0, half), pl.ds(half, half)):
                     x = _load(src.at[pl.ds(row0, CHUNK), hd, cols], jnp.broadcast_to(valid64[:, None], (CHUNK, half)))
                     ref[c, hv, :, cols] = mm(t, coef * x.astype(jnp.float32), (1, 0), prec).astype(ref.dtype)
-
-
-def _pf_tiles(c, heads, row0, valid64, qt, kt, a_ref, b_ref, alog_ref, dtb_ref, p_ref, f_ref, t_out_ref, *, prec,
-              t_prec, pf_only, interpret):
-    """The prep's part from a chunk's q and k tiles [64, dk] (rows past nvalid zero): per value head in `heads`, P and
-    f (f rows 3, 4 too where pf_only), and T where t_out_ref is given (prep_mode "fused"). Returns (|k|^-1 per row,
-    [(gamma, beta)] per head) for the W / U part of _prep_kernel."""
-    dk = kt.shape[-1]
-    scale = dk ** -0.5
-    mm = functools.partial(_mm, interpret=interpret)
-    rows = jnp.arange(CHUNK, dtype=jnp.int32)
-    incl = rows[:, None] >= rows[None, :]
-    raw = "bf16" if kt.dtype == jnp.bfloat16 else prec   # raw bf16 products are exact on tensor cores
-    # Ordered for register pressure (the whole-tile values die before the next phase starts; ptxas spilled
-    # 528 B per thread when they all lived at once): P and f per head from the full q, k tiles; then the
-    # 16-row blocks and the solve; then W and U from a fresh load of the k tile.
-    rk = jax.lax.rsqrt(jnp.sum(jnp.square(kt.astype(jnp.float32)), axis=1) + 1e-6)
-    rq = jax.lax.rsqrt(jnp.sum(jnp.square(qt.astype(jnp.float32)), axis=1) + 1e-6) * scale
-    qk = mm(qt, kt, (1, 1), raw) * (rq[:, None] * rk[None, :])
-    # fused: K^ K^T here too, so that the q and k tiles die now (exact bf16 products for bf16 inputs)
-    kk = None if t_out_ref is None else mm(kt, kt, (1, 1), raw) * (rk[:, None] * rk[None, :])
-    gates = []
-    for hv in heads:
-        a_log, dt_bias = alog_ref[hv], dtb_ref[hv]
-        g, beta = _gates(_load(a_ref.at[pl.ds(row0, CHUNK), hv], valid64),
-                         _load(b_ref.at[pl.ds(row0, CHUNK), hv], valid64), a_log, dt_bias)
-        gam, beta = jnp.cumsum(jnp.where(valid64, g, 0.0)), jnp.where(valid64, beta, 0.0)
-        g_last = jnp.min(gam)                            # gamma at the last valid row (non-increasing)
-        gates.append((gam, beta))
-        _store_t(p_ref, (c, hv), (slice(None), slice(None)),
-                 jnp.where(incl, qk * jnp.exp(jnp.where(incl, gam[:, None] - gam[None, :], 0.0)), 0.0))
-        f_ref[c, hv, 0, :] = jnp.exp(gam) * rq
-        f_ref[c, hv, 1, :] = jnp.where(valid64, jnp.exp(g_last - gam) * rk, 0.0)
-        f_ref[c, hv, 2, :] = jnp.broadcast_to(jnp.exp(g_last), (CHUNK,))
-        if pf_only:
-            f_ref[c, hv, 3, :] = beta * jnp.exp(gam) * rk
-            f_ref[c, hv, 4, :] = beta
-    if t_out_ref is not None:                            # fused: T per head from K^ K^T
-        strict = rows[:, None] > rows[None, :]
-        tmm = functools.partial(mm, contract=(1, 0), prec=t_prec)
-        for hv, (gam, beta) in zip(heads, gates):
-            a = jnp.where(strict, beta[:, None] * kk * jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :],
-                                                                              0.0)), 0.0)
-            _store_t(t_out_ref, (c, hv), (slice(None), slice(None)), _doubling_inverse(a, tmm))
-    return rk, gates
-
-
-def _conv_prep_kernel(row0_ref, nvalid_ref, nrows_ref, seq_ref, start_ref, slot_ref, use_ref, len_ref, x_ref, a_ref,
-                      b_ref, alog_ref, dtb_ref, cw_ref, cpool_ref, *refs, ratio, hk, prec, t_prec, piece, interpret):
-    """The P / f prep per (chunk, key head) (prep_mode "solve2"; with T too, "fused2") on the raw input projection
-    x [total, >= C]: the chunk's q, k and v tiles are the causal conv + SiLU of x's q | k | v columns, computed here
-    (conv1d.conv_tile, in column pieces of `piece`) and stored for the solve and the scan (q [total, Hk*dk], k,
-    v [total, Hv*dv]), then q and k read back whole (L2) after a barrier: no conv kernel, no conv output read from
-    DRAM. (Kept in registers, the four conv tiles spilled 2.5 KB per thread at 2 warps, sm_90 compile check.) The chunks cover the rows [start, start + span) of every sequence (chunk_rows):
-    rows past nvalid (a padded batch's padding) are stored too, so every row the scan's whole tiles read was written,
-    as the conv kernel writes them. A sequence's first chunk writes the slot's new conv state for its channels."""
-    *outs, q_ref, k_ref, v_ref, cpool_out_ref = refs
-    t_out_ref, p_ref, f_ref = outs if len(outs) == 3 else (None, *outs)
-    c, kh = pl.program_id(0), pl.program_id(1)
-    nvalid, nrows = nvalid_ref[c], nrows_ref[c]
-
-    @pl.when(nrows > 0)
-    def _():
-        row0, seq = row0_ref[c], seq_ref[c]
-        start, slot, use = start_ref[seq], slot_ref[seq], use_ref[seq] != 0
-        first = row0 == start
-        dk, dv = k_ref.shape[-1] // hk, v_ref.shape[-1] // (hk * ratio)
-        heads = [kh * ratio + r for r in range(ratio)]
-        parts = [(q_ref, kh * dk, kh * dk, dk), (k_ref, hk * dk + kh * dk, kh * dk, dk)]
-        parts += [(v_ref, 2 * hk * dk + hv * dv, hv * dv, dv) for hv in heads]
-        for out_ref, c0, o0, width in parts:          # in column pieces: a piece's working set fits in registers
-            for j in range(0, width, piece):
-                y, mask, _ = conv1d.conv_tile(x_ref, cw_ref, cpool_ref, start=start, t0=row0 - start,
-                                              span=row0 - start + nrows, slot=slot, first=first, use=use, c0=c0 + j,
-                                              width=piece, bt=CHUNK)
-                pltriton.store(out_ref.at[pl.ds(row0, CHUNK), pl.ds(o0 + j, piece)], y, mask=mask)
-
-        @pl.when(first)
-        def _():
-            for _, c0, _, width in parts:
-                conv1d.store_final_state(x_ref, cpool_ref, cpool_out_ref, start=start, length=len_ref[seq], slot=slot,
-                                         use=use, c0=c0, width=width)
-
-        if not interpret:               # the q and k tiles just stored, read back whole by other threads
-            pltriton.debug_barrier()
-
-        @pl.when(nvalid > 0)
-        def _():
-            valid64 = jnp.arange(CHUNK, dtype=jnp.int32) < nvalid
-            full = jnp.broadcast_to(valid64[:, None], (CHUNK, dk))
-            qt, kt = (_load(ref.at[pl.ds(row0, CHUNK), pl.ds(kh * dk, dk)], full) for ref in (q_ref, k_ref))
-            _pf_tiles(c, heads, row0, valid64, qt, kt, a_ref, b_ref, alog_ref, dtb_ref, p_ref, f_ref, t_out_ref,
-                      prec=prec, t_prec=t_prec, pf_only=True, interpret=interpret)
 
 
 def _prep_blocks_kernel(row0_ref, nvalid_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref,
@@ -1145,32 +1082,27 @@ def wy_scan(q, k, w, u, p, f, pool, starts, lens, spans, slots, use_state, chunk
 
 
 def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, spans, max_chunks,
-                config: WYConfig, interpret, prepared=None):
-    """prepared: ((chunk_off, row0, nvalid), (T or None, P, f)) from the conv prep (gdn_conv_prefill_packed), which
-    leaves the T solve (where it did not write T) and the scan."""
+                config: WYConfig, interpret):
     config = resolve_prep(config, max_chunks, v.shape[1], v.dtype)
     t_split, split = (config.t_parts, config.p_parts) if config.mgpu else (0, 0)
     h_prec, o_prec, s_prec, prep_prec = config.precisions(v.dtype)
-    chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks) if prepared is None else prepared[0]
+    chunk_off, row0, nvalid = chunk_map(starts, lens, max_chunks)
     w_dtype = jnp.bfloat16 if h_prec == "bf16" else jnp.float32
     if config.tform:
         if config.prep_mode not in ("solve", "solve2", "fused", "fused2"):
             raise ValueError("tform needs prep_mode 'solve', 'solve2' (T from wy_solve), 'fused' or 'fused2'")
-        if prepared is None and config.prep_mode in ("fused", "fused2"):
+        if config.prep_mode in ("fused", "fused2"):
             t, p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
                               num_warps=config.prep_warps, solve_prec=config.solve_prec, pf_only=True,
                               mode="solve2" if config.prep_mode == "fused2" else "solve", split=split,
                               t_split=t_split, with_t=True, interpret=interpret)
         else:
-            t = None if prepared is None else prepared[1][0]
-            if t is None:
-                t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
-                             inv_prec=config.solve_prec, per_value_head=config.solve_grid == "value", split=t_split,
-                             interpret=interpret)
-            p, f = prepared[1][1:] if prepared is not None else wy_prep(
-                q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
-                num_warps=config.pf_warps or config.prep_warps, mode=config.prep_mode, pf_only=True, split=split,
-                interpret=interpret)
+            t = wy_solve(k, a, b, A_log, dt_bias, row0, nvalid, prec=prep_prec, num_warps=config.solve_warps,
+                         inv_prec=config.solve_prec, per_value_head=config.solve_grid == "value", split=t_split,
+                         interpret=interpret)
+            p, f = wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid, w_dtype=w_dtype, prec=prep_prec,
+                           num_warps=config.pf_warps or config.prep_warps, mode=config.prep_mode, pf_only=True,
+                           split=split, interpret=interpret)
         if config.mgpu:
             bv = None if config.mgpu == "auto" or config.bv not in (16, 32, 64) else config.bv
             return gdn_mgpu.scan(q, k, v, t, p, f, pool, starts, lens, spans, slots, use_state, chunk_off,
@@ -1193,23 +1125,16 @@ def _prefill_wy(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use_st
 def chunk_map(starts, lens, max_chunks):
     """Flat chunk ids of packed sequences. Returns (chunk_off [N]: each sequence's first flat chunk,
     row0 [max_chunks]: a chunk's first row, nvalid [max_chunks]: its valid rows, 0 for unused ids)."""
-    return chunk_rows(starts, lens, lens, max_chunks)[:3]
-
-
-def chunk_rows(starts, lens, spans, max_chunks):
-    """chunk_map over the rows [starts, starts + spans) (spans >= lens: a padded batch's padding gets chunks of its
-    own, with nvalid 0). Returns (chunk_off, row0, nvalid, nrows [max_chunks]: a chunk's rows inside its span,
-    seq [max_chunks]: its sequence)."""
     n = starts.shape[0]
-    nch = (spans + CHUNK - 1) // CHUNK
+    nch = (lens + CHUNK - 1) // CHUNK
     cum = jnp.cumsum(nch)
     chunk_off = (cum - nch).astype(jnp.int32)
     cid = jnp.arange(max_chunks, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(cum, cid, side="right"), n - 1).astype(jnp.int32)
     local = cid - chunk_off[seq]
     row0 = (starts[seq] + local * CHUNK).astype(jnp.int32)
-    rows_in = lambda length: jnp.where(cid < cum[-1], jnp.clip(length[seq] - local * CHUNK, 0, CHUNK), 0)
-    return chunk_off, row0, rows_in(lens).astype(jnp.int32), rows_in(spans).astype(jnp.int32), seq
+    nvalid = jnp.where(cid < cum[-1], jnp.clip(lens[seq] - local * CHUNK, 0, CHUNK), 0).astype(jnp.int32)
+    return chunk_off, row0, nvalid
 
 
 def solve_t(k, a, b, A_log, dt_bias, starts, lens, max_chunks, ratio, prec, config: PrefillConfig, interpret):
@@ -1286,84 +1211,6 @@ def gdn_prefill_packed(q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots,
         interpret=interpret, name="gdn_scan",
     )(starts, lens, spans, slots, use_state, chunk_off, q, k, v, a, b, a_log, dtb, tmat, pool)
     return o, pool
-
-
-def gdn_conv_prefill_packed(x, conv_w, conv_pool, a, b, A_log, dt_bias, pool, starts, lens, slots, use_state, *,
-                            spans=None, max_chunks=None, config: WYConfig | None = None, starts_aligned=False,
-                            interpret=False):
-    """conv1d.conv_prefill_packed and gdn_prefill_packed in one pipeline, with no conv kernel: the P / f prep
-    (`_conv_prep_kernel`, per (chunk, key head)) computes each chunk's q, k and v from x, the input projection
-    [total, >= C] whose first C = conv_w.shape[1] columns are q | k | v (Hk*dk, Hk*dk, Hv*dv), and stores them for
-    the T solve and the scan. conv_pool [slots, K-1, C] is read and updated in place as by the conv kernel (rows
-    [starts + lens, starts + spans) of q, k and v are written too: the conv continues over padding). The T-form
-    only (WYConfig.tform); prep_mode "solve" and "fused" run as their per-key-head forms "solve2" and "fused2" (the
-    same T, P and f). Other arguments as gdn_prefill_packed; max_chunks bounds sum(ceil(spans / 64)) (default
-    ceil(total / 64) + N). Returns (o, pool, conv_pool)."""
-    (total, width), (taps, c) = x.shape, conv_w.shape
-    hv, dv, dk = pool.shape[1:]
-    hk, rem = divmod(c - hv * dv, 2 * dk)
-    if rem or hk < 1 or width < c:
-        raise ValueError(f"conv channels {c} (input {x.shape}) are not q | k | v of the state pool {pool.shape}")
-    _check_dims(dk, dv, hk, hv)
-    if conv_pool.shape[1:] != (taps - 1, c) or not 2 <= taps <= CHUNK + 1:
-        raise ValueError(f"conv state pool {conv_pool.shape} does not match the conv weight {conv_w.shape}")
-    if pool.dtype != jnp.float32:
-        raise ValueError(f"the GDN state pool must be float32, got {pool.dtype}")
-    config = DEFAULT_PREFILL if config is None else config
-    if not isinstance(config, WYConfig) or not config.tform:
-        raise ValueError("the conv runs in the T-form's P / f prep: config must be a WYConfig with tform=True")
-    if config.mgpu not in ("", "on", "auto"):
-        raise ValueError(f"WYConfig.mgpu must be '', 'on' or 'auto', got {config.mgpu!r}")
-    if config.mgpu == "auto" and not gdn_mgpu.applies(total, dk, dv, starts_aligned, x.dtype):
-        config = dataclasses.replace(config, mgpu="")
-    if config.mgpu and not starts_aligned:
-        raise ValueError("the Mosaic GPU scan (WYConfig.mgpu) needs sequence starts that are multiples of 8: "
-                         "pass starts_aligned=True where they are")
-    n = starts.shape[0]
-    i32 = lambda z: jnp.asarray(z).astype(jnp.int32)
-    starts, lens, slots, use_state = i32(starts), i32(lens), i32(slots), i32(use_state)
-    spans = lens if spans is None else i32(spans)
-    mc = max_chunks or (-(-total // CHUNK) + n)
-    config = resolve_prep(config, mc, hv, x.dtype)
-    config = dataclasses.replace(config, prep_mode={"solve": "solve2", "fused": "fused2"}.get(config.prep_mode,
-                                                                                              config.prep_mode))
-    if config.prep_mode not in ("solve2", "fused2"):
-        raise ValueError(f"the conv prep writes P and f (and T): prep_mode {config.prep_mode!r} does not")
-    t_split, split = (config.t_parts, config.p_parts) if config.mgpu else (0, 0)
-    with_t = config.prep_mode == "fused2"
-    chunk_off, row0, nvalid, nrows, seq = chunk_rows(starts, lens, spans, mc)
-    f32 = jnp.float32
-    *tpf, q, k, v, conv_pool = pl.pallas_call(
-        functools.partial(_conv_prep_kernel, ratio=hv // hk, hk=hk, prec=config.precisions(x.dtype)[3],
-                          t_prec=config.solve_prec, piece=min(CONV_PIECE, dk, dv), interpret=interpret),
-        out_shape=((_chunk_tiles(mc, hv, t_split),) if with_t else ()) + (
-            _chunk_tiles(mc, hv, split), jax.ShapeDtypeStruct((mc, hv, 5, CHUNK), f32),
-            *(jax.ShapeDtypeStruct((total, w), x.dtype) for w in (hk * dk, hk * dk, hv * dv)),
-            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)),
-        grid=(mc, hk),
-        input_output_aliases={14: 5 + with_t},
-        compiler_params=pltriton.CompilerParams(
-            num_warps=config.prep_warps if with_t else config.pf_warps or config.prep_warps, num_stages=1),
-        interpret=interpret, name="gdn_conv_prep_tpf" if with_t else "gdn_conv_prep_pf",
-    )(row0, nvalid, nrows, seq, starts, slots, use_state, lens, x, a, b, A_log.astype(f32), dt_bias.astype(f32),
-      conv_w, conv_pool)
-    o, pool = _prefill_wy(q.reshape(total, hk, dk), k.reshape(total, hk, dk), v.reshape(total, hv, dv), a, b, A_log,
-                          dt_bias, pool, starts, lens, slots, use_state, spans, mc, config, interpret,
-                          prepared=((chunk_off, row0, nvalid), (tuple(tpf) if with_t else (None, *tpf))))
-    return o, pool, conv_pool
-
-
-def gdn_conv_prefill(x, conv_w, conv_pool, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,
-                     config: WYConfig | None = None, interpret=False):
-    """gdn_conv_prefill_packed on the model's padded batch: x [N, T, >= C] (the input projection), a, b [N, T, Hv];
-    row n holds lens[n] real tokens of T. Returns (o [N, T, Hv, dv], pool, conv_pool)."""
-    n, t = x.shape[:2]
-    flat = lambda z: z.reshape(n * t, *z.shape[2:])
-    o, pool, conv_pool = gdn_conv_prefill_packed(
-        flat(x), conv_w, conv_pool, flat(a), flat(b), A_log, dt_bias, pool, jnp.arange(n, dtype=jnp.int32) * t, lens,
-        slots, use_state, spans=jnp.full((n,), t, jnp.int32), max_chunks=n * -(-t // CHUNK), config=config,
-        starts_aligned=t % 8 == 0, interpret=interpret)
-    return o.reshape(n, t, *o.shape[1:]), pool, conv_pool
 
 
 def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *,

@@ -60,10 +60,6 @@ def dump(out_dir, only=()):
     jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
              for c in (gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS)]
     jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
-    # the conv inside the P / f prep (the model's in_proj output read in place, 8k tokens)
-    conv_gdn = (S((1, t, 12352), bf), S((4, 8192), bf), S((slots, 3, 8192), bf), *prefill[3:])
-    jobs += [(f"conv_gdn_{c.name}", functools.partial(gdn.gdn_conv_prefill, config=c), conv_gdn)
-             for c in gdn.conv_prefill_sweep()]
     prologue = (S((64, 16 * 512 + 2048), bf), S((256,), bf), S((256,), bf), S((4, 8193, 16, 256), bf),
                 S((4, 8193, 16, 256), bf), S((64, 512), i32), S((64,), i32), S((64,), i32))
     jobs.append(("attn_prologue_b64", functools.partial(pa.decode_prologue, q_heads=16, rotary_dim=64, theta=1e7,

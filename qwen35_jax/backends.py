@@ -12,9 +12,9 @@ always do; `QWEN35_GDN_PREFILL=wy_triton` runs the Triton scan instead) and the 
 references and fla (bench/kernels.py, bench/RESULTS.md). `QWEN35_GDN_PREFILL=v1` selects the previous prefill kernels
 and `QWEN35_GDN_DECODE=bv32_w2` (or any name in gdn.decode_sweep()) another decode configuration; the choice is logged.
 The conv prefill (pallas_kernels/conv1d.py) writes the model's q, k and v as arrays of their own, 32 x 128 tiles on 4
-warps by default; `QWEN35_CONV_PREFILL=<name in conv1d.prefill_sweep()>` picks another tile.
-`QWEN35_GDN_CONV_PREFILL=prep` computes the conv inside the GDN's P / f prep instead (gdn.gdn_conv_prefill: no conv
-kernel; default "apart").
+warps by default; `QWEN35_CONV_PREFILL=<name in conv1d.prefill_sweep()>` picks another tile. The conv computed inside
+the GDN's P / f prep instead (3c2e063, `QWEN35_GDN_CONV_PREFILL=prep`) made the 9B prefill at 64 x 1024 tokens 1618.2
+vs 1564.4 ms and was removed (gdn.py's docstring, item 6).
 The decode GDN with its conv and gated norm in one kernel (d02e866 / 38b1084, one program per row and key head) was
 +0.15 to +0.46 ms per 9B step at batch 64 in its four configurations (bench/ab_decode.py at 997fa07) and was removed.
 Decode attention: pallas_kernels/paged_attention.py (DEFAULT config, checked and timed on the H200 by
@@ -143,9 +143,6 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     $QWEN35_DECODE_ATTENTION / $QWEN35_DECODE_MATMUL, else "wy" / "default" / "kernel" / "xla")."""
     prefill = prefill or os.environ.get("QWEN35_GDN_PREFILL") or "wy"
     conv = os.environ.get("QWEN35_CONV_PREFILL") or "default"
-    conv_in_prep = os.environ.get("QWEN35_GDN_CONV_PREFILL") or "apart"
-    if conv_in_prep not in ("apart", "prep"):
-        raise ValueError(f"QWEN35_GDN_CONV_PREFILL must be 'apart' or 'prep', got {conv_in_prep!r}")
     decode = decode or os.environ.get("QWEN35_GDN_DECODE") or "default"
     attention = attention or os.environ.get("QWEN35_DECODE_ATTENTION") or "kernel"
     projections = projections or os.environ.get("QWEN35_DECODE_MATMUL") or "xla"
@@ -176,12 +173,9 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
     if projections != "xla" and split["split_k"] > 1:
         raise ValueError("QWEN35_DECODE_SPLIT_K splits XLA's decode GEMMs; the decode matmul kernel "
                          f"({projections}) runs them instead")
-    if conv_in_prep == "prep" and not (isinstance(pv[prefill], gdn.WYConfig) and pv[prefill].tform):
-        raise ValueError(f"QWEN35_GDN_CONV_PREFILL=prep needs a T-form WY prefill, not {prefill!r}")
     log.info("GDN kernels: prefill %s (%s), decode %s (%s); conv prefill %s; decode attention %s, its prologue %s; "
              "decode projections %s, the row-parallel ones split over %d ranges of K from %d rows", prefill,
-             pv[prefill].name, decode, dv[decode].name,
-             "in the GDN's P / f prep" if conv_in_prep == "prep" else cv[conv].prefill_name,
+             pv[prefill].name, decode, dv[decode].name, cv[conv].prefill_name,
              paged_attention.DEFAULT.name if attention == "kernel"
              else attention, prologue, projections, split["split_k"], split["split_k_from"])
     tiles = before_tiles = None
@@ -199,8 +193,7 @@ def pallas_kernels(interpret: bool, prefill: str | None = None, decode: str | No
                    matmul=None if projections == "xla" else decode_matmul(
                        interpret, projections, parse_shapes(os.environ.get("QWEN35_DECODE_MATMUL_SHAPES", ""))),
                    gate_up_rounds_from=gate_up_rounds_from(), **split,
-                   attention_prologue=before_tiles, attention_tiles=tiles,
-                   gdn_conv_prefill=p(gdn.gdn_conv_prefill, config=pv[prefill]) if conv_in_prep == "prep" else None)
+                   attention_prologue=before_tiles, attention_tiles=tiles)
 
 
 def default_backend() -> str:

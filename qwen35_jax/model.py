@@ -56,9 +56,6 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
-    # prefill conv + GDN in one pipeline: (proj [N, T, P], conv_w, conv_pool, a, b, A_log, dt_bias, rec_pool, slots,
-    # lens, use_state) -> (o, rec_pool, conv_pool) (gdn.gdn_conv_prefill); None: conv_prefill, then gdn_prefill
-    gdn_conv_prefill: Callable | None = None
 
 
 def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
@@ -185,11 +182,6 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
             o = o[:, None]
     else:
         b, a = proj[..., 2 * kl + 2 * vl:2 * kl + 2 * vl + hv], proj[..., 2 * kl + 2 * vl + hv:]
-        if kernels.gdn_conv_prefill is not None:     # the conv computed by the GDN's own prep kernel
-            with jax.named_scope("gated_delta_rule"):
-                o, rec_pool, conv_pool = kernels.gdn_conv_prefill(proj, w.conv, conv_pool, a, b, w.A_log, w.dt_bias,
-                                                                  rec_pool, batch.slots, batch.lens, batch.start > 0)
-            return gdn_output(cfg, kernels, w, o, z, n, t, hv, dv, vl), conv_pool, rec_pool
         # q | k | v are proj's first columns: the conv reads them in place and writes q, k and v as arrays of
         # their own (a split after the kernel would copy them all once more)
         with jax.named_scope("conv1d"):
@@ -199,14 +191,10 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
         with jax.named_scope("gated_delta_rule"):
             o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,
                                               batch.start > 0)
-    return gdn_output(cfg, kernels, w, o, z, n, t, hv, dv, vl), conv_pool, rec_pool
-
-
-def gdn_output(cfg: ModelConfig, kernels: Kernels, w: GatedDeltaNet, o, z, n, t, hv, dv, vl):
     with jax.named_scope("gated_norm"):
         o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
     with jax.named_scope("out_proj"):
-        return row_parallel(kernels, o, w.out_proj)
+        return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
 def mlp_block(kernels: Kernels, w, x):

@@ -365,50 +365,6 @@ def test_conv_prefill_and_decode_exact():
         conv1d.conv_decode(xd[:, :-1], w, pool, dslots, interpret=True)
 
 
-CONV_GDN_CASES = {"solve2": (dataclasses.replace(WY, prep_mode="solve2"), 32, 32, [70, 130, 1, 0], 136),
-                  "auto-fused2": (WY, 32, 32, [3, 40, 0], 40),
-                  "mgpu-solve2": (dataclasses.replace(WY, prep_mode="solve2", mgpu="on"), 64, 128, [70, 5, 0], 72),
-                  "fp32-unaligned": (dataclasses.replace(WY, prep_mode="solve"), 16, 32, [33, 2, 0, 7], 37)}
-
-
-@pytest.mark.parametrize("case", list(CONV_GDN_CASES))
-def test_gdn_conv_prefill_equals_the_conv_then_the_gdn_prefill(case):
-    """The conv computed inside the P / f prep (gdn_conv_prefill) gives the conv kernel's q, k and v bit for bit, so
-    o and both final states equal the conv kernel followed by gdn_prefill exactly: ragged rows (a padded batch,
-    padding inside and past a chunk), tail chunks, an empty row on the null slot, fresh and continued conv / GDN
-    states, ratio 2; other slots untouched."""
-    config, dk, dv, lens_l, t = CONV_GDN_CASES[case]
-    dtype = jnp.float32 if case.startswith("fp32") else jnp.bfloat16
-    n, hk, hv = len(lens_l), 2, 4
-    c = 2 * hk * dk + hv * dv
-    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(21, n, t, hk, hv, dk, dv, dtype=dtype)
-    key = jax.random.key(5)
-    proj = jnp.concatenate([q.reshape(n, t, -1), k.reshape(n, t, -1), v.reshape(n, t, -1),
-                            jax.random.normal(key, (n, t, 9)).astype(dtype)], axis=-1)    # + columns past C
-    conv_w = (0.5 * jax.random.normal(jax.random.fold_in(key, 1), (4, c))).astype(dtype)
-    conv_pool = jax.random.normal(jax.random.fold_in(key, 2), (10, 3, c)).astype(dtype)
-    slots = jnp.array([3, 1, 5, 9, 2, 7, 0])[-n:]
-    slots = slots.at[-1].set(0) if lens_l[-1] == 0 else slots
-    use = jnp.array([True, False, True, True, False, True, False])[-n:]
-    lens = jnp.array(lens_l)
-    fused = jax.jit(functools.partial(gdn.gdn_conv_prefill, config=config, interpret=True))
-    o, new, new_conv = fused(proj, conv_w, conv_pool, a, b, A_log, dt_bias, pool, slots, lens, use)
-    (q2, k2, v2), conv_ref = jax.jit(functools.partial(conv1d.conv_prefill, interpret=True), static_argnames="split")(
-        proj, conv_w, conv_pool, slots, lens, use, split=(hk * dk, 2 * hk * dk))
-    o_ref, new_ref = _prefill_fn(config)(q2.reshape(q.shape), k2.reshape(k.shape), v2.reshape(v.shape), a, b, A_log,
-                                         dt_bias, pool, slots, lens, use)
-    real = np.arange(t)[None] < np.asarray(lens)[:, None]
-    np.testing.assert_array_equal(np.asarray(o, np.float32)[real], np.asarray(o_ref, np.float32)[real])
-    assert np.all(np.asarray(o, np.float32)[~real] == 0)
-    live = np.asarray(slots)[np.asarray(lens) > 0]
-    np.testing.assert_array_equal(np.asarray(new)[live], np.asarray(new_ref)[live])
-    np.testing.assert_array_equal(np.asarray(new_conv, np.float32)[live], np.asarray(conv_ref, np.float32)[live])
-    untouched = np.setdiff1d(np.arange(10), np.asarray(slots))
-    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
-    np.testing.assert_array_equal(np.asarray(new_conv, np.float32)[untouched],
-                                  np.asarray(conv_pool, np.float32)[untouched])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Paged decode attention
 
@@ -771,15 +727,6 @@ def test_backend_kernel_variants(monkeypatch):
     monkeypatch.setenv("QWEN35_CONV_PREFILL", "nope")
     with pytest.raises(ValueError, match="conv prefill variant"):
         backends.pallas_kernels(interpret=True)
-    monkeypatch.delenv("QWEN35_CONV_PREFILL")
-    assert backends.pallas_kernels(interpret=True).gdn_conv_prefill is None
-    monkeypatch.setenv("QWEN35_GDN_CONV_PREFILL", "prep")
-    assert config(backends.pallas_kernels(interpret=True).gdn_conv_prefill) == gdn.DEFAULT_PREFILL
-    with pytest.raises(ValueError, match="needs a T-form WY prefill"):
-        backends.pallas_kernels(interpret=True, prefill="v1")
-    monkeypatch.setenv("QWEN35_GDN_CONV_PREFILL", "nope")
-    with pytest.raises(ValueError, match="QWEN35_GDN_CONV_PREFILL"):
-        backends.pallas_kernels(interpret=True)
 
 
 def test_sweep_names_unique():
@@ -800,11 +747,8 @@ def test_illegal_head_dim_raises():
 # Model level: the whole forward (prefill rows of different lengths, a padded row, then decode steps).
 
 
-@pytest.mark.parametrize("tp,conv_in_prep", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2-conv-in-prep"])
-def test_model_logits_pallas_interpret_equal_reference(tp, conv_in_prep, monkeypatch):
-    """conv_in_prep: QWEN35_GDN_CONV_PREFILL=prep, the prefill conv computed by the GDN prep (gdn_conv_prefill)."""
-    if conv_in_prep:
-        monkeypatch.setenv("QWEN35_GDN_CONV_PREFILL", "prep")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_logits_pallas_interpret_equal_reference(tp):
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
     from qwen35_jax.sharding import make_mesh
