@@ -1,71 +1,47 @@
-"""Decode step A/B: kernel variants (QWEN35_* settings) timed in one process, in alternating rounds.
+"""Decode step A/B: kernel configurations (KernelConfig fields) timed in one process, in alternating rounds.
 
 Separate runs of bench/throughput.py or of the profile read the 9B batch-64 step ~0.1 ms apart for the same code
-(bench/RESULTS.md: 7.39-7.67 ms in five profiles of one day), as much as the changes under test. Here every
-variant gets its own engine (the same weights, its own state and executables) and the decode steps of the variants
-are timed in alternating rounds (the order reversed every other round), so drift of the machine falls on all of
-them alike. Each round times each variant's steady-state step (the slope of back-to-back dispatches, as
-bench/throughput.py); the report gives each variant's median over the rounds and the median of its per-round
-difference to the first variant. Each engine's executables are keyed on the QWEN35_* settings it was built under
-(qwen35_jax.executor.ExecutableCache); before f4fd1c0 they were keyed on the settings when a bucket compiled, after
-build_engine had restored them, so every variant was served the default's executable.
+(bench/RESULTS.md), as much as the changes under test. Here every variant gets its own engine (the same weights,
+its own state and executables, keyed on its KernelConfig) and the decode steps of the variants are timed in
+alternating rounds (the order reversed every other round), so drift of the machine falls on all of them alike.
+Each round times each variant's steady-state step (the slope of back-to-back dispatches, as bench/throughput.py);
+the report gives each variant's median over the rounds and the median of its per-round difference to the first.
 
-    python bench/ab_decode.py --variants "" "QWEN35_GDN_DECODE=bv32_w2_vf" --batches 16,64 --record
+    python bench/ab_decode.py --variants "" "gdn_decode.bv=32 gdn_decode.num_warps=2" --batches 16,64 --record
     python bench/ab_decode.py --variants "" "temperature=0.7"      # the greedy sampler vs the lean one
-    python bench/ab_decode.py --variants "" "QWEN35_XLA_OPTIONS=xla_gpu_enable_pdl=false"   # XLA options
+    python bench/ab_decode.py --variants "" "xla_options.xla_gpu_enable_pdl=false"   # XLA options
     python bench/ab_decode.py --config <tiny config.json> --kernel-backend pallas_interpret --batches 2 \
         --context 40 --rounds 2 --iters 2                                                       # CPU smoke run
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
+from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
 from bench.throughput import Row  # noqa: E402
-from qwen35_jax.config import ModelConfig  # noqa: E402
+from qwen35_jax.backends import KernelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.profile import steady_step_seconds  # noqa: E402
 from qwen35_jax.sampler import host_batch  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
-from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import random_weights  # noqa: E402
 
 
-def parse_variant(text: str) -> tuple[dict[str, str], float]:
-    """'A=1 B=x' -> ({'A': '1', 'B': 'x'}, 0.0); '' is the default build. QWEN35_* settings (read when an engine
-    builds its kernels; XLA_FLAGS cannot differ within one process), and `temperature=T`: the rows sample at T
-    with top_k 20 and top_p 0.8 (the lean sampler) instead of greedily (the greedy one)."""
-    env = dict(kv.split("=", 1) for kv in text.split())
-    temperature = float(env.pop("temperature", 0.0))
-    bad = [k for k in env if not k.startswith("QWEN35_")]
-    if bad:
-        raise ValueError(f"variant {text!r}: only QWEN35_* settings and temperature can differ in one process, "
-                         f"not {bad}")
-    return env, temperature
-
-
-def build_engine(model_dir: str, eargs: EngineArgs, weights, env: dict[str, str]) -> Engine:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return Engine(model_dir, eargs, weights=weights)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
+def parse_variant(text: str, base: KernelConfig) -> tuple[KernelConfig, float]:
+    """'gdn_decode.bv=32 temperature=0.7' -> (base with those KernelConfig fields, 0.7); '' is base itself.
+    `temperature=T`: the rows sample at T with top_k 20 and top_p 0.8 (the lean sampler) instead of greedily."""
+    items = text.split()
+    temperature = float(next((i.split("=", 1)[1] for i in items if i.startswith("temperature=")), 0.0))
+    return KernelConfig.parse(" ".join(i for i in items if not i.startswith("temperature=")), base), temperature
 
 
 def decode_call(engine: Engine, batch: int, ctx: int, temperature: float = 0.0):
@@ -88,30 +64,26 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
     ap.add_argument("--variants", nargs="+", required=True,
-                    help="space-separated QWEN35_*=value settings per variant ('' = the default build); the first "
-                         "is the baseline")
+                    help="space-separated KernelConfig field=value settings per variant ('' = the default build; "
+                         "temperature=T samples); the first is the baseline")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--context", type=int, default=1152)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20, help="steps in the shorter burst of a slope")
-    ap.add_argument("--kernel-backend", default=None)
+    add_kernel_args(ap)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
 
-    variants, temps = zip(*[parse_variant(v) for v in args.variants])
+    variants, temps = zip(*[parse_variant(v, kernel_config(args)) for v in args.variants])
     if len(variants) < 2:
         ap.error("--variants: at least two to compare")
     names = [" ".join(args.variants[i].split()) or "(default)" for i in range(len(variants))]
     batches = [int(b) for b in args.batches.split(",")]
-    raw = json.load(open(args.config))
-    cfg = ModelConfig.from_hf(raw)
-    model_dir = tempfile.mkdtemp(prefix="qwen35-ab-")
-    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
-    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
     eargs = EngineArgs(max_model_len=args.context + 64, max_num_seqs=max(batches), precompile=False,
-                       max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1,
-                       kernel_backend=args.kernel_backend)
-    engines = [build_engine(model_dir, eargs, weights, env) for env in variants]
+                       max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1)
+    engines = [random_engine(args.config, dataclasses.replace(eargs, kernel_config=variants[0]))]
+    engines += [random_engine(args.config, dataclasses.replace(eargs, kernel_config=v), weights=engines[0].weights)
+                for v in variants[1:]]
     rows, failed = [], {}
     for b in batches:
         calls = [decode_call(e, b, args.context, t) for e, t in zip(engines, temps)]

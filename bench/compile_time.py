@@ -3,7 +3,7 @@
 Lowers and compiles a few of the engine's buckets one at a time (no persistent cache) and prints both times.
 `--tiny-dims` keeps the config's layer structure with tiny widths (lowering cost follows the number of ops, not
 their sizes), so the Python half can be measured on a CPU machine. The kernels as served (each under the
-jax.jit that backends.pallas_kernels puts around it) are timed side by side with the bare kernels.
+jax.jit that backends.make_kernels puts around it) are timed side by side with the bare kernels.
 
     python bench/compile_time.py --config bench/configs/qwen3.5-9b.json [--tiny-dims] [--kernel-backend pallas]
 """
@@ -14,7 +14,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -22,10 +21,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
-from qwen35_jax.config import ModelConfig  # noqa: E402
+from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
+from qwen35_jax.backends import KernelConfig, make_kernels  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
-from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import random_weights  # noqa: E402
 
 TINY = dict(vocab_size=4096, hidden_size=64, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
@@ -33,23 +31,23 @@ TINY = dict(vocab_size=4096, hidden_size=64, head_dim=32, linear_key_head_dim=16
 
 
 def bare(kernels):
-    """The kernels without backends.pallas_kernels' jit wrappers."""
+    """The kernels without the jit wrappers backends.make_kernels puts around them."""
     return dataclasses.replace(kernels, **{f.name: getattr(getattr(kernels, f.name), "__wrapped__",
                                                            getattr(kernels, f.name))
                                            for f in dataclasses.fields(kernels)})
 
 
-def make_engine(model_dir, weights, backend, unjit: bool) -> Engine:
+def make_engine(raw: dict, config: KernelConfig, unjit: bool, weights=None) -> Engine:
     import qwen35_jax.engine as engine_module
-    jitted = engine_module.get_kernels
-    if unjit:             # the engine picks its kernels through engine.get_kernels: hand it the bare ones
-        engine_module.get_kernels = lambda name: (lambda b, k: (b, bare(k)))(*jitted(name))
+    jitted = engine_module.make_kernels
+    if unjit:             # the engine makes its kernels through engine.make_kernels: hand it the bare ones
+        engine_module.make_kernels = lambda c: bare(jitted(c))
     try:
-        return Engine(model_dir, EngineArgs(max_model_len=1536, max_num_seqs=64, max_num_batched_tokens=2048,
-                                            max_prefill_rows=2, precompile=False, kernel_backend=backend),
-                      weights=weights)
+        return random_engine(raw, EngineArgs(max_model_len=1536, max_num_seqs=64, max_num_batched_tokens=2048,
+                                             max_prefill_rows=2, precompile=False, kernel_config=config),
+                             weights=weights)
     finally:
-        engine_module.get_kernels = jitted
+        engine_module.make_kernels = jitted
 
 
 def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, pages_per_seq: int,
@@ -93,7 +91,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
     ap.add_argument("--tiny-dims", action="store_true")
-    ap.add_argument("--kernel-backend", default=None)
+    add_kernel_args(ap)
     ap.add_argument("--no-compile", action="store_true", help="time lowering only")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--cuda-lowering", action="store_true",
@@ -103,12 +101,10 @@ def main():
     raw = json.load(open(args.config))
     if args.tiny_dims:
         raw.update(TINY)
-    model_dir = tempfile.mkdtemp(prefix="qwen35-compile-")
-    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
-    cfg = ModelConfig.from_hf(raw)
-    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
-    engines = {"jit-wrapped": make_engine(model_dir, weights, args.kernel_backend, False),
-               "bare": make_engine(model_dir, weights, args.kernel_backend, True)}
+    cfg_kernels = kernel_config(args)
+    first = make_engine(raw, cfg_kernels, False)
+    engines = {"jit-wrapped": first, "bare": make_engine(raw, cfg_kernels, True, weights=first.weights)}
+    cfg = first.cfg
     keys = engines["bare"].executor.keys()
     picked = [keys[0], next(k for k in keys if k[0] == "decode" and k[2]), next(k for k in keys if k[0] == "prefill"),
               keys[-1]]
@@ -127,14 +123,13 @@ def main():
         rows.append(row)
         print(row, flush=True)
     if args.cuda_lowering:
-        from qwen35_jax import backends
-        served = backends.pallas_kernels(interpret=False)
+        served = make_kernels(KernelConfig(backend="pallas", decode_split_k=4))     # lowered for CUDA from any host
         row = {"bucket": "decode 16 rows, lowered for CUDA (Triton)"}
         for name, kernels in (("bare", bare(served)), ("jit-wrapped", served), ("bare", bare(served))):
             row[f"{name} lower s"] = f"{cuda_decode_lowering_seconds(cfg, kernels):.2f}"     # bare twice: warm-up
         rows.append(row)
         print(row, flush=True)
-    backend = engines["bare"].backend
+    backend = engines["bare"].kernel_config.backend
     for e in engines.values():
         e.shutdown()
     cols = ["bucket"] + sorted((c for c in rows[0] if c != "bucket"), key=lambda c: ("compile" in c, c))

@@ -20,19 +20,16 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
-from qwen35_jax.config import ModelConfig  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from bench.common import random_engine  # noqa: E402
+from qwen35_jax.backends import KernelConfig  # noqa: E402
+from qwen35_jax.engine import EngineArgs  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
-from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import random_weights  # noqa: E402
 
 
 def small_config(raw: dict, layers: int) -> dict:
@@ -44,12 +41,14 @@ def small_config(raw: dict, layers: int) -> dict:
     return raw
 
 
-def run(model_dir: str, weights, backend: str, prompts, params, args) -> list:
+def run(raw: dict, config: KernelConfig, prompts, params, args) -> tuple[list, KernelConfig]:
+    """The requests' outputs through an engine of this kernel configuration (random weights of seed 0), and the
+    configuration as the engine resolved it."""
     eargs = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=len(prompts), precompile=False,
-                       max_num_batched_tokens=args.budget, max_prefill_rows=2, kernel_backend=backend)
-    engine = Engine(model_dir, eargs, weights=weights)
+                       max_num_batched_tokens=args.budget, max_prefill_rows=2, kernel_config=config)
+    engine = random_engine(raw, eargs)
     try:
-        return engine.generate(prompts, [params] * len(prompts))
+        return engine.generate(prompts, [params] * len(prompts)), engine.kernel_config
     finally:
         engine.shutdown()
 
@@ -59,6 +58,7 @@ def main():
     ap.add_argument("--config", default="bench/configs/qwen3.5-9b.json")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--backends", nargs=2, default=["pallas", "reference"])
+    ap.add_argument("--kernel-config", default="", help="KernelConfig fields of the first backend's engine")
     ap.add_argument("--prompt-lens", default="1,65,300,1000,777,2")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens: longer prompts go in chunks")
@@ -70,15 +70,15 @@ def main():
     args = ap.parse_args()
 
     raw = small_config(json.load(open(args.config)), args.layers)
-    cfg = ModelConfig.from_hf(raw)
-    model_dir = tempfile.mkdtemp(prefix="qwen35-check-")
-    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
-    weights = random_weights(cfg, make_mesh(1), jnp.bfloat16)
+    vocab = raw.get("text_config", raw)["vocab_size"]
     rng = np.random.default_rng(0)
     lens = [int(n) for n in args.prompt_lens.split(",")]
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in lens]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=5)
-    outs = {b: run(model_dir, weights, b, prompts, params, args) for b in args.backends}
+    configs = [KernelConfig.parse(args.kernel_config, KernelConfig(backend=args.backends[0])),
+               KernelConfig(backend=args.backends[1])]
+    (out_a, used), (out_r, _) = (run(raw, c, prompts, params, args) for c in configs)
+    outs = dict(zip(args.backends, (out_a, out_r)))
     a_name, r_name = args.backends
     rows, agree, positions, deltas, margins = [], 0, 0, [], []
     for n, a, r in zip(lens, outs[a_name], outs[r_name]):
@@ -111,10 +111,9 @@ def main():
                 f"(on {jax.devices()[0].device_kind}). Compared along each request's common prefix of the two "
                 f"generations and the first position where they part.\n\n"
                 + results.table(rows, list(rows[0])) + f"\n{summary}.\n")
-        env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
-                       if k.startswith("QWEN35_") and k != "QWEN35_COMMIT")
+        changes = used.changes()
         results.record(f"Engine kernel path check (bench/engine_check.py): {a_name} vs {r_name}"
-                       + (f", {env}" if env else ""), body)
+                       + (f", {changes}" if changes else ""), body)
     if not ok:
         sys.exit(1)
 

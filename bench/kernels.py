@@ -1165,8 +1165,9 @@ def main():
         if not ARGS.model:
             return
         from qwen35_jax.config import ModelConfig, load_config
+        from qwen35_jax.backends import KernelConfig, make_kernels
         from qwen35_jax.runner import ModelRunner, make_batch
-        from qwen35_jax.sharding import make_mesh
+        from qwen35_jax.sharding import Layout, make_mesh
         from qwen35_jax.weights import random_weights
         fla_free()
         if DRY:     # the tiny test fixture; the interpret-mode kernels stand in for "pallas"
@@ -1186,8 +1187,9 @@ def main():
             for backend in backends:
                 if not have_time(f"model step {n} {backend}", 15, reserve_model=False):
                     continue
-                runner = ModelRunner(cfg, mesh, weights, jnp.bfloat16, num_slots=n, num_pages=1 + n * pp,
-                                     page_size=page, kernel_backend=backend)
+                kernels = make_kernels(KernelConfig(backend=backend).resolved())
+                runner = ModelRunner(cfg, mesh, Layout.build(cfg, 1), weights, jnp.bfloat16, kernels, num_slots=n,
+                                     num_pages=1 + n * pp, page_size=page)
                 keys = iter(jax.random.split(jax.random.key(11), 1000))
                 runner.state = jax.tree.map(
                     lambda x: (0.1 * jax.random.normal(next(keys), x.shape, jnp.float32)).astype(x.dtype),

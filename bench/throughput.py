@@ -10,7 +10,6 @@ tokens through the engine), with the engine's host time per step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,15 +21,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
+from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
-from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.executor import pack_rows  # noqa: E402
 from qwen35_jax.profile import decode_floor_bytes, steady_step_seconds  # noqa: E402
 from qwen35_jax.sampler import host_batch, sampler_mode  # noqa: E402
 from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
-from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import random_weights  # noqa: E402
 
 
 def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), reps: int = 7) -> dict[str, float]:
@@ -153,29 +150,23 @@ def main():
     ap.add_argument("--compilation-cache-dir", default=None,
                     help="persistent XLA cache (must be empty for a cold sweep; default: a fresh temp dir)")
     ap.add_argument("--decode-steps", type=int, default=1)
-    ap.add_argument("--kernel-backend", default=None)
+    add_kernel_args(ap)
     ap.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
     args = ap.parse_args()
 
     bws = copy_bandwidths()
     bw = bws["max"]
     print("copy bandwidth " + ", ".join(f"{k} {v / 1e12:.2f} TB/s" for k, v in bws.items()))
-    raw = json.load(open(args.config))
-    cfg = ModelConfig.from_hf(raw)
-    model_dir = tempfile.mkdtemp(prefix="qwen35-bench-")
-    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
     cache = args.compilation_cache_dir or tempfile.mkdtemp(prefix="qwen35-xla-")
     os.makedirs(cache, exist_ok=True)
     cold_cache = not os.listdir(cache)
-    mesh = make_mesh(1)
-    t0 = time.perf_counter()
-    weights = random_weights(cfg, mesh, jnp.bfloat16)
-    jax.block_until_ready(weights)
-    print(f"random weights in {time.perf_counter() - t0:.1f}s")
     eargs = EngineArgs(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_prefill_rows=args.max_prefill_rows,
-                       decode_steps=args.decode_steps, compilation_cache_dir=cache, kernel_backend=args.kernel_backend)
-    engine = Engine(model_dir, eargs, weights=weights)
+                       decode_steps=args.decode_steps, compilation_cache_dir=cache, kernel_config=kernel_config(args))
+    t0 = time.perf_counter()
+    engine = random_engine(args.config, eargs)
+    cfg, weights = engine.cfg, engine.weights
+    print(f"random weights and precompile in {time.perf_counter() - t0:.1f}s")
     cold = engine.precompile_seconds
     n_exe = len(engine.executor.compiled)
     engine.executor.compiled.clear()
@@ -225,10 +216,9 @@ def main():
     print(serve)
     engine.shutdown()
 
-    variants = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QWEN35_")
-                         and k != "QWEN35_COMMIT")
+    variants = engine.kernel_config.changes()
     body = (f"Model: `{args.config}` shapes, random bf16 weights ({weight_bytes / 1e9:.1f} GB), kernel_backend="
-            f"`{engine.backend}`{f' ({variants})' if variants else ''}, decode_steps={args.decode_steps}. Copy bandwidth measured in this run "
+            f"`{engine.kernel_config.backend}`{f' ({variants})' if variants else ''}, decode_steps={args.decode_steps}. Copy bandwidth measured in this run "
             f"(read + write): {bws['chained'] / 1e12:.2f} TB/s chained in one program, {bws['in place'] / 1e12:.2f} "
             f"TB/s in place (donated, back to back); the floor takes the higher, {bw / 1e12:.2f} TB/s. Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
@@ -247,7 +237,7 @@ def main():
             f"{args.output_len} output tokens (greedy, ignore_eos), in-process engine. 'host ms/step' is host work "
             f"per engine step not overlapped by dispatch; 'wait ms/step' is time blocked on device results.\n\n"
             + results.table([serve], list(serve)))
-    if args.record:       # a run with kernel variants chosen by QWEN35_* records beside the default's section
+    if args.record:       # a run with kernel variants records beside the default's section
         results.record("Engine throughput (bench/throughput.py)" + (f" {variants}" if variants else ""), body)
 
 

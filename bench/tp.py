@@ -19,18 +19,17 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
+from bench.common import random_engine  # noqa: E402
 from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
-from qwen35_jax.config import ModelConfig  # noqa: E402
 from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
 from qwen35_jax.runner import ModelRunner, make_batch  # noqa: E402
 from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import random_weights, relayout  # noqa: E402
+from qwen35_jax.weights import relayout  # noqa: E402
 
 GiB = 2 ** 30
 MARGIN = 0.1        # nats: well above the bf16 difference between tp layouts (mean |Δ log-prob| 0.04 at 9B)
@@ -40,11 +39,14 @@ def per_device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-def prompt_logits(cfg, mesh, weights, ids, page_size=16) -> np.ndarray:
+def prompt_logits(engine: Engine, ids, page_size=16) -> np.ndarray:
+    """Logits at every position of one prompt, with the engine's weights and kernels (a scratch state)."""
     pages = -(-len(ids) // page_size)
-    runner = ModelRunner(cfg, mesh, weights, jnp.bfloat16, num_slots=1, num_pages=1 + pages, page_size=page_size)
+    e = engine
+    runner = ModelRunner(e.cfg, e.mesh, e.layout, e.weights, e.dtype, e.kernels, num_slots=1, num_pages=1 + pages,
+                         page_size=page_size)
     batch = make_batch(np.asarray(ids)[None], [0], [len(ids)], [1], (1 + np.arange(pages))[None])
-    out = np.asarray(runner.run(batch, all_logits=True))[0, :, :cfg.vocab_size]
+    out = np.asarray(runner.run(batch, all_logits=True))[0, :, :e.cfg.vocab_size]
     del runner
     return out
 
@@ -79,13 +81,8 @@ def floor_ms(cfg, engine: Engine, batch, ctx, bw) -> float:
 
 def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=True):
     raw = json.load(open(path))
-    cfg = ModelConfig.from_hf(raw)
     name = os.path.basename(path).replace(".json", "")
-    model_dir = tempfile.mkdtemp(prefix="tp-model-")
-    json.dump(raw, open(os.path.join(model_dir, "config.json"), "w"))
     devs = jax.devices()
-    mesh1, mesh_n = make_mesh(1, devs[:1]), make_mesh(tp, devs[:tp])
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len)
     eargs = lambda t: EngineArgs(tensor_parallel_size=t, max_model_len=2048, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=64, max_prefill_rows=1, precompile=precompile)
     ctx = 1024
@@ -94,11 +91,12 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     bw = copy_bandwidth()
     print(f"[{name}] copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
-    w1 = random_weights(cfg, mesh1, jnp.bfloat16)
+    eng1 = random_engine(raw, eargs(1), devices=devs[:1])
+    cfg, w1, mesh1 = eng1.cfg, eng1.weights, eng1.mesh
     jax.block_until_ready(w1)
-    print(f"[{name}] tp=1 weights in {time.perf_counter() - t0:.0f}s", flush=True)
-    ref = prompt_logits(cfg, mesh1, w1, ids)
-    eng1 = Engine(model_dir, eargs(1), weights=w1, devices=devs[:1])
+    print(f"[{name}] tp=1 engine in {time.perf_counter() - t0:.0f}s", flush=True)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len)
+    ref = prompt_logits(eng1, ids)
     mem1 = (per_device_bytes(w1, devs[0]), per_device_bytes(eng1.executor.state.recurrent, devs[0]))
     t1 = {b: time_decode(eng1, b, ctx, 10)["step"] for b in batches}
     f1 = {b: floor_ms(cfg, eng1, b, ctx, bw) for b in batches}
@@ -106,10 +104,11 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     eng1.shutdown()
     del eng1
 
-    wn = relayout(w1, cfg, mesh1, mesh_n)
+    wn = relayout(w1, cfg, mesh1, make_mesh(tp, devs[:tp]))
     jax.block_until_ready(wn)
     del w1
-    got = prompt_logits(cfg, mesh_n, wn, ids)
+    engn = random_engine(raw, eargs(tp), weights=wn, devices=devs[:tp])
+    got = prompt_logits(engn, ids)
     top = ref.argmax(-1)
     agree = float((got.argmax(-1) == top).mean())
     rows = np.arange(len(ids))
@@ -121,7 +120,6 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
     agree_clear = float((got.argmax(-1) == top)[clear].mean()) if clear.any() else float("nan")
     print(f"[{name}] tp={tp} vs tp=1: top-1 agreement {agree:.4f} (margin > {MARGIN}: {agree_clear:.4f} over "
           f"{int(clear.sum())}/{len(clear)} positions), mean |dlogprob| {dlp:.4f}", flush=True)
-    engn = Engine(model_dir, eargs(tp), weights=wn, devices=devs[:tp])
     memn = (per_device_bytes(wn, devs[0]), per_device_bytes(engn.executor.state.recurrent, devs[0]))
     tn = {b: time_decode(engn, b, ctx, 10)["step"] for b in batches}
     fn = {b: floor_ms(cfg, engn, b, ctx, bw) for b in batches}

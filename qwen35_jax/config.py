@@ -163,3 +163,18 @@ def load_config(model_dir: str) -> ModelConfig:
         raise FileNotFoundError(f"no config.json in {model_dir!r}")
     with open(path) as f:
         return ModelConfig.from_hf(json.load(f))
+
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+
+
+def resolve_dtype(dtype):
+    """A dtype name ("bfloat16" / "bf16" / "float32" / "fp32") or a jnp dtype -> the jnp dtype; others refused."""
+    import jax.numpy as jnp
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return getattr(jnp, DTYPES[dtype])
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"dtype must be bfloat16 or float32, got {dtype}")
+    return dtype

@@ -21,26 +21,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from qwen35_jax import env
 from qwen35_jax import executor as ex
-from qwen35_jax.backends import get_kernels
-from qwen35_jax.config import ModelConfig, load_config
+from qwen35_jax.backends import KernelConfig, make_kernels
+from qwen35_jax.config import ModelConfig, load_config, resolve_dtype
 from qwen35_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from qwen35_jax.sampler import host_batch_rows, init_sampler_state
+from qwen35_jax.sampler import init_sampler_state
 from qwen35_jax.sampling_params import SamplingParams
-from qwen35_jax.scheduler import Request, Scheduler, Status, next_bucket
-from qwen35_jax.sharding import Layout, make_mesh
-from qwen35_jax.state import abstract_state, init_state, state_specs
-from qwen35_jax.weights import abstract_weights, weight_specs
+from qwen35_jax.scheduler import Request, Scheduler, Status
+from qwen35_jax.sharding import DP, Layout, make_mesh
+from qwen35_jax.state import abstract_state, init_state, nbytes, state_specs
+from qwen35_jax.tokenizer import Tokenizer, eos_token_ids
+from qwen35_jax.weights import abstract_weights, load_or_restore, random_weights, weight_specs
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class EngineArgs:
+    """Everything that shapes an engine besides the model directory (named as vLLM's where vLLM has the setting)."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1              # replicas, each with its own slots and pages (max_num_seqs each)
     dtype: str = "bfloat16"
-    max_model_len: int | None = None
+    max_model_len: int | None = None         # None: min(max_position_embeddings, 8192)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_prefill_rows: int = 4
@@ -49,27 +54,32 @@ class EngineArgs:
     num_kv_pages: int | None = None          # None: enough for every slot at max_model_len, within memory
     gpu_memory_utilization: float = 0.9
     decode_steps: int = 1                    # model steps per decode dispatch
-    kernel_backend: str | None = None
+    kernel_config: KernelConfig = dataclasses.field(default_factory=KernelConfig)
     compilation_cache_dir: str | None = None  # None: <cache root>/xla ("" disables the persistent cache)
     precompile_threads: int | None = None
     precompile: bool = True                  # False: compile each bucket on first use instead of at start-up
     seed: int = 0
+    load_format: str = "auto"                # "dummy": random weights at the config's shapes (benchmarks)
+    skip_tokenizer_init: bool = False        # no tokenizer: prompts are token ids, outputs carry no text
+    converted_weights_dir: str | None = None  # orbax copy of the re-laid-out weights, saved once, then restored
 
     def validate(self):
         checks = [(self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
                   (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
                    f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
                   (self.page_size >= 1, "page_size must be >= 1"), (self.decode_steps >= 1, "decode_steps must be >= 1"),
-                  (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")]
+                  (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
+                  (self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', not "
+                   f"{self.load_format!r}"),
+                  (isinstance(self.kernel_config, KernelConfig), "kernel_config must be a KernelConfig")]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
 
     def prefill_floor(self, platform: str | None = None) -> int:
         """The smallest prefill bucket (tokens per row). Default: 128 on GPU, where a forward of that few tokens
-        is bound by reading the weights (bf16 matmul 786 TFLOP/s over copy 4.27 TB/s, both measured on the H200 in
-        bench/RESULTS.md: weights take as long as ~180 tokens of compute), so smaller buckets would only add
-        executables to compile; 32 elsewhere, where compute follows the tokens."""
+        is bound by reading the weights (on the H200 the weights take as long as ~180 tokens of compute), so
+        smaller buckets would only add executables to compile; 32 elsewhere, where compute follows the tokens."""
         if self.min_prefill_tokens is not None:
             return self.min_prefill_tokens
         return min(128 if (platform or jax.default_backend()) == "gpu" else 32, self.max_num_batched_tokens)
@@ -80,13 +90,44 @@ def setup_compilation_cache(path: str | None) -> str | None:
     directory in use (the engine keeps its serialized executables under it, in executables/)."""
     if path == "":
         return None
-    from qwen35_jax.tools.make_tiny_model import cache_root
-    path = path or os.path.join(cache_root(), "xla")
+    path = path or os.path.join(env.cache_root(), "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, weights=None,
+                 observer: Observer | None = None) -> Engine:
+    """The one way to build an engine: config, checks, mesh, tokenizer, weights, then the engine itself.
+
+    Shapes that tp or the kernels cannot run fail here, before any weight is read or anything compiled.
+    devices: the devices of the mesh (default: all); weights: already-loaded weights for (model, mesh, dtype)."""
+    args = args or EngineArgs()
+    args.validate()
+    cfg = load_config(model)
+    layout = Layout.build(cfg, args.tensor_parallel_size)
+    kernel_config = args.kernel_config.resolved()
+    kernel_config.check(cfg, layout, args.page_size)
+    mesh = make_mesh(args.tensor_parallel_size, devices, args.data_parallel_size)
+    tokenizer = None if args.skip_tokenizer_init else Tokenizer(model)
+    if args.load_format == "dummy" and tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
+        raise ValueError(f"load_format 'dummy': random weights can sample any of {cfg.vocab_size} ids but the "
+                         f"tokenizer in {model} knows {tokenizer.vocab_size}; skip the tokenizer "
+                         "(skip_tokenizer_init, --skip-tokenizer-init)")
+    dtype = resolve_dtype(args.dtype)
+    if weights is None and args.load_format == "dummy":
+        weights = random_weights(cfg, mesh, dtype, seed=args.seed)
+    elif weights is None:
+        weights = load_or_restore(model, cfg, mesh, dtype, args.converted_weights_dir)
+    leader = None
+    if jax.process_count() > 1 and jax.process_index() == 0:
+        from qwen35_jax.multihost import Leader
+        leader = Leader()
+    return Engine(cfg, mesh, layout, weights, dataclasses.replace(args, kernel_config=kernel_config),
+                  tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, cfg, tokenizer), observer=observer,
+                  leader=leader)
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,26 +167,25 @@ class Observer:
 
 
 class Engine:
-    def __init__(self, model_dir: str, args: EngineArgs | None = None, *, tokenizer=None, weights=None,
-                 devices=None, observer: Observer | None = None):
-        from qwen35_jax.llm import load_model_weights, resolve_dtype   # noqa: circular at import time only
-        self.args = args = args or EngineArgs()
-        args.validate()
-        cache_dir = setup_compilation_cache(args.compilation_cache_dir)
-        self.model_dir = model_dir
-        self.cfg: ModelConfig = load_config(model_dir)
-        self.dtype = resolve_dtype(args.dtype)
-        self.mesh = make_mesh(args.tensor_parallel_size, devices, args.data_parallel_size)
-        self.dp = args.data_parallel_size
-        self.layout = Layout.build(self.cfg, args.tensor_parallel_size)
-        self.max_model_len = int(args.max_model_len or min(self.cfg.max_position_embeddings, 8192))
+    """The continuous-batching engine over one model on one mesh; build it with `build_engine`."""
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, args: EngineArgs, *, tokenizer=None,
+                 eos_token_ids=(), observer: Observer | None = None, leader=None):
+        """args.kernel_config must be resolved (KernelConfig.resolved). leader: the multi-host leader
+        (multihost.Leader) on process 0 of a multi-process job, which publishes every step to the followers."""
+        self.cfg, self.mesh, self.layout, self.weights, self.args = cfg, mesh, layout, weights, args
         self.tokenizer = tokenizer
-        self.eos_token_ids: set[int] = set()
+        self.eos_token_ids = set(eos_token_ids)
         self.observer = observer or Observer()
-        self.weights = weights if weights is not None else load_model_weights(model_dir, self.cfg, self.mesh,
-                                                                              self.dtype)
-        self.backend, kernels = get_kernels(args.kernel_backend)
-        log.info("kernel_backend=%s tp=%d platform=%s", self.backend, self.layout.tp, jax.default_backend())
+        self.leader = leader
+        self.dtype = resolve_dtype(args.dtype)
+        self.dp = args.data_parallel_size
+        self.max_model_len = int(args.max_model_len or min(cfg.max_position_embeddings, 8192))
+        self.kernel_config = args.kernel_config
+        self.kernels = make_kernels(self.kernel_config)
+        log.info("kernels %s, tp=%d, dp=%d, platform %s", self.kernel_config, layout.tp, self.dp,
+                 jax.default_backend())
+        cache_dir = setup_compilation_cache(args.compilation_cache_dir)
 
         ps = args.page_size
         self.pages_per_seq = -(-self.max_model_len // ps)
@@ -154,24 +194,22 @@ class Engine:
         if jax.process_count() > 1:      # every process must build identical shapes: take the smallest pool
             from jax.experimental import multihost_utils
             num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages]))))
-        self.abstract_state = abstract_state(self.cfg, self.layout, num_slots, num_pages, ps, self.dtype, self.dp)
-        state = init_state(self.abstract_state, self.mesh)
-        sstate = init_sampler_state(num_slots, self.layout.vocab_padded,
-                                    jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("dp")), self.dp)
+        self.abstract_state = abstract_state(cfg, layout, num_slots, num_pages, ps, self.dtype, self.dp)
+        state = init_state(self.abstract_state, mesh)
+        sstate = init_sampler_state(num_slots, layout.vocab_padded, NamedSharding(mesh, PartitionSpec(DP)), self.dp)
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
-        self.executor = ex.Executor(self.cfg, self.mesh, self.weights, state, sstate, kernels,
-                                    weight_specs(abstract_weights(self.cfg, self.layout, self.dtype)),
-                                    state_specs(self.abstract_state), pages_per_seq=self.pages_per_seq,
-                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
-                                    decode_steps=args.decode_steps, cache_tag=f"{self.backend} {self.dtype}",
-                                    exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables"))
-                                    if cache_dir else None)
+        self.executor = ex.Executor(
+            cfg, mesh, layout, weights, state, sstate, self.kernels, self.kernel_config,
+            weight_specs(abstract_weights(cfg, layout, self.dtype)), state_specs(self.abstract_state),
+            pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
+            decode_steps=args.decode_steps, lazy=not args.precompile,
+            exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
+            on_dispatch=leader.publish if leader is not None else None)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)
-        self.executor.lazy = not args.precompile
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats()
         self._rng = np.random.default_rng(args.seed)
@@ -180,11 +218,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None
-        self.leader = None
-        self.on_fetched: Callable[[int], None] | None = None    # multi-host leader: steps still in flight
-        if jax.process_count() > 1 and jax.process_index() == 0:
-            from qwen35_jax.multihost import Leader
-            self.leader = Leader(self)
+        if leader is not None:
+            leader.watch(self.fail)
 
     def _auto_pages(self, num_slots: int) -> int:
         want = 1 + num_slots * self.pages_per_seq
@@ -194,7 +229,6 @@ class Engine:
             return want
         free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
-        from qwen35_jax.state import nbytes
         fixed = nbytes(probe) / self.layout.tp           # one replica's state, split over its tp ranks
         per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
             jnp.dtype(self.dtype).itemsize
@@ -414,35 +448,17 @@ class Engine:
                 if pending:
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
-                    if self.on_fetched is not None:
-                        self.on_fetched(len(records))
+                    if self.leader is not None:
+                        self.leader.consumed(len(records))
             pending = records or None
 
     def _dispatch(self, plan) -> list:
-        """Host arrays for the plan (replica d's rows at [d * rows, (d + 1) * rows)), then the compiled calls."""
+        """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records."""
         records = []
-        P = self.pages_per_seq
         if plan.prefill:
             n, t = plan.prefill_shape
-            rows_total = self.dp * n
-            tokens = np.zeros((rows_total, t), np.int32)
-            start, lens, slots = (np.zeros(rows_total, np.int32) for _ in range(3))
-            pages = np.zeros((rows_total, P), np.int32)
-            finishing = np.zeros(rows_total, np.bool_)
-            rows: list = [None] * rows_total
-            used = [0] * self.dp
-            for c in plan.prefill:
-                r = c.request
-                i = r.replica * n + used[r.replica]
-                used[r.replica] += 1
-                tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
-                start[i], lens[i], slots[i] = c.start, c.length, r.slot
-                pages[i, :len(r.pages)] = r.pages
-                finishing[i] = c.completes_prompt
-                rows[i] = (r, bool(finishing[i]))
-            sp = host_batch_rows([x[0] if x else None for x in rows])
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
-                out = self.executor.prefill((n, t), tokens, start, lens, slots, pages, finishing, sp)
+                rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape)
             out.copy_to_host_async()     # queued behind the step: reading it in _process costs no round trip
             for c in plan.prefill:
                 c.request.num_computed += c.length
@@ -451,24 +467,9 @@ class Engine:
                 self.stats.prompt_tokens += c.length
             records.append(("prefill", rows, out))
         if plan.decode:
-            counts = [0] * self.dp
-            for r in plan.decode:
-                counts[r.replica] += 1
-            b = next_bucket(max(counts), self.executor.decode_buckets)
-            slots, positions = np.zeros(self.dp * b, np.int32), np.zeros(self.dp * b, np.int32)
-            pages = np.zeros((self.dp * b, P), np.int32)
-            rows = [None] * (self.dp * b)
-            used = [0] * self.dp
-            for r in plan.decode:
-                i = r.replica * b + used[r.replica]
-                used[r.replica] += 1
-                slots[i], positions[i] = r.slot, r.num_computed
-                pages[i, :len(r.pages)] = r.pages
-                rows[i] = r
-            sp = host_batch_rows(rows)
-            with jax.profiler.TraceAnnotation("decode", batch=b):
-                out = self.executor.decode(b, slots, positions, pages, sp)
-            out.copy_to_host_async()     # queued behind the step: reading it in _process costs no round trip
+            with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
+                rows, out = self.executor.run_decode(plan.decode)
+            out.copy_to_host_async()
             k = self.args.decode_steps
             for r in plan.decode:
                 r.num_computed += k

@@ -22,16 +22,19 @@ import os
 import pickle
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qwen35_jax.backends import KernelConfig
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.model import Batch, Kernels, forward
 from qwen35_jax.sampler import (EXTRAS_MODES, MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch,
                                 host_batch_rows, sample, sampler_mode)
+from qwen35_jax.scheduler import next_bucket
 from qwen35_jax.sharding import DP, TP, Layout
 from qwen35_jax.state import State
 
@@ -157,21 +160,6 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
-def xla_options(text: str) -> dict:
-    """'xla_gpu_enable_pdl=true,xla_gpu_autotune_level=2' -> {'xla_gpu_enable_pdl': True, ...}: XLA debug options
-    for the step executables alone ($QWEN35_XLA_OPTIONS; XLA_FLAGS applies to every compile of the process, so
-    two engines of one process cannot differ by it). XLA wants typed values: true / false become bools, digits
-    ints."""
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, eq, value = item.partition("=")
-        if not eq or not name.startswith("xla_"):
-            raise ValueError(f"QWEN35_XLA_OPTIONS: {item!r} is not xla_<option>=<value>")
-        low = value.lower()
-        out[name] = low == "true" if low in ("true", "false") else int(value) if value.lstrip("-").isdigit() else value
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
     """sha256 of the sources that define the compiled steps (this package and pallas_kernels/): any code change
@@ -202,8 +190,8 @@ jax.monitoring.register_event_listener(_count_cache_hit)
 class ExecutableCache:
     """Compiled executables serialized on disk (jax.experimental.serialize_executable), one file per key. The key
     hashes everything that determines an executable: the caller's description of the step (bucket, model config,
-    mesh, abstract inputs, kernels), the sources (`source_digest`), jax / jaxlib and the platform's versions,
-    the devices, XLA_FLAGS and the QWEN35_* settings the kernels were chosen under. A file that does not load
+    mesh, abstract inputs, kernel configuration), the sources (`source_digest`), jax / jaxlib and the platform's
+    versions, the devices and XLA_FLAGS. A file that does not load
     (another jaxlib wrote it, a torn write) is a logged miss, replaced once the bucket is compiled afresh. Only
     executables compiled in this process are stored: one that JAX's persistent cache handed back was itself
     deserialized, and XLA:CPU does not serialize those faithfully (their functions are missing when loaded again)."""
@@ -222,17 +210,11 @@ class ExecutableCache:
                 self.misses += 1
 
     @staticmethod
-    def settings() -> list:
-        """The environment that shapes a step: XLA_FLAGS and the QWEN35_* settings (kernel variants)."""
-        return sorted((k, v) for k, v in os.environ.items() if k == "XLA_FLAGS" or k.startswith("QWEN35_"))
-
-    @staticmethod
-    def key(*parts, env) -> str:
-        """env: `settings()` as they were when the step's kernels were chosen."""
+    def key(*parts) -> str:
         import jaxlib
         dev = jax.devices()[0]
         ident = (parts, source_digest(), jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
-                 dev.client.platform_version, env)
+                 dev.client.platform_version, os.environ.get("XLA_FLAGS", ""))
         return hashlib.sha256(repr(ident).encode()).hexdigest()
 
     def load(self, key: str, devices):
@@ -266,17 +248,19 @@ class Executor:
     """Holds the device state and the compiled step for every bucket. Buckets count rows per dp replica; the
     arrays of a step hold dp * rows rows, replica d's at [d * rows, (d + 1) * rows)."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, state: State, sstate: SamplerState, kernels: Kernels,
-                 weight_specs, state_specs, *, pages_per_seq: int, decode_buckets, prefill_buckets,
-                 decode_steps: int = 1, exe_cache: ExecutableCache | None = None, cache_tag: str = ""):
-        """exe_cache: where compiled steps are kept across processes (single-process runs only); cache_tag: what
-        the cache key cannot see in the inputs' shapes, i.e. which kernels `kernels` holds."""
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, state: State, sstate: SamplerState,
+                 kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
+                 decode_buckets, prefill_buckets, decode_steps: int = 1, lazy: bool = False,
+                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None):
+        """kernels: the model's operations made from kernel_config (which keys the cached executables);
+        lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
+        across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
+        dispatch (the multi-host leader publishes them)."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
-        self.kernels = kernels
+        self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
-        layout = Layout.build(cfg, mesh.shape[TP])
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
         sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
@@ -299,25 +283,17 @@ class Executor:
             return jax.jit(step, donate_argnums=(1, 2), out_shardings=outs)
 
         self._step_fn = step_fn
-        # QWEN35_STEP_INPUTS=staged: each step's packed inputs are first copied (a one-op executable) into a
-        # device buffer that stays at one address, so the step's command buffers (CUDA graphs) see unchanged input
-        # addresses from call to call; XLA re-records the commands whose buffers moved (CommandBufferThunk).
-        inputs_mode = os.environ.get("QWEN35_STEP_INPUTS", "host")
-        if inputs_mode not in ("host", "staged"):
-            raise ValueError(f"QWEN35_STEP_INPUTS must be 'host' or 'staged', not {inputs_mode!r}")
-        self.staged = inputs_mode == "staged"
-        self.compiler_options = xla_options(os.environ.get("QWEN35_XLA_OPTIONS", ""))
-        # The settings in force now, when the kernels were chosen, key the cached executables: a bucket compiled
-        # later (lazily) under other settings must not be served another engine's executable.
-        self.settings = ExecutableCache.settings()
+        # staged inputs: each step's packed inputs are first copied (a one-op executable) into a device buffer that
+        # stays at one address, so the step's command buffers (CUDA graphs) see unchanged input addresses from
+        # call to call; XLA re-records the commands whose buffers moved (CommandBufferThunk).
+        self.staged = kernel_config.staged_inputs
         self._stagers: dict[tuple, jax.stages.Compiled] = {}
         self._input_bufs: dict[tuple, jax.Array] = {}
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.exe_cache = exe_cache if jax.process_count() == 1 else None
-        self.cache_tag = cache_tag
-        self.lazy = False          # True: compile a bucket on first use (precompile=False, for tests and notebooks)
+        self.lazy = lazy
         self.multiprocess = jax.process_count() > 1
-        self.on_dispatch = None    # called with (kind, key, host inputs) before each dispatch (multi-host leader)
+        self.on_dispatch = on_dispatch
 
     # -- abstract inputs -----------------------------------------------------------------------------------------
     def _example_inputs(self, key):
@@ -386,23 +362,21 @@ class Executor:
         describe = lambda tree: (str(jax.tree.structure(tree)),
                                  [(x.shape, str(x.dtype), str(x.sharding.spec)) for x in jax.tree.leaves(tree)])
         mesh = (self.mesh.axis_names, self.mesh.devices.shape, [d.id for d in self.mesh.devices.flat])
-        return ExecutableCache.key(key, repr(self.cfg), mesh, self.pages_per_seq, self.decode_steps, self.cache_tag,
-                                   describe(self.weights), describe(self.state), describe(self.sstate),
-                                   env=self.settings)
+        return ExecutableCache.key(key, repr(self.cfg), mesh, self.pages_per_seq, self.decode_steps,
+                                   repr(self.kernel_config), describe(self.weights), describe(self.state),
+                                   describe(self.sstate))
 
     def _compiler_options(self, key) -> dict:
-        """$QWEN35_XLA_OPTIONS over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs. XLA's
-        autotuner picked a Triton GEMM for the 9B prefill's out_proj / o_proj in 7 of 9 builds this session (10%
-        slower than the cuBLAS GEMM of the other 2); with Triton GEMMs off XLA also folds the residual adds into
-        cuBLAS's epilogue: the 9B prefill at 64 x 1024 took 1557.7 against 1594.1 ms in one run (bench/RESULTS.md,
-        2026-12-04). A decode bucket whose row-parallel GEMMs the model splits over K itself (Kernels.split_k): XLA's
-        own K splits off, so that it splits no other GEMM (in_proj)."""
-        k = self.kernels
+        """KernelConfig.xla_options over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs
+        (XLA's autotuner sometimes picks a slower Triton GEMM for out_proj / o_proj, and with Triton GEMMs off XLA
+        folds the residual adds into cuBLAS's epilogue). A decode bucket whose row-parallel GEMMs the model splits
+        over K itself (Kernels.split_k): XLA's own K splits off, so that it splits no other GEMM (in_proj)."""
+        k, own = self.kernels, dict(self.kernel_config.xla_options)
         if key[0] == "prefill":
-            return {"xla_gpu_enable_triton_gemm": False, **self.compiler_options}
+            return {"xla_gpu_enable_triton_gemm": False, **own}
         if key[0] == "decode" and k.split_k > 1 and key[1] >= k.split_k_from:
-            return {"xla_gpu_experimental_force_split_k": 1, **self.compiler_options}
-        return self.compiler_options
+            return {"xla_gpu_experimental_force_split_k": 1, **own}
+        return own
 
     def _compile(self, key) -> jax.stages.Compiled:
         """The bucket's executable: from the executable cache, else lowered and compiled (and then cached)."""
@@ -437,6 +411,49 @@ class Executor:
         if not self.multiprocess:
             return tree
         return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.rows, lambda i: x[i]), tree)
+
+    def run_prefill(self, chunks, shape) -> tuple[list, jax.Array]:
+        """Lay out the scheduler's prompt chunks as one prefill bucket of `shape` = (rows per replica, tokens per
+        row) (replica d's rows at [d * rows, (d + 1) * rows)) and dispatch it. Returns the rows ((request,
+        completes its prompt) or None) and the packed output."""
+        n, t = shape
+        total = self.dp * n
+        tokens = np.zeros((total, t), np.int32)
+        start, lens, slots = (np.zeros(total, np.int32) for _ in range(3))
+        pages = np.zeros((total, self.pages_per_seq), np.int32)
+        finishing = np.zeros(total, np.bool_)
+        rows: list = [None] * total
+        used = [0] * self.dp
+        for c in chunks:
+            r = c.request
+            i = r.replica * n + used[r.replica]
+            used[r.replica] += 1
+            tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
+            start[i], lens[i], slots[i] = c.start, c.length, r.slot
+            pages[i, :len(r.pages)] = r.pages
+            finishing[i] = c.completes_prompt
+            rows[i] = (r, bool(finishing[i]))
+        sp = host_batch_rows([x[0] if x else None for x in rows])
+        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp)
+
+    def run_decode(self, requests) -> tuple[list, jax.Array]:
+        """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
+        it. Returns the rows (request or None) and the packed output."""
+        counts = [0] * self.dp
+        for r in requests:
+            counts[r.replica] += 1
+        b = next_bucket(max(counts), self.decode_buckets)
+        slots, positions = np.zeros(self.dp * b, np.int32), np.zeros(self.dp * b, np.int32)
+        pages = np.zeros((self.dp * b, self.pages_per_seq), np.int32)
+        rows: list = [None] * (self.dp * b)
+        used = [0] * self.dp
+        for r in requests:
+            i = r.replica * b + used[r.replica]
+            used[r.replica] += 1
+            slots[i], positions[i] = r.slot, r.num_computed
+            pages[i, :len(r.pages)] = r.pages
+            rows[i] = r
+        return rows, self.decode(b, slots, positions, pages, host_batch_rows(rows))
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> jax.Array:
         """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. Returns the step's packed

@@ -45,7 +45,6 @@ class Kernels:
     conv_prefill: Callable
     conv_decode: Callable
     attention_decode: Callable
-    matmul: Callable | None = None      # decode projections: (x [M, K], w [K, N], out_dtype) -> [M, N]; None: XLA
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
     # decode batches from split_k_from rows: the row-parallel GEMMs as one batched dot over split_k ranges of K
     # (row_parallel), compiled with XLA's own K splits off (Executor._compiler_options: in_proj runs unsplit)
@@ -58,21 +57,16 @@ class Kernels:
     attention_tiles: Callable | None = None
 
 
-def project(kernels: Kernels, x, w, out_dtype=None, gemm_rounds=False):
+def project(x, w, out_dtype=None, gemm_rounds=False):
     """x [N, T, K] @ w with fp32 accumulation, rounded once to out_dtype (default x.dtype). Prefill (T > 1) asks
     the GEMM for out_dtype itself: cuBLAS rounds its fp32 accumulators on the way out, where an fp32 result would
-    go to memory and back through a convert of its own (the 9B prefill HLO had one after in_proj and down_proj).
-    Decode (T = 1) asks for fp32 and rounds after: XLA splits those GEMMs over K (or row_parallel does, from
-    kernels.split_k_from rows), and the rounding then rides in the fusion that adds the partial sums; it runs the
-    backend's matmul kernel where there is one. (Asking bf16 of in_proj / qkv_proj and of the row-parallel GEMMs
-    at tp = 1 measured the same, 868067b: bench/RESULTS.md.)
+    go to memory and back through a convert of its own. Decode (T = 1) asks for fp32 and rounds after: XLA splits
+    those GEMMs over K (or row_parallel does, from kernels.split_k_from rows), and the rounding then rides in the
+    fusion that adds the partial sums.
     gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    n, t, k = x.shape
-    if t > 1 or (gemm_rounds and kernels.matmul is None):
+    if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
-    if kernels.matmul is not None:
-        return kernels.matmul(x.reshape(n, k), w, out_dtype).reshape(n, t, -1)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
@@ -97,15 +91,15 @@ def row_parallel(kernels: Kernels, x, w):
     the all-reduce: the split XLA makes of these GEMMs by itself, so that it can be told to split no other one."""
     n, t, k = x.shape
     if t > 1 and jax.lax.axis_size(TP) == 1:
-        return project(kernels, x, w)
+        return project(x, w)
     s = kernels.split_k
     if t == 1 and s > 1 and n >= kernels.split_k_from:
         if k % s:
-            raise ValueError(f"QWEN35_DECODE_SPLIT_K={s} does not divide this rank's K = {k} of a row-parallel GEMM")
+            raise ValueError(f"decode_split_k={s} does not divide this rank's K = {k} of a row-parallel GEMM")
         parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1), (((2,), (1,)), ((1,), (0,))),
                                     preferred_element_type=jnp.float32)              # [S, N, D]
         return jax.lax.psum(parts.sum(0)[:, None], TP).astype(x.dtype)
-    return jax.lax.psum(project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
+    return jax.lax.psum(project(x, w, jnp.float32), TP).astype(x.dtype)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -135,7 +129,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     n, t, _ = x.shape
     d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
     with jax.named_scope("qkv_proj"):
-        qkv = project(kernels, x, w.qkv)
+        qkv = project(x, w.qkv)
         qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
         qg = qg.reshape(n, t, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
@@ -172,7 +166,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
     with jax.named_scope("in_proj"):
-        proj = project(kernels, x, w.in_proj)                   # [q | k | v | z | b | a] per rank
+        proj = project(x, w.in_proj)                   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -200,10 +194,10 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # Prefill, and decode from kernels.gate_up_rounds_from rows: x.dtype from the GEMM itself (as HF rounds
-        # gate_proj and up_proj), half the bytes to the SiLU (-0.072 ms per 9B step at 64 rows, 868067b). Smaller
-        # decode batches: fp32 from the dot into the SiLU (+0.036 ms the other way at 16 rows).
+        # gate_proj and up_proj), half the bytes to the SiLU. Smaller decode batches: fp32 from the dot into the
+        # SiLU, which measured faster there (bench/RESULTS.md).
         fp32_out = x.shape[1] == 1 and x.shape[0] < kernels.gate_up_rounds_from
-        gate, up = jnp.split(project(kernels, x, w.gate_up, jnp.float32 if fp32_out else None,
+        gate, up = jnp.split(project(x, w.gate_up, jnp.float32 if fp32_out else None,
                                      gemm_rounds=not fp32_out), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)

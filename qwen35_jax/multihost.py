@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 import time
 
 import jax
 import numpy as np
+
+from qwen35_jax import env
 
 log = logging.getLogger(__name__)
 PEER_POLL_SECONDS = 0.5
@@ -34,16 +35,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, heartbeat_timeout_seconds: int = 10) -> bool:
     """Join the distributed runtime before any other JAX use. Arguments default to JAX's environment variables
     (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID). Returns True when running multi-process."""
-    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0") or 0) or None
-    if process_id is None and os.environ.get("JAX_PROCESS_ID") is not None:
-        process_id = int(os.environ["JAX_PROCESS_ID"])
+    e = env.read()
+    coordinator_address = coordinator_address or e.coordinator_address
+    num_processes = num_processes or e.num_processes
+    process_id = e.process_id if process_id is None else process_id
     if not coordinator_address or not num_processes or num_processes == 1:
         return False
     if process_id is None:
         raise ValueError("multi-process serving needs --process-id (or JAX_PROCESS_ID)")
     jax.config.update("jax_enable_recoverability", True)     # a dead peer must be reported, not kill the leader
-    if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or jax.config.jax_platforms == "cpu":
+    if (jax.config.jax_platforms or "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_seconds)
@@ -79,14 +80,18 @@ def _decode(blob: bytes, treedefs: dict):
 
 
 class Leader:
-    """Installed on process 0's engine: publishes every dispatch, cleans up consumed steps, watches the peers."""
+    """Given to process 0's engine (build_engine): publishes every dispatch, cleans up consumed steps, and watches
+    the peers, failing the engine when one is gone."""
 
-    def __init__(self, engine):
-        self.engine, self.client, self.step = engine, _client(), 0
+    def __init__(self):
+        self.client, self.step = _client(), 0
         self.peers = [p for p in range(jax.process_count()) if p != jax.process_index()]
-        engine.executor.on_dispatch = self.publish
-        engine.on_fetched = self.consumed
         self._stop = threading.Event()
+        self.watchdog = None
+
+    def watch(self, fail):
+        """Start the watchdog; fail(error) marks the engine dead when a peer or the coordination service is lost."""
+        self._fail = fail
         self.watchdog = threading.Thread(target=self._watch, name="qwen35-peer-watchdog", daemon=True)
         self.watchdog.start()
 
@@ -111,10 +116,10 @@ class Leader:
             try:
                 dead = self.dead_peers()
             except Exception as e:   # the coordination service itself is unreachable
-                self.engine.fail(PeerLost(f"lost the coordination service: {e}"))
+                self._fail(PeerLost(f"lost the coordination service: {e}"))
                 return
             if dead and not self._stop.is_set():          # peers leaving after our own shutdown are expected
-                self.engine.fail(PeerLost(f"peer process(es) {dead} stopped responding; this multi-process engine "
+                self._fail(PeerLost(f"peer process(es) {dead} stopped responding; this multi-process engine "
                                           f"cannot continue"))
                 return
 

@@ -279,7 +279,7 @@ def _sampling_batch(rows: int, greedy: bool, step: int):
 
 def run_profile(model: str | None = None, config: str | None = None, *, random_weights: bool = False,
                 batch: int = 4, prompt_len: int = 64, decode_steps: int = 4, tp: int = 1, dtype: str = "bfloat16",
-                kernel_backend: str | None = None, page_size: int = 16, greedy: bool = False,
+                kernel_config=None, page_size: int = 16, greedy: bool = False,
                 copy_mib: int | None = None, out_dir: str = "profile", devices=None, weights=None,
                 compilation_cache_dir: str | None = None, log=print) -> ProfileReport:
     """Profile one prefill and `decode_steps` decode steps of `batch` rows through the engine's executor; see the
@@ -291,12 +291,10 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     import jax.numpy as jnp
     import numpy as np
 
-    from qwen35_jax.engine import Engine, EngineArgs
-    from qwen35_jax.llm import load_model_weights, resolve_dtype
+    from qwen35_jax.backends import KernelConfig
+    from qwen35_jax.engine import EngineArgs, build_engine
     from qwen35_jax.sampler import sampler_mode
-    from qwen35_jax.sharding import make_mesh
     from qwen35_jax.tools.make_tiny_model import default_model_dir
-    from qwen35_jax.weights import random_weights as make_random
 
     if batch < 1 or prompt_len < 1 or decode_steps < 1:
         raise ValueError("batch, prompt_len and decode_steps must be >= 1")
@@ -309,25 +307,20 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
             g.write(f.read())
     model_dir = tmp.name if tmp else (config or model)
     use_random = config is not None or random_weights
-    dt = resolve_dtype(dtype)
-    if weights is None:
-        from qwen35_jax.config import load_config
-        t0 = time.perf_counter()
-        cfg = load_config(model_dir)
-        mesh = make_mesh(tp, devices)
-        weights = make_random(cfg, mesh, dt) if use_random else load_model_weights(model_dir, cfg, mesh, dt)
-        jax.block_until_ready(weights)
-        log(f"weights ready in {time.perf_counter() - t0:.1f}s ({'random' if use_random else model_dir})")
-
     # An engine sized for exactly this run: `batch` slots, pages for prompt + decode steps, one prefill bucket
     # (batch x prompt_len) and the decode buckets, compiled on first use (the warm-up).
     max_len = prompt_len + decode_steps + 1
     pages_per_seq = -(-max_len // page_size)
-    engine = Engine(model_dir, EngineArgs(
+    t0 = time.perf_counter()
+    engine = build_engine(model_dir, EngineArgs(
         tensor_parallel_size=tp, dtype=dtype, max_model_len=max_len, max_num_seqs=batch,
         max_num_batched_tokens=batch * prompt_len, max_prefill_rows=batch, min_prefill_tokens=prompt_len,
-        page_size=page_size, num_kv_pages=1 + batch * pages_per_seq, decode_steps=1, kernel_backend=kernel_backend,
-        compilation_cache_dir=compilation_cache_dir, precompile=False), weights=weights, devices=devices)
+        page_size=page_size, num_kv_pages=1 + batch * pages_per_seq, decode_steps=1,
+        kernel_config=kernel_config or KernelConfig(), compilation_cache_dir=compilation_cache_dir, precompile=False,
+        load_format="dummy" if use_random else "auto", skip_tokenizer_init=True), weights=weights, devices=devices)
+    jax.block_until_ready(engine.weights)
+    log(f"engine ready in {time.perf_counter() - t0:.1f}s ({'random weights' if use_random else model_dir})")
+    dt = engine.dtype
     ex, cfg = engine.executor, engine.cfg
     if tmp:
         tmp.cleanup()
@@ -393,14 +386,14 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
         title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
-               f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
+               f"{jnp.dtype(dt).name}, kernels {engine.kernel_config.backend}, "
                f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
-               + "".join(f", {k}={v}" for k, v in sorted(os.environ.items())       # kernel variants in force
-                         if (k.startswith("QWEN35_") and k != "QWEN35_COMMIT") or (k == "XLA_FLAGS" and v))),
+               + "".join(f", {c}" for c in engine.kernel_config.changes().split())     # variants in force
+               + (f", XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")),
         device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,
-        kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
+        kernel_backend=engine.kernel_config.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
         decode_wall_ms=step_s / decode_steps * 1e3, decode_pass_ms=pass_s / decode_steps * 1e3,
         floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
                                        prompt_len + (decode_steps + 1) / 2))
@@ -579,6 +572,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernel-backend", default=None, help="reference | pallas | pallas_interpret (default: "
                                                            "pallas on GPU, reference elsewhere)")
+    ap.add_argument("--kernel-config", default="", help="KernelConfig fields to change, e.g. 'decode_split_k=1'")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--greedy", action="store_true", help="greedy sampling (default: T=0.7, top_p 0.8, top_k 20)")
     ap.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth copy (default 1024 GPU, 64 CPU)")
@@ -590,9 +584,11 @@ def main(argv=None):
     ap.add_argument("--top-unattributed", type=int, default=8,
                     help="list this many unattributed kernel names of prefill and of decode each (default 8)")
     args = ap.parse_args(argv)
+    from qwen35_jax.backends import KernelConfig
     report = run_profile(args.model, args.config, random_weights=args.random_weights, batch=args.batch,
                          prompt_len=args.prompt_len, decode_steps=args.decode_steps, tp=args.tp, dtype=args.dtype,
-                         kernel_backend=args.kernel_backend, page_size=args.page_size, greedy=args.greedy,
+                         kernel_config=KernelConfig.parse(args.kernel_config, KernelConfig(backend=args.kernel_backend)),
+                         page_size=args.page_size, greedy=args.greedy,
                          copy_mib=args.copy_mib, out_dir=args.out, compilation_cache_dir=args.compilation_cache_dir,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(report, args.top_unattributed))

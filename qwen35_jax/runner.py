@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qwen35_jax.backends import get_kernels
 from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import Batch, make_forward
+from qwen35_jax.model import Batch, Kernels, make_forward
 from qwen35_jax.sharding import Layout
 from qwen35_jax.state import State, abstract_state, init_state, state_specs
 from qwen35_jax.weights import abstract_weights, weight_specs
@@ -19,13 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, weights, dtype, *, num_slots: int, num_pages: int,
-                 page_size: int, kernel_backend: str | None = None):
-        self.cfg, self.mesh, self.weights, self.dtype = cfg, mesh, weights, dtype
-        self.layout = Layout.build(cfg, mesh.shape["tp"])
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, dtype, kernels: Kernels, *,
+                 num_slots: int, num_pages: int, page_size: int):
+        self.cfg, self.mesh, self.layout, self.weights, self.dtype = cfg, mesh, layout, weights, dtype
         self.page_size, self.num_slots, self.num_pages = page_size, num_slots, num_pages
-        self.backend, self.kernels = get_kernels(kernel_backend)
-        log.info("kernel_backend=%s (tp=%d, %s)", self.backend, self.layout.tp, jax.default_backend())
+        self.kernels = kernels
         self.abstract_state = abstract_state(cfg, self.layout, num_slots, num_pages, page_size, dtype)
         self.state: State = init_state(self.abstract_state, mesh)
         self._w_specs = weight_specs(abstract_weights(cfg, self.layout, dtype))

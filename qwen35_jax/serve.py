@@ -16,6 +16,10 @@ import os
 import socket
 import sys
 
+from qwen35_jax import env
+from qwen35_jax.backends import BACKENDS, KernelConfig
+from qwen35_jax.engine import EngineArgs, build_engine
+
 log = logging.getLogger("qwen35_jax.serve")
 
 TINY_DEFAULTS = dict(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256, max_prefill_rows=1)
@@ -54,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pages (default: as many as fit)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e.add_argument("--kernel-backend", default=None, help="reference, pallas or pallas_interpret (default: pallas on GPU, reference elsewhere)")
+    e.add_argument("--kernel-backend", default=None, choices=BACKENDS,
+                   help="default: pallas on GPU, reference elsewhere")
+    e.add_argument("--kernel-config", default=None,
+                   help="KernelConfig fields to change, e.g. 'decode_split_k=1 gdn_decode.bv=16' (docs/kernels.md)")
     e.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA cache (default: <cache root>/xla; '' disables it)")
     e.add_argument("--no-precompile", action="store_true", help="compile each bucket on first use")
@@ -62,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = ap.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start-up)")
-    s.add_argument("--api-key", default=os.environ.get("QWEN35_API_KEY"),
+    s.add_argument("--api-key", default=env.read().api_key,
                    help="require Authorization: Bearer KEY on /v1/* (default: $QWEN35_API_KEY; none: open)")
     s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, help="larger bodies get a 413")
     s.add_argument("--profile-dir", default=None,
@@ -79,48 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def engine_kwargs(args) -> dict:
-    """EngineArgs fields from the CLI (the tiny default model fills the unset ones with a small bucket set)."""
+def engine_args(args) -> EngineArgs:
+    """EngineArgs from the CLI (the tiny default model fills the unset ones with a small bucket set)."""
+    kernel_config = KernelConfig.parse(args.kernel_config or "", KernelConfig(backend=args.kernel_backend))
     kw = dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_prefill_rows=args.max_prefill_rows, decode_steps=args.decode_steps, page_size=args.block_size,
               num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
-              kernel_backend=args.kernel_backend, compilation_cache_dir=args.compilation_cache_dir,
-              precompile=not args.no_precompile, seed=args.seed)
+              kernel_config=kernel_config, compilation_cache_dir=args.compilation_cache_dir,
+              precompile=not args.no_precompile, seed=args.seed, load_format=args.load_format,
+              skip_tokenizer_init=args.skip_tokenizer_init, converted_weights_dir=args.converted_weights_dir)
     if args.model is None:
         kw = {k: (TINY_DEFAULTS[k] if v is None and k in TINY_DEFAULTS else v) for k, v in kw.items()}
-    return {k: v for k, v in kw.items() if v is not None}      # unset: EngineArgs' default
-
-
-def build_engine(args):
-    """The engine the CLI describes (also used in-process by bench/serving.py, for the same workload)."""
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
-    model = args.model or default_model_dir()
-    kw = engine_kwargs(args)
-    if args.load_format == "auto":
-        from qwen35_jax.llm import LLM
-        tp, dtype = kw.pop("tensor_parallel_size"), kw.pop("dtype")
-        llm = LLM(model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=args.skip_tokenizer_init,
-                  converted_weights_dir=args.converted_weights_dir, **kw)
-        return llm.engine
-    from qwen35_jax.config import load_config
-    from qwen35_jax.engine import Engine, EngineArgs
-    from qwen35_jax.llm import eos_token_ids, resolve_dtype
-    from qwen35_jax.sharding import Layout, make_mesh
-    from qwen35_jax.tokenizer import Tokenizer
-    from qwen35_jax.weights import random_weights
-    cfg = load_config(model)
-    Layout.build(cfg, kw["tensor_parallel_size"])
-    tokenizer = None if args.skip_tokenizer_init else Tokenizer(model)
-    if tokenizer is not None and tokenizer.vocab_size < cfg.vocab_size:
-        raise SystemExit(f"--load-format dummy: random weights can sample any of {cfg.vocab_size} ids but the "
-                         f"tokenizer in {model} knows {tokenizer.vocab_size}; pass --skip-tokenizer-init")
-    mesh = make_mesh(kw["tensor_parallel_size"], None, kw["data_parallel_size"])
-    weights = random_weights(cfg, mesh, resolve_dtype(kw["dtype"]), seed=args.seed)
-    engine = Engine(model, EngineArgs(**kw), tokenizer=tokenizer, weights=weights)
-    engine.eos_token_ids = eos_token_ids(model, cfg, tokenizer)
-    return engine
+    return EngineArgs(**{k: v for k, v in kw.items() if v is not None})      # unset: EngineArgs' default
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -136,10 +115,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from qwen35_jax import multihost
+    from qwen35_jax.tools.make_tiny_model import default_model_dir
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id):
         import jax
         if jax.process_index() != 0:        # followers: same engine, replaying process 0's steps; no HTTP
-            engine = build_engine(args)
+            engine = build_engine(args.model or default_model_dir(), engine_args(args))
             try:
                 multihost.follow(engine)
             except multihost.PeerLost as e:
@@ -150,21 +130,20 @@ def main(argv=None):
 
     from qwen35_jax.server_app import ServerConfig, create_app
     from qwen35_jax.server_protocol import load_generation_defaults
-    from qwen35_jax.tools.make_tiny_model import cache_root, default_model_dir
 
     sock = _bind(args.host, args.port)       # fail on a taken port before spending minutes compiling
     if args.profiler_port is not None:
         from qwen35_jax.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
-    engine = build_engine(args)
     model = args.model or default_model_dir()
+    engine = build_engine(model, engine_args(args))
     defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
     if defaults:
         log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
     config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
                           api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
                           generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
-                          profile_dir=args.profile_dir or os.path.join(cache_root(), "profiles"))
+                          profile_dir=args.profile_dir or os.path.join(env.cache_root(), "profiles"))
     app = create_app(engine, config)
     engine.start()
     host, port = sock.getsockname()[:2]

@@ -1,6 +1,7 @@
 """Tokenizer and chat template, always read from the model directory (HF `tokenizer.json` + `tokenizer_config.json`)."""
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")   # transformers warns that torch is absent; we only tokenize
@@ -36,3 +37,16 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+
+def eos_token_ids(model_dir: str, cfg, tokenizer: Tokenizer | None) -> set[int]:
+    """EOS ids from config.json (cfg), generation_config.json and the tokenizer."""
+    ids = set(cfg.eos_token_ids)
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            e = json.load(f).get("eos_token_id")
+        ids |= set(e if isinstance(e, list) else [] if e is None else [e])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import jax
@@ -339,3 +340,17 @@ def restore_converted(path: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat1
                           abstract, is_leaf=_leaf)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path, target)
+
+
+def load_or_restore(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype, converted_dir: str | None = None) -> Weights:
+    """Checkpoint -> sharded weights; with converted_dir, restore the re-laid-out shards an earlier start saved
+    there (orbax), or save them there after this load."""
+    if not converted_dir:
+        return load_weights(model_dir, cfg, mesh, dtype, progress=True)
+    path = os.path.abspath(os.path.join(converted_dir, f"tp{mesh.shape['tp']}-{jnp.dtype(dtype).name}"))
+    if os.path.exists(path):
+        log.info("restoring converted weights from %s", path)
+        return restore_converted(path, cfg, mesh, dtype)
+    weights = load_weights(model_dir, cfg, mesh, dtype, progress=True)
+    save_converted(weights, path)
+    return weights

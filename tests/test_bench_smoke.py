@@ -28,16 +28,16 @@ def test_ab_decode_bench_smoke():
     (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ab_decode.py"), "--config",
            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--kernel-backend", "pallas_interpret",
-           "--variants", "", "QWEN35_GDN_DECODE=bv32_w2_vf temperature=0.7", "--batches", "2", "--context", "40",
+           "--variants", "", "gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7", "--batches", "2", "--context", "40",
            "--rounds", "2", "--iters", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "'variant': '(default)'" in r.stdout
-    assert "'variant': 'QWEN35_GDN_DECODE=bv32_w2_vf temperature=0.7'" in r.stdout
+    assert "'variant': 'gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7'" in r.stdout
     assert "'rounds faster': '" in r.stdout and "batch 2 round 1: " in r.stdout
-    bad = subprocess.run(cmd[:2] + ["--variants", "", "XLA_FLAGS=--x"], capture_output=True, text=True,
+    bad = subprocess.run(cmd[:2] + ["--variants", "", "gdn_decode.no_such_field=1"], capture_output=True, text=True,
                          env=server_env(), timeout=600)
-    assert bad.returncode != 0 and "only QWEN35_* settings" in bad.stderr
+    assert bad.returncode != 0 and "DecodeConfig has no field 'no_such_field'" in bad.stderr
 
 
 def test_engine_check_bench_smoke():

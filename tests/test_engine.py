@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import engine_args, fixture_dir, reference
+from qwen35_jax.backends import KernelConfig
 from qwen35_jax.llm import LLM
 from qwen35_jax.sampling_params import SamplingParams
 
@@ -173,15 +174,16 @@ def without_persistent_cache():
         compilation_cache.reset_cache()
 
 
-def test_warm_start_loads_serialized_executables(tmp_path, monkeypatch):
+def test_warm_start_loads_serialized_executables(tmp_path):
     """A second engine of the same model and shapes (tp=2: the executables are loaded onto the mesh's 2 of 8
     devices) loads every bucket's executable from the executable cache, without tracing, lowering or compiling,
     and generates the same tokens; an unreadable entry is a logged miss, compiled and written again."""
-    from qwen35_jax.engine import Engine, EngineArgs
+    from qwen35_jax.engine import EngineArgs, build_engine
     from qwen35_jax.executor import ExecutableCache
 
-    def engine():
-        e = Engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, **engine_args(
+    def engine(kernel_config=KernelConfig()):
+        e = build_engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, kernel_config=kernel_config,
+                                                       **engine_args(
             precompile=False, max_num_seqs=2, max_num_batched_tokens=32, max_prefill_rows=1)))      # 5 buckets
         e.executor.exe_cache = ExecutableCache(str(tmp_path))
         return e
@@ -220,11 +222,9 @@ def test_warm_start_loads_serialized_executables(tmp_path, monkeypatch):
         third.shutdown()
         assert open(broken, "rb").read(4) != b"not "                   # compiled and written again
 
-        # An engine built under other QWEN35_* settings (kernel variants) and compiled after they are gone (as
-        # bench/ab_decode.py builds its variants, lazily) is not served the executables compiled without them.
-        monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_backend_optimization_level=2")
-        other = engine()
-        monkeypatch.delenv("QWEN35_XLA_OPTIONS")
+        # An engine built with another kernel configuration (a variant, as bench/ab_decode.py builds them) is not
+        # served the executables compiled for the default one.
+        other = engine(KernelConfig(xla_options={"xla_backend_optimization_level": 2}))
         other.executor.lazy = True
         assert tokens(other) == want
         assert other.executor.exe_cache.hits == 0 and other.executor.exe_cache.misses > 0
@@ -246,18 +246,17 @@ def test_packed_step_inputs_round_trip():
         assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
-def test_staged_step_inputs(monkeypatch):
-    """QWEN35_STEP_INPUTS=staged: the inputs are copied into one device buffer per bucket that keeps its address
+def test_staged_step_inputs():
+    """KernelConfig.staged_inputs: the inputs are copied into one device buffer per bucket that keeps its address
     from step to step; the tokens (greedy and seeded) equal the default path's."""
     ps = prompts(3, seed=61)
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
     params = [GREEDY, seeded, GREEDY]
-    lazy = lambda: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    lazy = lambda **kw: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False, **kw))
     default = lazy()
     want = [o.outputs[0].token_ids for o in default.generate(ps, params)]
     default.shutdown()
-    monkeypatch.setenv("QWEN35_STEP_INPUTS", "staged")
-    model = lazy()         # the same step executables (persistent-cache hits) plus one stager per bucket
+    model = lazy(kernel_config=KernelConfig(staged_inputs=True))   # the same step executables plus one stager each
     ex = model.engine.executor
     assert ex.staged
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want
@@ -266,41 +265,65 @@ def test_staged_step_inputs(monkeypatch):
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want       # the buckets used again
     assert {k: ex._input_bufs[k].unsafe_buffer_pointer() for k in addresses} == addresses
     model.shutdown()
-    monkeypatch.setenv("QWEN35_STEP_INPUTS", "pinned")
-    with pytest.raises(ValueError, match="QWEN35_STEP_INPUTS"):
-        lazy()
 
 
-def test_xla_options(monkeypatch):
-    """QWEN35_XLA_OPTIONS reaches the step executables' compile as typed XLA options (an unknown one fails that
-    compile, naming it); a malformed setting is refused when the engine is built."""
-    from qwen35_jax.executor import xla_options
-    assert xla_options(" xla_gpu_enable_pdl=true, xla_gpu_autotune_level=2,xla_x=abc ,") == {
-        "xla_gpu_enable_pdl": True, "xla_gpu_autotune_level": 2, "xla_x": "abc"}
-    for bad in ("xla_gpu_enable_pdl", "pdl=true"):
-        with pytest.raises(ValueError, match="QWEN35_XLA_OPTIONS"):
-            xla_options(bad)
-    lazy = lambda: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
-    monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_backend_optimization_level=2")
-    model = lazy()
-    assert model.engine.executor.compiler_options == {"xla_backend_optimization_level": 2}
+def test_kernel_config():
+    """KernelConfig: fields named as text (the --kernel-config flag, benchmarks), typed and checked; what differs
+    from the defaults reads back in the same form; bad names, values and combinations are refused."""
+    c = KernelConfig.parse("decode_split_k=2 gdn_decode.bv=16 xla_options.xla_gpu_enable_pdl=false "
+                           "decode_attention=none attention_prologue=false", KernelConfig(backend="pallas_interpret"))
+    assert (c.decode_split_k, c.gdn_decode.bv, c.decode_attention, c.attention_prologue) == (2, 16, None, False)
+    assert c.xla_options == (("xla_gpu_enable_pdl", False),)
+    assert KernelConfig.parse(c.resolved().changes(), KernelConfig(backend="pallas_interpret")) == c
+    assert KernelConfig().resolved().changes() == ""
+    for bad, match in [("foo=1", "no field 'foo'"), ("gdn_decode=3", "set its fields"), ("staged_inputs=maybe",
+                       "not a boolean"), ("decode_split_k=0", "decode_split_k must be >= 1"), ("x", "<field>=<value>"),
+                       ("backend=cuda", "must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            KernelConfig.parse(bad)
+    with pytest.raises(ValueError, match="attention_prologue"):
+        KernelConfig(backend="pallas_interpret", decode_attention=None).resolved()
+    with pytest.raises(ValueError, match="needs a GPU"):
+        KernelConfig(backend="pallas").resolved()
+
+
+def test_unsupported_shapes_fail_early(tmp_path):
+    """A model whose dimensions the chosen kernels cannot run is refused by build_engine before any weight is read
+    or anything compiled, naming the dimension and the backend that runs it."""
+    import json
+
+    from qwen35_jax.engine import EngineArgs, build_engine
+    raw = json.load(open(os.path.join(fixture_dir(CASE), "config.json")))
+    text = raw.get("text_config", raw)
+    text["linear_value_head_dim"] = 24
+    os.makedirs(tmp_path / "m")
+    json.dump(raw, open(tmp_path / "m" / "config.json", "w"))          # no weights: they must not be read
+    with pytest.raises(ValueError, match=r"linear_value_head_dim=24 is not a power of two.*'reference' backend"):
+        build_engine(str(tmp_path / "m"), EngineArgs(kernel_config=KernelConfig(backend="pallas_interpret")))
+
+
+def test_xla_options():
+    """KernelConfig.xla_options reach the step executables' compile as typed XLA options (an unknown one fails
+    that compile, naming it)."""
+    lazy = lambda opts: LLM(fixture_dir(CASE), skip_tokenizer_init=True,
+                            **engine_args(precompile=False, kernel_config=KernelConfig(xla_options=opts)))
+    model = lazy({"xla_backend_optimization_level": 2})
+    assert model.engine.executor._compiler_options(("decode", 1, "greedy")) == {"xla_backend_optimization_level": 2}
     out = model.generate(prompts(1, seed=3), GREEDY)[0].outputs[0].token_ids
     assert len(out) == GREEDY.max_tokens
     model.shutdown()
-    monkeypatch.setenv("QWEN35_XLA_OPTIONS", "xla_no_such_option_anywhere=1")
-    model = lazy()
+    model = lazy({"xla_no_such_option_anywhere": 1})
     assert model.generate(prompts(1, seed=3), GREEDY)[0].outputs[0].finish_reason == "error"
     assert "xla_no_such_option_anywhere" in str(model.engine.error)
     model.shutdown()
 
 
-def test_decode_split_k_buckets(monkeypatch):
+def test_decode_split_k_buckets():
     """Kernels.split_k from split_k_from rows: those decode buckets compile with XLA's own K splits off (the option
     reaches the compile, which the CPU accepts), the others as before, prefill with cuBLAS GEMMs alone; greedy output
     is unchanged."""
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "2")
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", "4")
-    model = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    split = KernelConfig(decode_split_k=2, decode_split_k_from=4)
+    model = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False, kernel_config=split))
     ex = model.engine.executor
     assert (ex.kernels.split_k, ex.kernels.split_k_from) == (2, 4)
     forced = {"xla_gpu_experimental_force_split_k": 1}
@@ -310,7 +333,7 @@ def test_decode_split_k_buckets(monkeypatch):
     ps = prompts(6, seed=5)
     got = [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)]
     model.shutdown()
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "1")
-    model = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    model = LLM(fixture_dir(CASE), skip_tokenizer_init=True,
+                **engine_args(precompile=False, kernel_config=KernelConfig(decode_split_k=1)))
     assert [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)] == got
     model.shutdown()

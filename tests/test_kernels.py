@@ -14,6 +14,8 @@ import pytest
 from conftest import fixture_dir
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, matmul, matmul_mgpu, paged_attention
 from qwen35_jax.attention import decode_attention
+from qwen35_jax.backends import KernelConfig, make_kernels
+from qwen35_jax.sharding import Layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -592,64 +594,30 @@ def test_mgpu_matmul_configurations_cross_lower_for_cuda():
     assert matmul_mgpu.choose(64, 256, 4096) is None and matmul_mgpu.choose(65, 4096, 4096) is None
 
 
-def test_model_projections_run_the_matmul_kernel_in_decode():
-    """model.project: decode rows (T = 1) go through the backend's matmul where a configuration fits, prefill rows
-    and unfit shapes through XLA's dot, all equal to the reference within one rounding to the output dtype."""
-    from qwen35_jax import backends
+def test_model_projections_round_once():
+    """model.project: prefill rows ask the GEMM for the output dtype itself (no fp32 result and convert); decode
+    rows ask for fp32 and round after (where XLA's K split adds its partial sums), unless the GEMM rounds itself."""
     from qwen35_jax.model import project
-    kernels = backends.pallas_kernels(interpret=True, projections="kernel")
-    assert matmul.choose(3, 1024, 256) == matmul.MatmulConfig(split_k=1) and matmul.choose(3, 64, 256) is None
-    assert matmul.choose(64, 4096, 4096).split_k == 4 and matmul.choose(16, 4096, 24576).split_k == 1
-    # other rules (QWEN35_DECODE_MATMUL=<name in matmul.RULES>): wider column blocks where they divide N, more splits
-    wide = matmul.RULES["bn128_p528"]
-    assert matmul.choose(64, 4096, 12352, wide) == matmul.MatmulConfig(bn=64, split_k=4)
-    assert matmul.choose(64, 12288, 4096, wide) == matmul.MatmulConfig(bn=128, split_k=8)
-    assert backends.pallas_kernels(True, projections="bn128").matmul is not None
-    w = (0.05 * jax.random.normal(jax.random.key(0), (1024, 256))).astype(jnp.bfloat16)
-    for kernels in (kernels, backends.pallas_kernels(interpret=True, projections="mgpu")):   # Triton, Mosaic GPU
-        for t in (1, 2):
-            x = jax.random.normal(jax.random.key(t), (3, t, 1024), jnp.bfloat16)
-            for out in (jnp.float32, jnp.bfloat16):
-                got = project(kernels, x, w, out)
-                assert got.shape == (3, t, 256) and got.dtype == out
-                assert rel(got.astype(jnp.float32), matmul.reference(x.reshape(-1, 1024), w, out_dtype=jnp.float32)
-                           .reshape(3, t, 256)) <= (1e-6 if out == jnp.float32 else 4e-3)
-    text = jax.jit(lambda x, w: project(backends.pallas_kernels(False, projections="kernel"), x, w)).trace(
-        jax.ShapeDtypeStruct((3, 1, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)).jaxpr
-    assert "decode_matmul" in str(text)
-    # prefill rows ask the GEMM for the output dtype itself (no fp32 result and convert); decode rows ask for fp32
     spec = lambda t: (jax.ShapeDtypeStruct((3, t, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16))
-    xla = backends.pallas_kernels(interpret=True)
-    prefill, decode = (str(jax.jit(lambda x, w: project(xla, x, w)).trace(*spec(t)).jaxpr) for t in (2, 1))
+    prefill, decode, rounds = (str(jax.jit(lambda x, w: project(x, w, gemm_rounds=r)).trace(*spec(t)).jaxpr)
+                               for t, r in ((2, False), (1, False), (1, True)))
     assert "preferred_element_type=bfloat16" in prefill and "convert_element_type" not in prefill
     assert "preferred_element_type=float32" in decode and "convert_element_type" in decode
-    assert "QWEN35_DECODE_MATMUL" not in os.environ and backends.pallas_kernels(True).matmul is None
-    # QWEN35_DECODE_MATMUL_SHAPES: the kernel for the listed K x N weights only, XLA's dot for the others
-    only = backends.decode_matmul(True, "kernel", backends.parse_shapes("1024x256, 64x32"))
-    jaxpr = lambda w: str(jax.make_jaxpr(lambda x, w: only(x, w, jnp.bfloat16))(
-        jax.ShapeDtypeStruct((3, w[0]), jnp.bfloat16), jax.ShapeDtypeStruct(w, jnp.bfloat16)))
-    assert "decode_matmul" in jaxpr((1024, 256)) and "decode_matmul" not in jaxpr((1024, 512))
-    for bad in ("1024", "1024x", "ax256"):
-        with pytest.raises(ValueError, match="QWEN35_DECODE_MATMUL_SHAPES"):
-            backends.parse_shapes(bad)
-    assert backends.parse_shapes(" ") is None
-    with pytest.raises(ValueError, match="decode matmul variant"):
-        backends.pallas_kernels(interpret=True, projections="nope")
+    assert "preferred_element_type=bfloat16" in rounds and "convert_element_type" not in rounds
 
 
-def test_gate_up_rounds_in_the_gemm_from_64_decode_rows(monkeypatch):
+def test_gate_up_rounds_in_the_gemm_from_64_decode_rows():
     """Decode batches of gate_up_rounds_from rows or more ask gate_up's GEMM for bf16 itself (no fp32 result), the
     SiLU then on bf16 gate / up as in prefill and HF; smaller ones keep the fp32 path; both agree within bf16
-    roundings; $QWEN35_DECODE_GATE_UP_ROUNDS_FROM moves the threshold, a non-number is refused."""
+    roundings; KernelConfig.gate_up_rounds_from moves the threshold, a negative one is refused."""
     import dataclasses as dc
-    from qwen35_jax import backends
     from qwen35_jax.model import mlp_block
     from qwen35_jax.sharding import TP
     from qwen35_jax.weights import MLP
     P = jax.sharding.PartitionSpec
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (TP,))
-    kernels = backends.pallas_kernels(interpret=True)
-    assert kernels.gate_up_rounds_from == backends.reference_kernels().gate_up_rounds_from == 64
+    kernels = make_kernels(KernelConfig(backend="pallas_interpret").resolved())
+    assert kernels.gate_up_rounds_from == make_kernels(KernelConfig().resolved()).gate_up_rounds_from == 64
     mlp = MLP(gate_up=(0.05 * jax.random.normal(jax.random.key(2), (256, 2 * 128))).astype(jnp.bfloat16),
               down=(0.05 * jax.random.normal(jax.random.key(3), (128, 256))).astype(jnp.bfloat16))
     run = lambda k, x: jax.shard_map(lambda x: mlp_block(k, mlp, x), mesh=mesh, in_specs=P(), out_specs=P(),
@@ -661,11 +629,10 @@ def test_gate_up_rounds_in_the_gemm_from_64_decode_rows(monkeypatch):
         assert gate_up_dot == ("bfloat16" if rows >= 64 else "float32"), text
         fp32_path = jax.jit(lambda x: run(dc.replace(kernels, gate_up_rounds_from=1 << 30), x))(x)
         assert rel(jax.jit(lambda x: run(kernels, x))(x).astype(jnp.float32), fp32_path.astype(jnp.float32)) <= 8e-3
-    monkeypatch.setenv("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "16")
-    assert backends.pallas_kernels(interpret=True).gate_up_rounds_from == 16
-    monkeypatch.setenv("QWEN35_DECODE_GATE_UP_ROUNDS_FROM", "never")
-    with pytest.raises(ValueError, match="QWEN35_DECODE_GATE_UP_ROUNDS_FROM"):
-        backends.pallas_kernels(interpret=True)
+    moved = KernelConfig(backend="pallas_interpret", gate_up_rounds_from=16).resolved()
+    assert make_kernels(moved).gate_up_rounds_from == 16
+    with pytest.raises(ValueError, match="gate_up_rounds_from must be >= 0"):
+        KernelConfig(gate_up_rounds_from=-1)
 
 
 def test_decode_step_has_no_host_synchronisation():
@@ -673,10 +640,9 @@ def test_decode_step_has_no_host_synchronisation():
     the host and blocking on the stream; a decode step must have neither, so the engine can dispatch ahead. The
     decode step with the Pallas kernels, lowered for CUDA: no while / case / if outside the Triton kernels."""
     from bench.compile_time import lower_decode_for_cuda
-    from qwen35_jax import backends
     from qwen35_jax.config import load_config
     cfg = load_config(fixture_dir("mm_tied_r2_g2"))
-    kernels = backends.pallas_kernels(interpret=False)
+    kernels = make_kernels(KernelConfig(backend="pallas", decode_split_k=4))     # lowered for CUDA on the CPU
     lowered = lambda kernels, mode="top": lower_decode_for_cuda(cfg, kernels, batch=4, slots=4, pages=9,
                                                                  pages_per_seq=8, mode=mode)
 
@@ -696,46 +662,30 @@ def test_decode_step_has_no_host_synchronisation():
                                                             attention_prologue=None, attention_tiles=None))
 
 
-def test_backend_kernel_variants(monkeypatch):
-    from qwen35_jax import backends
+def test_backend_kernels_follow_the_config():
+    """make_kernels builds each Pallas kernel with the KernelConfig's tile configuration; decode_attention None
+    runs the jnp reference (without the prologue kernel)."""
     config = lambda kernel: kernel.__wrapped__.keywords["config"]       # each kernel: jit(partial(kernel, ...))
-    k = backends.pallas_kernels(interpret=True)
+    k = make_kernels(KernelConfig(backend="pallas_interpret").resolved())
     assert k.attention_prologue is not None and config(k.attention_tiles) == paged_attention.DEFAULT
-    assert backends.pallas_kernels(interpret=True, attention="jnp").attention_prologue is None
-    monkeypatch.setenv("QWEN35_DECODE_ATTENTION_PROLOGUE", "xla")
-    assert backends.pallas_kernels(interpret=True).attention_prologue is None
-    for bad, attention in (("nope", None), ("kernel", "jnp")):
-        monkeypatch.setenv("QWEN35_DECODE_ATTENTION_PROLOGUE", bad)
-        with pytest.raises(ValueError, match="QWEN35_DECODE_ATTENTION_PROLOGUE"):
-            backends.pallas_kernels(interpret=True, attention=attention)
-    monkeypatch.delenv("QWEN35_DECODE_ATTENTION_PROLOGUE")
+    assert config(k.attention_decode) == paged_attention.DEFAULT
     assert config(k.gdn_prefill) == gdn.DEFAULT_PREFILL and config(k.gdn_decode) == gdn.DEFAULT_DECODE
-    k = backends.pallas_kernels(interpret=True, prefill="v1", decode="bv32_w2")
-    assert isinstance(config(k.gdn_prefill), gdn.PrefillConfig)
-    assert config(k.gdn_decode) == gdn.DecodeConfig(bv=32, num_warps=2)
-    with pytest.raises(ValueError, match="prefill variant"):
-        backends.pallas_kernels(interpret=True, prefill="nope")
-    assert config(backends.pallas_kernels(interpret=True).attention_decode) == paged_attention.DEFAULT
-    assert backends.pallas_kernels(interpret=True, attention="jnp").attention_decode is decode_attention
-    other = paged_attention.config_sweep()[-1]
-    assert config(backends.pallas_kernels(interpret=True, attention=other.name).attention_decode) == other
-    with pytest.raises(ValueError, match="decode attention variant"):
-        backends.pallas_kernels(interpret=True, attention="nope")
-    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig()
-    monkeypatch.setenv("QWEN35_CONV_PREFILL", "bt64_bc128_w8")
-    assert config(backends.pallas_kernels(interpret=True).conv_prefill) == conv1d.ConvConfig(bt=64, num_warps=8)
-    monkeypatch.setenv("QWEN35_CONV_PREFILL", "nope")
-    with pytest.raises(ValueError, match="conv prefill variant"):
-        backends.pallas_kernels(interpret=True)
+    assert config(k.conv_prefill) == conv1d.ConvConfig() and (k.split_k, k.split_k_from) == (4, 64)
+    other = KernelConfig.parse("gdn_decode.bv=32 gdn_decode.num_warps=2 conv.bt=64 conv.num_warps=8 "
+                               "decode_attention.pages_per_block=4", KernelConfig(backend="pallas_interpret"))
+    k = make_kernels(other.resolved())
+    assert config(k.gdn_decode) == dataclasses.replace(gdn.DEFAULT_DECODE, bv=32, num_warps=2)
+    assert config(k.conv_prefill) == conv1d.ConvConfig(bt=64, num_warps=8)
+    assert config(k.attention_decode) == dataclasses.replace(paged_attention.DEFAULT, pages_per_block=4)
+    jnp_attention = KernelConfig(backend="pallas_interpret", decode_attention=None, attention_prologue=False)
+    k = make_kernels(jnp_attention.resolved())
+    assert k.attention_decode is decode_attention and k.attention_prologue is None and k.attention_tiles is None
 
 
 def test_sweep_names_unique():
     for sweep in (gdn.prefill_sweep(), gdn.decode_sweep(), paged_attention.config_sweep()):
         names = [c.name for c in sweep]
         assert len(names) == len(set(names)), names
-    from qwen35_jax import backends
-    names = [c.prefill_name for c in backends.conv_prefill_variants().values()]
-    assert len(names) == len(set(names)) + 1, names          # "default" names the default configuration again
 
 
 def test_illegal_head_dim_raises():
@@ -764,8 +714,9 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
     page_table = np.array([1 + np.arange(pages), 1 + pages + np.arange(pages), np.zeros(pages, int)])
     out = {}
     for backend in ("reference", "pallas_interpret"):
-        runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=3, num_pages=1 + 2 * pages, page_size=16,
-                             kernel_backend=backend)
+        kernels = make_kernels(KernelConfig(backend=backend).resolved())
+        runner = ModelRunner(cfg, mesh, Layout.build(cfg, tp), weights, jnp.float32, kernels, num_slots=3,
+                             num_pages=1 + 2 * pages, page_size=16)
         logits = [runner.run(make_batch(tokens, [0, 0, 0], lens, [1, 2, 0], page_table), all_logits=True)]
         for step in range(2):
             nxt = tokens[:, step:step + 1]
@@ -840,11 +791,10 @@ def test_pf_warps_sets_the_pf_prep_alone():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
-    """QWEN35_DECODE_SPLIT_K=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
-    (model.row_parallel, from QWEN35_DECODE_SPLIT_K_FROM rows) give the logits of the single dot within fp32
-    summation order; prefill, and decode batches below the threshold, are untouched."""
-    from qwen35_jax import backends
+def test_decode_split_k_keeps_the_logits(tp):
+    """KernelConfig.decode_split_k=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
+    (model.row_parallel, from decode_split_k_from rows) give the logits of the single dot within fp32 summation
+    order; prefill, and decode batches below the threshold, are untouched."""
     from qwen35_jax.config import load_config
     from qwen35_jax.runner import ModelRunner, make_batch
     from qwen35_jax.sharding import make_mesh
@@ -858,10 +808,9 @@ def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
 
     def run(split, split_from, prefill=True):
         """(prefill logits or None, decode logits) of a fresh runner under these settings (2 rows)."""
-        monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", split)
-        monkeypatch.setenv("QWEN35_DECODE_SPLIT_K_FROM", split_from)
-        runner = ModelRunner(cfg, mesh, weights, jnp.float32, num_slots=2, num_pages=5, page_size=16,
-                             kernel_backend="reference")
+        config = KernelConfig(backend="reference", decode_split_k=int(split), decode_split_k_from=int(split_from))
+        runner = ModelRunner(cfg, mesh, Layout.build(cfg, tp), weights, jnp.float32, make_kernels(config.resolved()),
+                             num_slots=2, num_pages=5, page_size=16)
         assert (runner.kernels.split_k, runner.kernels.split_k_from) == (int(split), int(split_from))
         pre = runner.run(make_batch(tokens, [0, 0], [20, 24], [1, 2], page_table), all_logits=True) if prefill else None
         dec = runner.run(make_batch(tokens[:, :1], [20, 24], [1, 1], [1, 2], page_table))
@@ -872,11 +821,7 @@ def test_decode_split_k_keeps_the_logits(tp, monkeypatch):
     assert np.array_equal(out["1"][0], out["4"][0])
     assert 0 < np.abs(out["4"][1] - out["1"][1]).max() <= 1e-6 * scale      # split: other summation order
     assert np.array_equal(run("4", "3")[1], out["1"][1])                   # 2 rows: below it, no split
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "0")
-    with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):
-        backends.reference_kernels()
-    monkeypatch.setenv("QWEN35_DECODE_SPLIT_K", "2")
-    with pytest.raises(ValueError, match="QWEN35_DECODE_SPLIT_K"):      # with the decode matmul kernel
-        backends.pallas_kernels(interpret=True, projections="kernel")
+    with pytest.raises(ValueError, match="decode_split_k must be >= 1"):
+        KernelConfig(decode_split_k=0)
     with pytest.raises(ValueError, match="does not divide"):               # 7 divides no K of this model
         run("7", "2", prefill=False)

@@ -17,6 +17,7 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
+from qwen35_jax import env
 from qwen35_jax.checkpoint import write_safetensors
 
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
@@ -136,14 +137,9 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def cache_root() -> str:
-    """Where qwen35_jax keeps built models and compiled executables: $QWEN35_JAX_CACHE or ~/.cache/qwen35_jax."""
-    return os.environ.get("QWEN35_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax"))
-
-
 def default_model_dir() -> str:
     """The embedded default model, built on first use into the cache root."""
-    path = os.path.join(cache_root(), "tiny-qwen3.5")
+    path = os.path.join(env.cache_root(), "tiny-qwen3.5")
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         try:
             make_tiny_model(path)
