@@ -1,7 +1,7 @@
 """Decode step A/B: kernel configurations (KernelConfig fields) timed in one process, in alternating rounds.
 
 Separate runs of bench/throughput.py or of the profile read the 9B batch-64 step ~0.1 ms apart for the same code
-(bench/RESULTS.md), as much as the changes under test. Here every variant gets its own engine (the same weights,
+(bench/runs/history.md), as much as the changes under test. Here every variant gets its own engine (the same weights,
 its own state and executables, keyed on its KernelConfig) and the decode steps of the variants are timed in
 alternating rounds (the order reversed every other round), so drift of the machine falls on all of them alike.
 Each round times each variant's steady-state step (the slope of back-to-back dispatches, as bench/throughput.py);

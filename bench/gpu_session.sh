@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (device tool): the GPU benchmarks in priority order, each given at most its share of
-# a total deadline, each writing its section of bench/RESULTS.md as it finishes. Everything it writes is packed
-# into $OUT/session.tgz after every section (the device tool returns at most 8 files), with RESULTS.md beside it.
+# a total deadline, each recording its run under bench/runs/ (a JSON file, a section appended to history.md) as it
+# finishes. Everything it writes is packed into $OUT/session.tgz after every section (the device tool returns at
+# most 8 files), with history.md beside it; back home: python bench/results.py merge <history.md> <session/runs>.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode gemm gemmlayout sampler throughput
 #   throughput_mm throughput_staged serving servinglite profile
@@ -24,7 +25,8 @@ export PYTHONPATH=/tmp/site:$PWD
 xla=/tmp/qwen35-xla; mkdir -p $xla
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 left() { echo $(( total - ($(date +%s) - start) )); }
-pack() { cp bench/RESULTS.md $work/RESULTS.md; tar czf "$out/session.tgz" -C /tmp session; cp bench/RESULTS.md "$out/"; }
+pack() { mkdir -p $work/runs; cp bench/runs/*.json $work/runs/ 2>/dev/null
+         tar czf "$out/session.tgz" -C /tmp session; cp bench/runs/history.md "$out/"; }
 run() {   # name share_seconds command...
   local name=$1 share=$2; shift 2
   local budget=$(( $(left) < share ? $(left) : share ))
@@ -79,8 +81,8 @@ for s in $sections; do
                --config bench/configs/qwen3.5-9b.json --num-prompts 16 --input-len 1024 --output-len 256 \
                --max-concurrency 16 --ignore-eos --result-file "$work/serving.json" --record -- \
                $lite_flags --compilation-cache-dir $xla/lite ;;
-    profile) CUDA_VISIBLE_DEVICES=0 run profile 80 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json \
-               --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/prof --append-results \
+    profile) CUDA_VISIBLE_DEVICES=0 run profile 80 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json \
+               --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/prof \
                --compilation-cache-dir $xla/profile --top-unattributed 25
              # trace, HLO and metadata come back too: qwen35_jax.profile.load_report(session dir) re-reads them
              tar czf "$out/prof.tgz" -C /tmp prof ;;
@@ -88,8 +90,8 @@ for s in $sections; do
              pick=$( [ $s = profile64pick ] && [ -f $work/pick.txt ] && cat $work/pick.txt )
              if [ $s = profile64pick ] && [ -z "$pick" ]; then echo "=== $s skipped (no pick)"; continue; fi
              CUDA_VISIBLE_DEVICES=0 run $s ${PROFILE64_SHARE:-110} env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
-               python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
-               --prompt-len 1024 --decode-steps 8 --out /tmp/$s --append-results --compilation-cache-dir $xla/$s \
+               python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
+               --prompt-len 1024 --decode-steps 8 --out /tmp/$s --compilation-cache-dir $xla/$s \
                --top-unattributed 5 ${PROFILE64_ARGS:-}      # e.g. PROFILE64_ARGS=--greedy
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
     profile64envs)   # the batch-64 profile once per entry of PROFILE64_ENVS (';'-separated; each entry is what `export`
@@ -97,8 +99,8 @@ for s in $sections; do
              IFS=';' read -ra envsets <<< "${PROFILE64_ENVS:-}"
              for i in "${!envsets[@]}"; do
                CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "${envsets[$i]:+export ${envsets[$i]};} exec \
-                 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
-                 --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i --append-results \
+                 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
+                 --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i \
                  --compilation-cache-dir $xla/profile64_e$i --top-unattributed 8 ${PROFILE64_ARGS:-}"
                # the whole session comes back (trace, HLO, profile.json): qwen35_jax.profile.load_report re-reads it
                tar czf "$out/profile64_e$i.tgz" -C /tmp profile64_e$i
@@ -108,8 +110,8 @@ for s in $sections; do
          IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --variants "" "${abv[@]}" ;;
-    profiletp) run profiletp 90 python3 -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --tp 2 \
-               --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp --append-results \
+    profiletp) run profiletp 90 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --tp 2 \
+               --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25
                tar czf "$out/proftp.tgz" -C /tmp proftp ;;
     tp9b) XLA_FLAGS="${TP_XLA_FLAGS:-${XLA_FLAGS:-}}" run tp9b 210 python3 bench/tp.py \

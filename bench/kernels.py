@@ -29,9 +29,9 @@ Order (most valuable first; the model step has a reserved slice of the time, `--
 No variant is timed before it passed its check: failing one of the bars (prefill o <= 4e-3 and state <= 3e-3
 rel-L2, decode state <= 1e-5, untouched slots bit-identical, finite outputs; conv bit-exact) or failing to compile
 is reported in the results and excludes it from timing.
-Writes $OUT/results.json, $OUT/log.txt, $OUT/RESULTS_section.md, records the section in bench/RESULTS.md through
-bench/results.py (replacing the previous kernels section) and copies that file to $OUT/RESULTS.md; prints a
-short summary table last.
+Writes $OUT/results.json, $OUT/log.txt, $OUT/RESULTS_section.md, records the run through bench/results.py (a JSON
+file under bench/runs/, copied to $OUT, and its section appended to bench/runs/history.md); prints a short summary
+table last.
 
 Shapes: Qwen3.5-9B GDN (Hk 16, Hv 32, dk = dv = 128, conv channels 8192), bf16 activations, fp32 state, random
 realistic inputs (raw q/k, normal a/b projections, A_log = log U(1, 16), random initial states).
@@ -130,8 +130,8 @@ def have_time(what, need=5.0, reserve_model=True):
 
 
 def save():
-    """Results so far: $OUT/results.json, $OUT/RESULTS_section.md and (unless --no-record) the section in
-    bench/RESULTS.md, after every section and sweep point, so a run cut off from outside still leaves them."""
+    """Results so far: $OUT/results.json, $OUT/RESULTS_section.md and (unless --no-record) the run recorded under
+    bench/runs/, after every section and sweep point, so a run cut off from outside still leaves them."""
     json.dump(RES, open(os.path.join(OUT, "results.json"), "w"), indent=1, default=str)
     try:
         md = report()
@@ -1227,7 +1227,7 @@ def main():
         try:
             record(md)
         except Exception as e:  # noqa: BLE001
-            log("recording into bench/RESULTS.md failed:", repr(e))
+            log("recording into bench/runs/ failed:", repr(e))
     log(md)
     log(summary())
 
@@ -1433,28 +1433,21 @@ def summary() -> str:
 
 
 def title():
-    """The RESULTS.md section title; a run of some sections only (--only) records under its own title, so it does
-    not replace the full run's section."""
+    """The recorded run's title; a run of some sections only (--only) records under its own title."""
     return TITLE + (f": sections {' '.join(ARGS.only)}" if ARGS.only else "")
 
 
 def record(md, quiet=False):
-    """Replace the kernels section of bench/RESULTS.md (the legacy hand-written block included) and copy the file
-    to $OUT."""
-    path = results_md.RESULTS
-    if os.path.exists(path):
-        text = open(path).read()
-        legacy = re.compile(r"^# " + re.escape(TITLE) + r"\n.*?(?=^# |^## [^\n]*\n\n- command: |\Z)", re.S | re.M)
-        if legacy.search(text):
-            open(path, "w").write(legacy.sub("", text).rstrip() + "\n")
+    """Record the run through bench/results.py (this process's earlier save of it is replaced, not repeated) and copy
+    its JSON file to $OUT."""
     if quiet:
         import contextlib
         import io
         with contextlib.redirect_stdout(io.StringIO()):
-            results_md.record(title(), md, command=ARGS.command_line)
+            path = results_md.record(title(), md, command=ARGS.command_line)
     else:
-        results_md.record(title(), md, command=ARGS.command_line)
-    shutil.copy(path, os.path.join(OUT, "RESULTS.md"))
+        path = results_md.record(title(), md, command=ARGS.command_line)
+    shutil.copy(path, os.path.join(OUT, os.path.basename(path)))
 
 
 if __name__ == "__main__":
@@ -1464,13 +1457,13 @@ if __name__ == "__main__":
                     help="seconds held back for the model step (default: min(100, 0.4 x time limit))")
     ap.add_argument("--model-batches", type=int, nargs="+", default=[64, 1])
     ap.add_argument("--no-model", dest="model", action="store_false", help="skip the whole-model decode step")
-    ap.add_argument("--no-record", action="store_true", help="do not write bench/RESULTS.md")
+    ap.add_argument("--no-record", action="store_true", help="do not record the run under bench/runs/")
     ap.add_argument("--decode-batches", type=int, nargs="+", help="decode batches to time (default: all five)")
     ap.add_argument("--only", nargs="+", default=[],
                     help="run only these sections (fla_import and ceilings always run), e.g. correct_defaults "
                          "correct_variants prefill_sweep prefill_best")
     ARGS = ap.parse_args()
-    ARGS.no_record = ARGS.no_record or DRY           # a CPU smoke run never writes bench/RESULTS.md
+    ARGS.no_record = ARGS.no_record or DRY           # a CPU smoke run never records under bench/runs/
     if ARGS.model_reserve is None:
         ARGS.model_reserve = min(100.0, 0.4 * ARGS.time_limit)
     ARGS.command_line = os.environ.get("BENCH_COMMAND", "python3 bench/kernels.py " + " ".join(sys.argv[1:]))

@@ -1,31 +1,50 @@
-"""Write a benchmark's table into bench/RESULTS.md as a section that names its command, commit and machine.
+"""Record a benchmark run under bench/runs/: one JSON file per run and its markdown section appended to the log.
 
-A section is replaced when the same title is recorded again, so the file always holds each benchmark's latest run.
+`record(title, body, command, fields)` writes `bench/runs/<UTC date>_<slug of title>.json` (title, command, commit,
+machine, date, the body text and the caller's structured `fields`) and appends the same run as a markdown section
+(`## title`, `- command:`, `- commit:`, `- machine:`, `- date:`, body) to `bench/runs/history.md`, the raw log of
+every run. A title recorded again by the same process (a bench that saves as it goes) replaces its own section and
+file; a later process appends a new one. bench/RESULTS.md is the hand-edited summary and is never written here.
+
+$QWEN35_RUNS_DIR moves the runs directory (tests point it at a temporary one).
 """
 from __future__ import annotations
 
 import datetime
+import glob
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-HEADER = ("# Benchmark results\n\nEvery figure quoted anywhere in this project is here, with the command that made "
-          "it, the commit and the machine. Ratios are measured side by side in one run.\n")
+BENCH = os.path.dirname(os.path.abspath(__file__))
+HEADER = ("# Benchmark runs\n\nThe raw log: every recorded benchmark run, with the command that made it, the commit "
+          "and the machine. The summary is bench/RESULTS.md.\n")
+_written: dict[str, tuple[str, str]] = {}    # title -> (json path, section) recorded by this process
+
+
+def runs_dir() -> str:
+    return os.environ.get("QWEN35_RUNS_DIR") or os.path.join(BENCH, "runs")
+
+
+def history_path() -> str:
+    return os.path.join(runs_dir(), "history.md")
 
 
 def commit() -> str:
     """$QWEN35_COMMIT when set (the GPU machine's copy of the repo may carry an older .git), else git's HEAD, marked
-    +uncommitted when tracked files other than RESULTS.md differ from it."""
+    +uncommitted when tracked files other than the results (bench/RESULTS.md, bench/runs/) differ from it."""
     if os.environ.get("QWEN35_COMMIT", "unknown") != "unknown":
         return os.environ["QWEN35_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(RESULTS), check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/RESULTS.md"],
-                               capture_output=True, text=True, cwd=os.path.dirname(RESULTS)).stdout.strip()
+                             cwd=BENCH, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!bench/RESULTS.md", ":!bench/runs"],
+                               capture_output=True, text=True, cwd=os.path.dirname(BENCH)).stdout.strip()
         return sha + ("+uncommitted" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -45,17 +64,47 @@ def machine() -> str:
     return desc + f"; {os.cpu_count()} CPU cores"
 
 
-def record(title: str, body: str, command: str | None = None):
+def slug(title: str, limit: int = 80) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+    return s[:limit].rstrip("-") or "run"
+
+
+def record(title: str, body: str, command: str | None = None, fields: dict | None = None) -> str:
+    """Record one run (see the module docstring); returns the JSON file's path."""
     command = command or "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"## {title}\n\n- command: `{command}`\n- commit: `{commit()}`\n- machine: {machine()}\n"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp = now.strftime("%Y-%m-%d %H:%M UTC")
+    sha, desc = commit(), machine()
+    section = (f"## {title}\n\n- command: `{command}`\n- commit: `{sha}`\n- machine: {desc}\n"
                f"- date: {stamp}\n\n{body.rstrip()}\n")
-    text = open(RESULTS).read() if os.path.exists(RESULTS) else HEADER
-    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
-    text = pattern.sub(lambda _: section + "\n", text) if pattern.search(text) else text.rstrip() + "\n\n" + section
-    with open(RESULTS, "w") as f:
+    os.makedirs(runs_dir(), exist_ok=True)
+    if title in _written and os.path.exists(_written[title][0]):
+        path, old = _written[title]
+    else:
+        base = os.path.join(runs_dir(), f"{now.strftime('%Y-%m-%d')}_{slug(title)}")
+        path, n = base + ".json", 1
+        while os.path.exists(path):                  # the same title on the same day: a file of its own
+            n += 1
+            path = f"{base}_{n}.json"
+        old = None
+    run = {"title": title, "command": command, "commit": sha, "machine": desc, "date": stamp, "body": body.rstrip()}
+    if fields:
+        run["fields"] = fields
+    with open(path, "w") as f:
+        json.dump(run, f, indent=1, default=str, ensure_ascii=False)
+        f.write("\n")
+    hist = history_path()
+    text = open(hist).read() if os.path.exists(hist) else HEADER
+    if old is not None and old in text:
+        i = text.rindex(old)
+        text = text[:i] + section + text[i + len(old):]
+    else:
+        text = text.rstrip() + "\n\n" + section
+    with open(hist, "w") as f:
         f.write(text)
-    print(f"recorded '{title}' in {RESULTS}")
+    _written[title] = (path, section)
+    print(f"recorded '{title}' in {path} and {hist}")
+    return path
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
@@ -65,31 +114,45 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(out)
 
 
-def sections(text: str) -> dict:
-    """{title: section text} of a RESULTS.md text."""
-    return {m.group(1): m.group(0) for m in re.finditer(r"^## ([^\n]*)\n.*?(?=^## |\Z)", text, re.S | re.M)}
+def sections(text: str) -> list:
+    """[((title, date), section text)] of a history.md text, in its order."""
+    out = []
+    for m in re.finditer(r"^## ([^\n]*)\n.*?(?=^## |\Z)", text, re.S | re.M):
+        date = (re.search(r"^- date: (.*)$", m.group(0), re.M) or [None, ""])[1]
+        out.append(((m.group(1), date), m.group(0)))
+    return out
 
 
 def merge(paths: list[str]):
-    """Take into bench/RESULTS.md every section of the given RESULTS.md files (copies the GPU machine sent back)
-    that is new or dated later than ours: one call's sections never overwrite another call's newer ones."""
-    text = open(RESULTS).read()
-    date = lambda sec: (re.search(r"^- date: (.*)$", sec, re.M) or [None, ""])[1]
+    """Take into bench/runs/ the runs another copy of it recorded (what the GPU machine sent back): each given
+    history.md's sections not in ours (the same text) are appended to ours; each given JSON file (or the JSON
+    files of a given directory) not in bench/runs/ is copied there."""
+    hist = history_path()
+    os.makedirs(runs_dir(), exist_ok=True)
+    text = open(hist).read() if os.path.exists(hist) else HEADER
     for path in paths:
-        ours = sections(text)
-        for title, sec in sections(open(path).read()).items():
-            if title not in ours:
-                text = text.rstrip() + "\n\n" + sec.rstrip() + "\n"
-            elif date(sec) > date(ours[title]):
-                text = text.replace(ours[title], sec.rstrip() + "\n\n")
-            else:
+        if os.path.isdir(path):
+            files = sorted(glob.glob(os.path.join(path, "*.json")))
+            hist_copy = os.path.join(path, "history.md")
+            files += [hist_copy] if os.path.exists(hist_copy) else []
+        else:
+            files = [path]
+        for p in files:
+            if p.endswith(".json"):
+                dest = os.path.join(runs_dir(), os.path.basename(p))
+                if not os.path.exists(dest):
+                    shutil.copy(p, dest)
+                    print(f"merged {os.path.basename(p)}")
                 continue
-            print(f"merged '{title}' from {path}")
-    with open(RESULTS, "w") as f:
+            for (title, date), sec in sections(open(p).read()):
+                if sec.rstrip() not in text:
+                    text = text.rstrip() + "\n\n" + sec.rstrip() + "\n"
+                    print(f"merged '{title}' ({date}) from {p}")
+    with open(hist, "w") as f:
         f.write(text.rstrip() + "\n")
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] != "merge":
-        sys.exit("usage: python bench/results.py merge RESULTS.md...")
+        sys.exit("usage: python bench/results.py merge (history.md | RUN.json | RUNS_DIR)...")
     merge(sys.argv[2:])

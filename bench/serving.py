@@ -78,7 +78,7 @@ def parse_args(argv=None):
     w.add_argument("--seed", type=int, default=0)
     o = ap.add_argument_group("output")
     o.add_argument("--result-file", default=None, help="write the results as JSON here")
-    o.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
+    o.add_argument("--record", action="store_true", help="record the run under bench/runs/ (bench/results.py)")
     args = ap.parse_args(argv)
     if args.base_url and (args.compare or args.in_process):
         ap.error("--base-url measures an existing server; --compare/--in-process start their own")
@@ -458,7 +458,7 @@ def main(argv=None):
         if args.compare:
             body += (f"\n\nHTTP / in-process output throughput: "
                      f"{result['http_over_in_process_output_throughput']:.3f} (target >= {TARGET_RATIO}).")
-        results.record("HTTP serving (bench/serving.py)", body)
+        results.record("HTTP serving (bench/serving.py)", body, fields=result)
     failed = any(s["failed"] for s in runs.values())
     return 1 if failed else 0
 

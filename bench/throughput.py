@@ -38,7 +38,7 @@ def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), 
     donated pass (x * 2 written over x, as the profile's copy; ~0.5 ms each, so the host runs ahead and dispatch
     is not in it).
     The floor takes the higher ("max"): the in-place copy read 4.27-4.30 TB/s in the profiles where the chained
-    one read 4.02-4.17 here (bench/RESULTS.md), and a floor from the lower one would flatter the step.
+    one read 4.02-4.17 here (bench/runs/history.md), and a floor from the lower one would flatter the step.
     gib: the array's size, default 1 GiB on GPU, 1/16 elsewhere (CPU smoke runs of the benches)."""
     gib = gib or (1.0 if jax.default_backend() == "gpu" else 1 / 16)
     x = jnp.ones((int(gib * 2**30) // 4,), jnp.float32)
@@ -151,7 +151,7 @@ def main():
                     help="persistent XLA cache (must be empty for a cold sweep; default: a fresh temp dir)")
     ap.add_argument("--decode-steps", type=int, default=1)
     add_kernel_args(ap)
-    ap.add_argument("--record", action="store_true", help="write the table into bench/RESULTS.md")
+    ap.add_argument("--record", action="store_true", help="record the run under bench/runs/ (bench/results.py)")
     args = ap.parse_args()
 
     bws = copy_bandwidths()
@@ -238,7 +238,10 @@ def main():
             f"per engine step not overlapped by dispatch; 'wait ms/step' is time blocked on device results.\n\n"
             + results.table([serve], list(serve)))
     if args.record:       # a run with kernel variants records beside the default's section
-        results.record("Engine throughput (bench/throughput.py)" + (f" {variants}" if variants else ""), body)
+        results.record("Engine throughput (bench/throughput.py)" + (f" {variants}" if variants else ""), body,
+                       fields={"decode": rows, "serving": serve, "precompile_s": {"cold": cold, "warm": warm,
+                                                                                   "cold_cache": cold_cache,
+                                                                                   "executables": n_exe}})
 
 
 if __name__ == "__main__":

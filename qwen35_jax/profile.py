@@ -1,7 +1,7 @@
 """XLA-profiler workflows: profile a prefill and N decode steps, and start/stop traces on demand (the server).
 
-Command line (prints the table; --append-results also writes it into bench/RESULTS.md with command, commit and
-machine):
+Command line (prints the table; `python bench/profile.py` takes the same arguments and also records it under
+bench/runs/ with command, commit and machine):
 
     python -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --batch 16 --decode-steps 8 --out DIR
     python -m qwen35_jax.profile --model DIR [--random-weights] --batch 4 --out DIR      # a checkpoint
@@ -60,7 +60,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shlex
 import statistics
 import sys
 import threading
@@ -543,17 +542,6 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
     return "\n".join(lines)
 
 
-def record_results(report: ProfileReport, command: str, top_unattributed: int = 8):
-    """Write the table into bench/RESULTS.md through bench/results.py (the benchmarks' shared writer: a section
-    with the command, commit and machine, replacing an earlier run of the same title)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if repo not in sys.path:
-        sys.path.insert(0, repo)
-    from bench import results
-    table = format_report(report, top_unattributed)
-    results.record(f"Profile: {report.title}", "```text\n" + table + "\n```", command)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -577,9 +565,6 @@ def main(argv=None):
     ap.add_argument("--greedy", action="store_true", help="greedy sampling (default: T=0.7, top_p 0.8, top_k 20)")
     ap.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth copy (default 1024 GPU, 64 CPU)")
     ap.add_argument("--out", default="profile", help="trace directory (default ./profile)")
-    ap.add_argument("--append-results", action="store_true",
-                    help="write the table with command, commit and machine into bench/RESULTS.md (bench/results.py; "
-                         "commit from git, else $QWEN35_COMMIT)")
     ap.add_argument("--compilation-cache-dir", default=None)
     ap.add_argument("--top-unattributed", type=int, default=8,
                     help="list this many unattributed kernel names of prefill and of decode each (default 8)")
@@ -592,10 +577,6 @@ def main(argv=None):
                          copy_mib=args.copy_mib, out_dir=args.out, compilation_cache_dir=args.compilation_cache_dir,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(report, args.top_unattributed))
-    if args.append_results:
-        argv = argv if argv is not None else sys.argv[1:]
-        record_results(report, "python -m qwen35_jax.profile " + " ".join(shlex.quote(a) for a in argv),
-                       args.top_unattributed)
     return report
 
 

@@ -107,3 +107,22 @@ def test_mgpu_precision_bench_smoke():
     assert len(rows) == 2, r.stdout
     for row in rows:
         assert float(row[1]) <= 4e-3 and float(row[2].rstrip(" |")) <= 3e-3, row
+
+
+def test_profile_bench_smoke(tmp_path):
+    """bench/profile.py: `qwen35_jax.profile`'s command line on the tiny model, the table recorded through
+    bench/results.py into $QWEN35_RUNS_DIR (a temporary directory: tests never write into bench/runs/)."""
+    from conftest import XLA_CACHE
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "profile.py"), "--batch", "2", "--prompt-len", "16",
+           "--decode-steps", "2", "--dtype", "float32", "--copy-mib", "16", "--out", str(tmp_path / "prof"),
+           "--compilation-cache-dir", XLA_CACHE]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "QWEN35_RUNS_DIR": str(runs)},
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "roofline ratio" in r.stdout
+    files = sorted(os.listdir(runs))
+    assert len(files) == 2 and files[1] == "history.md" and files[0].endswith(".json"), files
+    history = open(runs / "history.md").read()
+    assert history.count("\n## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
+    assert "- command: `python bench/profile.py --batch 2 --prompt-len 16" in history

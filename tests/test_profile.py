@@ -1,6 +1,7 @@
 """Profiler workflows: trace parsing (HLO -> named scopes), start/stop state checks, and the profile command on the
 tiny model, whose table must give every layer's scopes non-zero device time."""
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -339,14 +340,27 @@ def test_profile_steps_and_roofline(report):
 
 
 def test_record_results(report, tmp_path, monkeypatch):
-    from bench import results
-    monkeypatch.setattr(results, "RESULTS", str(tmp_path / "RESULTS.md"))
-    qp.record_results(report, "python -m qwen35_jax.profile --batch 2")
-    qp.record_results(report, "python -m qwen35_jax.profile --batch 2")     # same title: replaced, not repeated
-    text = open(tmp_path / "RESULTS.md").read()
+    """bench/profile.py records the table through bench/results.py: a JSON file per run under the runs directory
+    ($QWEN35_RUNS_DIR, here a temporary one) and a section appended to its history.md."""
+    import json
+
+    from bench import profile as bp
+    monkeypatch.setenv("QWEN35_RUNS_DIR", str(tmp_path))
+    first = bp.record(report, "python bench/profile.py --batch 2")
+    again = bp.record(report, "python bench/profile.py --batch 2")     # same title, same process: replaced
+    assert first == again and os.path.dirname(first) == str(tmp_path)
+    text = open(tmp_path / "history.md").read()
     assert text.count("## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
-    assert "- command: `python -m qwen35_jax.profile --batch 2`" in text and "- machine: " in text
+    assert "- command: `python bench/profile.py --batch 2`" in text and "- machine: " in text
     assert "roofline ratio" in text and "- commit: " in text
+    run = json.load(open(first))
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_profile-tiny-qwen3-5-batch-2-prompt-16-[a-z0-9-]*\.json",
+                        os.path.basename(first))
+    assert run["title"].startswith("Profile: tiny-qwen3.5") and run["command"] == "python bench/profile.py --batch 2"
+    assert run["fields"]["roofline_ratio"] == pytest.approx(report.roofline_ratio)
+    assert "roofline ratio" in run["body"] and {"commit", "machine", "date"} <= set(run)
+    with pytest.raises(SystemExit):                      # the product's command line records nothing itself
+        qp.main(["--append-results"])
 
 
 def test_summarize_engine_trace(tmp_path):
