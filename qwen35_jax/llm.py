@@ -62,13 +62,15 @@ class LLM:
 
     model: a HF model directory (config.json, safetensors, tokenizer). dtype: "bfloat16" or "float32".
     converted_weights_dir: where the re-laid-out, sharded weights are saved with orbax after the first load and
-    restored from on the next start. Other keyword arguments are EngineArgs (max_num_batched_tokens,
-    decode_steps, page_size, num_kv_pages, compilation_cache_dir, ...).
+    restored from on the next start. observer: the engine's metrics hooks (engine.Observer). Other keyword
+    arguments are EngineArgs (max_num_batched_tokens, decode_steps, page_size, num_kv_pages, compilation_cache_dir,
+    ...).
     """
 
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype="bfloat16", max_model_len: int | None = None,
                  max_num_seqs: int = 16, kernel_backend: str | None = None, skip_tokenizer_init: bool = False,
-                 converted_weights_dir: str | None = None, devices=None, seed: int = 0, **engine_args):
+                 converted_weights_dir: str | None = None, devices=None, seed: int = 0, observer=None,
+                 **engine_args):
         from qwen35_jax.config import load_config
         from qwen35_jax.sharding import make_mesh
         args = EngineArgs(tensor_parallel_size=tensor_parallel_size, dtype=dtype, max_model_len=max_model_len,
@@ -80,7 +82,8 @@ class LLM:
         Layout.build(cfg, tensor_parallel_size)                 # head counts tp cannot split fail before loading
         self.tokenizer = None if skip_tokenizer_init else Tokenizer(model)
         weights = load_model_weights(model, cfg, mesh, resolve_dtype(dtype), converted_weights_dir)
-        self.engine = Engine(model, args, tokenizer=self.tokenizer, weights=weights, devices=devices)
+        self.engine = Engine(model, args, tokenizer=self.tokenizer, weights=weights, devices=devices,
+                             observer=observer)
         self.engine.eos_token_ids = eos_token_ids(model, cfg, self.tokenizer)
         self.cfg, self.mesh, self.weights = cfg, self.engine.mesh, weights
         self._runner = None

@@ -93,8 +93,9 @@ def engine_kwargs(args) -> dict:
     return {k: v for k, v in kw.items() if v is not None}      # unset: EngineArgs' default
 
 
-def build_engine(args):
-    """The engine the CLI describes (also used in-process by bench/serving.py, for the same workload)."""
+def build_engine(args, observer=None):
+    """The engine the CLI describes (also used in-process by bench/serving.py, for the same workload); observer:
+    its metrics hooks."""
     from qwen35_jax.tools.make_tiny_model import default_model_dir
     model = args.model or default_model_dir()
     kw = engine_kwargs(args)
@@ -102,7 +103,7 @@ def build_engine(args):
         from qwen35_jax.llm import LLM
         tp, dtype = kw.pop("tensor_parallel_size"), kw.pop("dtype")
         llm = LLM(model, tensor_parallel_size=tp, dtype=dtype, skip_tokenizer_init=args.skip_tokenizer_init,
-                  converted_weights_dir=args.converted_weights_dir, **kw)
+                  converted_weights_dir=args.converted_weights_dir, observer=observer, **kw)
         return llm.engine
     from qwen35_jax.config import load_config
     from qwen35_jax.engine import Engine, EngineArgs
@@ -118,7 +119,7 @@ def build_engine(args):
                          f"tokenizer in {model} knows {tokenizer.vocab_size}; pass --skip-tokenizer-init")
     mesh = make_mesh(kw["tensor_parallel_size"], None, kw["data_parallel_size"])
     weights = random_weights(cfg, mesh, resolve_dtype(kw["dtype"]), seed=args.seed)
-    engine = Engine(model, EngineArgs(**kw), tokenizer=tokenizer, weights=weights)
+    engine = Engine(model, EngineArgs(**kw), tokenizer=tokenizer, weights=weights, observer=observer)
     engine.eos_token_ids = eos_token_ids(model, cfg, tokenizer)
     return engine
 
@@ -147,7 +148,9 @@ def main(argv=None):
                 return 3
             return 0
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
+    from qwen35_jax.metrics import PrometheusObserver
     from qwen35_jax.server_app import ServerConfig, create_app
     from qwen35_jax.server_protocol import load_generation_defaults
     from qwen35_jax.tools.make_tiny_model import cache_root, default_model_dir
@@ -156,16 +159,18 @@ def main(argv=None):
     if args.profiler_port is not None:
         from qwen35_jax.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
-    engine = build_engine(args)
     model = args.model or default_model_dir()
+    served_model_names = args.served_model_name or [model]
+    registry = CollectorRegistry()
+    engine = build_engine(args, observer=PrometheusObserver(registry, served_model_names[0]))
     defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
     if defaults:
         log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
-    config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
+    config = ServerConfig(served_model_names=served_model_names, model_path=model,
                           api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
                           generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
                           profile_dir=args.profile_dir or os.path.join(cache_root(), "profiles"))
-    app = create_app(engine, config)
+    app = create_app(engine, config, registry)
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
