@@ -25,7 +25,6 @@ def child(args):
     sys.path.insert(0, args.root)
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from bench.ab_decode import decode_call
     from qwen35_jax import engine as engine_module

@@ -3,6 +3,9 @@
 Latency histograms are fed by the engine's Observer hooks, which run on the engine thread once per token: they only
 observe a number. Gauges and token counters are read from the scheduler and EngineStats when /metrics is scraped,
 so they cost nothing while serving. Request counts are per sequence (a request with n = 2 counts twice).
+
+The two halves are made at different times: the observer before the engine (the engine takes it in its
+constructor), the scrape-time collector once the engine exists (`register_engine_metrics`), both on one registry.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 
 
 class PrometheusObserver(Observer):
-    def __init__(self, engine: Engine, registry: CollectorRegistry, model_name: str):
+    """Latency histograms and the finish-reason counter, recorded into `registry` by the engine's hooks."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
         def hist(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(f"qwen35:{name}", doc, ["model_name"], buckets=buckets,
                              registry=registry).labels(model_name)
@@ -35,7 +40,6 @@ class PrometheusObserver(Observer):
                                  "(stop, length, abort, error).", ["model_name", "finished_reason"], registry=registry)
         self._model_name = model_name
         self._by_reason = {}
-        registry.register(_EngineCollector(engine, model_name))
 
     def on_first_token(self, req):
         self.ttft.observe(req.first_token_time - req.arrival_time)
@@ -55,6 +59,12 @@ class PrometheusObserver(Observer):
         if child is None:
             child = self._by_reason[reason] = self._finished.labels(self._model_name, reason)
         child.inc()
+
+
+def register_engine_metrics(registry: CollectorRegistry, engine: Engine, model_name: str):
+    """Export the engine's scheduler gauges and token counters from `registry` (read at scrape time); once per
+    registry."""
+    registry.register(_EngineCollector(engine, model_name))
 
 
 class _EngineCollector:

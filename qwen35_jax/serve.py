@@ -127,7 +127,9 @@ def main(argv=None):
                 return 3
             return 0
     import uvicorn
+    from prometheus_client import CollectorRegistry
 
+    from qwen35_jax.metrics import PrometheusObserver
     from qwen35_jax.server_app import ServerConfig, create_app
     from qwen35_jax.server_protocol import load_generation_defaults
 
@@ -136,15 +138,17 @@ def main(argv=None):
         from qwen35_jax.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
     model = args.model or default_model_dir()
-    engine = build_engine(model, engine_args(args))
+    served_model_names = args.served_model_name or [model]
+    registry = CollectorRegistry()
+    engine = build_engine(model, engine_args(args), observer=PrometheusObserver(registry, served_model_names[0]))
     defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
     if defaults:
         log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
-    config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
+    config = ServerConfig(served_model_names=served_model_names, model_path=model,
                           api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
                           generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
                           profile_dir=args.profile_dir or os.path.join(env.cache_root(), "profiles"))
-    app = create_app(engine, config)
+    app = create_app(engine, config, registry)
     engine.start()
     host, port = sock.getsockname()[:2]
     print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"

@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API over one Engine: /v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics.
+/metrics, /start_profile, /stop_profile.
 
-Request bodies are read and checked here (size limit, JSON, schema in server_protocol, context length) before
-anything reaches the engine, so bad input is a 4xx and costs the engine nothing. Responses are built as plain dicts
-(cheaper than pydantic per streamed chunk). A client that goes away aborts its engine requests: streaming through
-Starlette's disconnect listener (the response task is cancelled), non-streaming through a watcher on the ASGI
-receive channel.
+`create_app` builds the FastAPI app: it puts the engine, the ServerConfig and what is derived from them once
+(tokenizer, think ids, chat-template variables, metrics registry) on `app.state`, includes the module-level routes
+and registers the exception handlers. Routes read that state from `request.app.state`.
+
+Request bodies are read and checked here (API key, size limit, JSON, schema in server_protocol, context length)
+before anything reaches the engine, so bad input is a 4xx and costs the engine nothing. Responses are built as plain
+dicts (cheaper than pydantic per streamed chunk). A client that goes away aborts its engine requests: streaming
+through Starlette's disconnect listener (the response task is cancelled), non-streaming through a watcher on the
+ASGI receive channel.
 """
 from __future__ import annotations
 
@@ -16,14 +20,16 @@ import json
 import logging
 import math
 import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen35_jax.metrics import PrometheusObserver
+from qwen35_jax.metrics import register_engine_metrics
 from qwen35_jax.outputs import CompletionOutput
 from qwen35_jax.server_generation import Generation, ReasoningSplitter, think_token_ids
 from qwen35_jax.server_protocol import (MAX_SEQUENCES_PER_REQUEST, APIError, ChatCompletionRequest,
@@ -49,385 +55,429 @@ class _ClientGone(Exception):
     pass
 
 
-def create_app(engine, config: ServerConfig) -> FastAPI:
+def create_app(engine, config: ServerConfig, registry: CollectorRegistry) -> FastAPI:
+    """The app serving `engine`. `registry` is the one the engine's PrometheusObserver records into; the engine's
+    scrape-time gauges and counters are added to it here, and /metrics exports it."""
     app = FastAPI(title="qwen35_jax", docs_url=None, redoc_url=None, openapi_url=None)
-    registry = CollectorRegistry()
     model_name = config.served_model_names[0]
-    engine.observer = PrometheusObserver(engine, registry, model_name)
+    register_engine_metrics(registry, engine, model_name)
     tokenizer = engine.tokenizer
-    think_ids = think_token_ids(tokenizer) if tokenizer is not None and config.reasoning_parser else None
-    created_at = int(time.time())
-    template_vars = _template_variables(tokenizer)
-
-    # -- errors ----------------------------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
-
-    @app.exception_handler(_ClientGone)
-    async def _gone(request, e):
-        return Response(status_code=499)           # nobody reads it: the client closed the connection
-
-    @app.exception_handler(Exception)
-    async def _internal(request, e: Exception):
-        log.exception("unhandled error serving %s", request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "internal_error").body(),
-                            status_code=500)
-
-    # -- helpers ---------------------------------------------------------------------------------------------------
-    def check_auth(request: Request):
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                           "authentication_error", code="invalid_api_key")
-
-    async def read_json(request: Request) -> dict:
-        limit = config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large") \
-                if length.isdigit() else bad_request("invalid Content-Length header")
-        body = bytearray()
-        try:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        except ClientDisconnect:
-            raise _ClientGone() from None
-        try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise bad_request("request body must be a JSON object", code="invalid_json")
-        return obj
-
-    def check_model(name: str | None):
-        if name is not None and name not in config.served_model_names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{config.served_model_names}", "not_found_error", "model", "model_not_found")
-
-    def check_engine():
-        if not engine.healthy:
-            raise APIError(503, "the engine is not running", "service_unavailable", code="engine_dead")
-
-    def check_length(n_prompt: int, max_tokens: int | None, param: str):
-        limit = engine.max_model_len
-        if max_tokens is None and n_prompt >= limit or max_tokens is not None and n_prompt + max_tokens > limit:
-            asked = f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion)" \
-                if max_tokens is not None else f"{n_prompt} tokens in the prompt, leaving none to generate"
-            raise bad_request(f"this model's maximum context length is {limit} tokens, but you requested {asked}; "
-                              f"shorten the prompt or max_tokens", param=param, code="context_length_exceeded")
-
-    def submit(items, params, prefix, param) -> Generation:
-        try:
-            return Generation(engine, items, params, prefix)
-        except ValueError as e:          # token ids outside the vocabulary, more KV pages than the pool holds
-            raise bad_request(str(e), param=param) from None
-        except RuntimeError as e:
-            raise APIError(503, f"the engine is not running: {e}", "service_unavailable",
-                           code="engine_dead") from None
-
-    async def collect(request: Request, gen: Generation):
-        """Wait for every output, aborting the engine requests if the client disconnects first."""
-        async def consume():
-            async for _ in gen.updates():
-                pass
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not consumer.done():
-                consumer.cancel()
-            gen.abort()
-        if consumer.cancelled() or not consumer.done():
-            raise _ClientGone()
-        consumer.result()
-        for out in gen.seen:
-            if any(c.finish_reason == "error" for c in out.outputs):
-                raise APIError(500, "the engine failed while generating", "internal_error", code="engine_error")
-        return gen.seen
-
-    def token_text(lp, token_id: int) -> str:
-        return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
-
-    def top_entries(entry: dict, k: int):
-        return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)[:k]
-
-    def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
-        content = []
-        for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            lp = entry[tok]
-            text = token_text(lp, tok)
-            content.append({"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": (s := token_text(e, t)), "logprob": _finite(e.logprob),
-                                              "bytes": list(s.encode())} for t, e in top_entries(entry, k)]})
-        return {"content": content}
-
-    def completion_logprobs(c: CompletionOutput, start: int, k: int, offset: int) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-            text = token_text(entry[tok], tok)
-            tokens.append(text)
-            values.append(_finite(entry[tok].logprob))
-            tops.append({token_text(e, t): _finite(e.logprob) for t, e in [(tok, entry[tok])] + top_entries(entry, k)})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-    def usage(gen: Generation, prompt_lens: list[int]) -> dict:
-        done = sum(len(c.token_ids) for out in gen.seen if out is not None for c in out.outputs)
-        return {"prompt_tokens": sum(prompt_lens), "completion_tokens": done,
-                "total_tokens": sum(prompt_lens) + done}
-
-    def event(obj) -> str:
-        return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-    def error_event(message: str) -> str:
-        return event(APIError(500, message, "internal_error", code="engine_error").body())
-
-    # -- routes ----------------------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        if not engine.healthy:
-            return JSONResponse(APIError(503, f"engine loop is not running: {engine.error!r}", "service_unavailable",
-                                         code="engine_dead").body(), status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/start_profile")
-    async def start_profile(request: Request):
-        """Start an XLA profiler trace of whatever the engine runs next (as vLLM's endpoint)."""
-        from qwen35_jax import profile
-        check_auth(request)
-        try:
-            out = profile.start_profile(config.profile_dir)
-        except profile.ProfilerStateError as e:
-            raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
-        return {"status": "started", "trace_dir": out}
-
-    @app.post("/stop_profile")
-    async def stop_profile(request: Request):
-        """Stop the trace; returns the session directory and device ms per block (embed, gdn, attention, ...)."""
-        from qwen35_jax import profile
-        check_auth(request)
-        try:
-            session = await asyncio.to_thread(profile.stop_profile)
-        except profile.ProfilerStateError as e:
-            raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
-        hlo = [exe.as_text() for exe in list(engine.executor.compiled.values())]
-        blocks = await asyncio.to_thread(profile.summarize, session, hlo)
-        return {"status": "stopped", "session_dir": session, "device_ms_by_block": blocks}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_auth(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created_at, "owned_by": "qwen35_jax",
-             "root": config.model_path, "max_model_len": engine.max_model_len} for name in config.served_model_names]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        check_auth(request)
-        req = parse(CompletionRequest, await read_json(request))
-        check_model(req.model)
-        check_engine()
-        items = []
-        for p in prompts(req.prompt):
-            if isinstance(p, str):
-                if tokenizer is None:
-                    raise bad_request("text prompts need a tokenizer (the server runs with --skip-tokenizer-init); "
-                                      "send token ids", param="prompt")
-                ids = tokenizer.encode(p)
-                if not ids:
-                    raise bad_request("prompt is empty", param="prompt")
-                items.append({"prompt": p, "prompt_token_ids": ids})
-            else:
-                items.append({"prompt": None, "prompt_token_ids": p})
-            check_length(len(items[-1]["prompt_token_ids"]), req.max_tokens, "prompt")
-        if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
-            raise bad_request(f"{len(items)} prompts × n={req.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences",
-                              param="n")
-        params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 defaults=config.generation_defaults)
-        gen = submit(items, params, "cmpl", "prompt")
-        prompt_lens = [len(it["prompt_token_ids"]) for it in items]
-        head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
-                "model": req.model or model_name}
-        k = req.logprobs
-
-        def choice_index(i, c):
-            return i * req.n + c.index
-
-        if not req.stream:
-            outs = await collect(request, gen)
-            choices = []
-            for i, out in enumerate(outs):
-                for c in out.outputs:
-                    choice = {"index": choice_index(i, c), "text": c.text,
-                              "logprobs": completion_logprobs(c, 0, k, 0) if k is not None else None,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    if req.return_token_ids:
-                        choice |= {"prompt_token_ids": items[i]["prompt_token_ids"],
-                                   "token_ids": c.token_ids}
-                    choices.append(choice)
-            return JSONResponse({**head, "choices": choices, "usage": usage(gen, prompt_lens)})
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def stream():
-            sent = {}       # (prompt index, choice index) -> [chars sent, tokens sent, finished]
-            async for changed in gen.updates():
-                buf = []
-                for i, out in changed:
-                    for c in out.outputs:
-                        st = sent.setdefault((i, c.index), [0, 0, False])
-                        if st[2]:
-                            continue
-                        if c.finish_reason == "error":
-                            buf.append(error_event("the engine failed while generating"))
-                            st[2] = True
-                            continue
-                        if len(c.token_ids) == st[1] and len(c.text) == st[0] and c.finish_reason is None:
-                            continue
-                        choice = {"index": choice_index(i, c), "text": c.text[st[0]:],
-                                  "logprobs": completion_logprobs(c, st[1], k, st[0]) if k is not None else None,
-                                  "finish_reason": c.finish_reason}
-                        if c.finish_reason is not None:
-                            choice["stop_reason"] = c.stop_reason
-                        if req.return_token_ids:
-                            choice["token_ids"] = c.token_ids[st[1]:]
-                        st[0], st[1], st[2] = len(c.text), len(c.token_ids), c.finish_reason is not None
-                        buf.append(event({**head, "choices": [choice]} | ({"usage": None} if include_usage else {})))
-                if buf:
-                    yield "".join(buf)
-            if include_usage:
-                yield event({**head, "choices": [], "usage": usage(gen, prompt_lens)})
-            yield "data: [DONE]\n\n"
-
-        return _EventStream(stream(), gen)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        check_auth(request)
-        req = parse(ChatCompletionRequest, await read_json(request))
-        check_model(req.model)
-        check_engine()
-        if tokenizer is None:
-            raise bad_request("chat needs a tokenizer (the server runs with --skip-tokenizer-init)")
-        messages = chat_messages(req.messages)
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
-            if not 0 <= req.top_logprobs <= 20:
-                raise bad_request(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
-        if req.max_tokens is not None and req.max_completion_tokens is not None \
-                and req.max_tokens != req.max_completion_tokens:
-            raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        template_kwargs = req.chat_template_kwargs or {}
-        for key in template_kwargs:
-            if key in RESERVED_TEMPLATE_KWARGS or (template_vars is not None and key not in template_vars):
-                raise bad_request(f"chat_template_kwargs.{key}: not a variable this model's chat template reads"
-                                  + (f" (it reads {sorted(template_vars - RESERVED_TEMPLATE_KWARGS)})"
-                                     if template_vars is not None else ""), param=f"chat_template_kwargs.{key}")
-        try:
-            text = tokenizer.apply_chat_template(messages, **template_kwargs)
-        except Exception as e:      # jinja errors (raise_exception in a template), clashing keyword arguments
-            raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
-        ids = tokenizer.encode(text)
-        check_length(len(ids), max_tokens, "messages")
-        params = sampling_params(req, max_tokens=max_tokens,
-                                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                 defaults=config.generation_defaults)
-        gen = submit([{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
-        head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
-                "model": req.model or model_name}
-        k = req.top_logprobs or 0
-        splitters = [ReasoningSplitter(tokenizer, think_ids, ids, params.skip_special_tokens) for _ in range(req.n)]
-
-        if not req.stream:
-            out = (await collect(request, gen))[0]
-            choices = []
-            for c in out.outputs:
-                reasoning, content = splitters[c.index].split(c.text, c.token_ids)
-                choice = {"index": c.index,
-                          "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
-                          "logprobs": chat_logprobs(c, 0, k) if req.logprobs else None,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if req.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                choices.append(choice)
-            body = {**head, "choices": choices, "usage": usage(gen, [len(ids)])}
-            if req.return_token_ids:
-                body["prompt_token_ids"] = ids
-            return JSONResponse(body)
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        head["object"] = "chat.completion.chunk"
-        extra = {"usage": None} if include_usage else {}
-
-        async def stream():
-            yield "".join(event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                      "logprobs": None, "finish_reason": None}]} | extra)
-                          for i in range(req.n))
-            sent = [[0, 0, 0, False] for _ in range(req.n)]    # reasoning chars, content chars, tokens, finished
-            async for changed in gen.updates():
-                buf = []
-                for c in changed[0][1].outputs:
-                    st = sent[c.index]
-                    if st[3]:
-                        continue
-                    if c.finish_reason == "error":
-                        buf.append(error_event("the engine failed while generating"))
-                        st[3] = True
-                        continue
-                    reasoning, content = splitters[c.index].split(c.text, c.token_ids)
-                    delta = {}
-                    if reasoning is not None and len(reasoning) > st[0]:
-                        delta["reasoning_content"] = reasoning[st[0]:]
-                        st[0] = len(reasoning)
-                    if len(content) > st[1]:
-                        delta["content"] = content[st[1]:]
-                        st[1] = len(content)
-                    if not delta and len(c.token_ids) == st[2] and c.finish_reason is None:
-                        continue
-                    choice = {"index": c.index, "delta": delta or {"content": ""},
-                              "logprobs": chat_logprobs(c, st[2], k) if req.logprobs else None,
-                              "finish_reason": c.finish_reason}
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    if req.return_token_ids:
-                        choice["token_ids"] = c.token_ids[st[2]:]
-                    st[2], st[3] = len(c.token_ids), c.finish_reason is not None
-                    buf.append(event({**head, "choices": [choice]} | extra))
-                if buf:
-                    yield "".join(buf)
-            if include_usage:
-                yield event({**head, "choices": [], "usage": usage(gen, [len(ids)])})
-            yield "data: [DONE]\n\n"
-
-        return _EventStream(stream(), gen)
-
+    state = app.state
+    state.engine, state.config, state.registry, state.model_name = engine, config, registry, model_name
+    state.tokenizer = tokenizer
+    state.think_ids = think_token_ids(tokenizer) if tokenizer is not None and config.reasoning_parser else None
+    state.template_vars = _template_variables(tokenizer)
+    state.created_at = int(time.time())
+    app.include_router(public)
+    app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(_ClientGone, _client_gone)
+    app.add_exception_handler(Exception, _internal_error)
     return app
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+async def _api_error(request: Request, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+
+async def _client_gone(request: Request, e: _ClientGone):
+    return Response(status_code=499)           # nobody reads it: the client closed the connection
+
+
+async def _internal_error(request: Request, e: Exception):
+    log.exception("unhandled error serving %s", request.url.path)
+    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", "internal_error").body(),
+                        status_code=500)
+
+
+# -- request dependencies: API key, then the body (size limit, JSON object) ----------------------------------------
+async def require_api_key(request: Request):      # async: FastAPI would run a plain def in a thread
+    key = request.app.state.config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                       "authentication_error", code="invalid_api_key")
+
+
+async def json_body(request: Request) -> dict:
+    limit = request.app.state.config.max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large") \
+            if length.isdigit() else bad_request("invalid Content-Length header")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    except ClientDisconnect:
+        raise _ClientGone() from None
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return obj
+
+
+JSONBody = Annotated[dict, Depends(json_body)]
+
+# /health and /metrics are open; every other route needs the API key (when the server has one).
+public = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+# -- checks --------------------------------------------------------------------------------------------------------
+def check_model(config: ServerConfig, name: str | None):
+    if name is not None and name not in config.served_model_names:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{config.served_model_names}", "not_found_error", "model", "model_not_found")
+
+
+def check_engine(engine):
+    if not engine.healthy:
+        raise APIError(503, "the engine is not running", "service_unavailable", code="engine_dead")
+
+
+def check_length(engine, n_prompt: int, max_tokens: int | None, param: str):
+    limit = engine.max_model_len
+    if max_tokens is None and n_prompt >= limit or max_tokens is not None and n_prompt + max_tokens > limit:
+        asked = f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the completion)" \
+            if max_tokens is not None else f"{n_prompt} tokens in the prompt, leaving none to generate"
+        raise bad_request(f"this model's maximum context length is {limit} tokens, but you requested {asked}; "
+                          f"shorten the prompt or max_tokens", param=param, code="context_length_exceeded")
+
+
+def submit(engine, items, params, prefix, param) -> Generation:
+    try:
+        return Generation(engine, items, params, prefix)
+    except ValueError as e:          # token ids outside the vocabulary, more KV pages than the pool holds
+        raise bad_request(str(e), param=param) from None
+    except RuntimeError as e:
+        raise APIError(503, f"the engine is not running: {e}", "service_unavailable",
+                       code="engine_dead") from None
+
+
+# -- responses, shared by both APIs --------------------------------------------------------------------------------
+async def collect(request: Request, gen: Generation):
+    """Wait for every output, aborting the engine requests if the client disconnects first."""
+    async def consume():
+        async for _ in gen.updates():
+            pass
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        gen.abort()
+    if consumer.cancelled() or not consumer.done():
+        raise _ClientGone()
+    consumer.result()
+    for out in gen.seen:
+        if any(c.finish_reason == "error" for c in out.outputs):
+            raise APIError(500, "the engine failed while generating", "internal_error", code="engine_error")
+    return gen.seen
+
+
+async def complete(request: Request, gen: Generation, head: dict, prompt_lens: list[int],
+                   choice: Callable[[int, CompletionOutput], dict]) -> dict:
+    """The non-streaming body: `choice(prompt index, sequence)` per finished sequence, then the usage."""
+    outs = await collect(request, gen)
+    choices = [choice(i, c) for i, out in enumerate(outs) for c in out.outputs]
+    return {**head, "choices": choices, "usage": usage(gen, prompt_lens)}
+
+
+async def stream_events(gen: Generation, head: dict, prompt_lens: list[int], include_usage: bool,
+                        return_token_ids: bool, chunk: Callable[[int, CompletionOutput, int], dict | None],
+                        opening: list[dict] = ()) -> AsyncIterator[str]:
+    """The server-sent events of a streaming request: the `opening` choices, then per engine update one chunk per
+    sequence that moved, an error event for one that failed, then the usage chunk (if asked) and [DONE].
+
+    `chunk(prompt index, sequence, tokens already sent)` gives the API's leading choice fields (index, text or
+    delta, logprobs), or None when the sequence has nothing new; finish_reason, stop_reason and token_ids are
+    added here."""
+    extra = {"usage": None} if include_usage else {}
+    if opening:
+        yield "".join(event({**head, "choices": [c]} | extra) for c in opening)
+    sent, done = {}, set()      # (prompt index, choice index) -> tokens sent; the finished ones
+    async for changed in gen.updates():
+        buf = []
+        for i, out in changed:
+            for c in out.outputs:
+                key = (i, c.index)
+                if key in done:
+                    continue
+                if c.finish_reason == "error":
+                    buf.append(error_event("the engine failed while generating"))
+                    done.add(key)
+                    continue
+                start = sent.get(key, 0)
+                choice = chunk(i, c, start)
+                if choice is None:
+                    continue
+                choice["finish_reason"] = c.finish_reason
+                if c.finish_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                    done.add(key)
+                if return_token_ids:
+                    choice["token_ids"] = c.token_ids[start:]
+                sent[key] = len(c.token_ids)
+                buf.append(event({**head, "choices": [choice]} | extra))
+        if buf:
+            yield "".join(buf)
+    if include_usage:
+        yield event({**head, "choices": [], "usage": usage(gen, prompt_lens)})
+    yield "data: [DONE]\n\n"
+
+
+def token_text(lp, token_id: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def top_entries(entry: dict, k: int):
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda x: x[1].rank)[:k]
+
+
+def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
+    content = []
+    for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        lp = entry[tok]
+        text = token_text(lp, tok)
+        content.append({"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": (s := token_text(e, t)), "logprob": _finite(e.logprob),
+                                          "bytes": list(s.encode())} for t, e in top_entries(entry, k)]})
+    return {"content": content}
+
+
+def completion_logprobs(c: CompletionOutput, start: int, k: int, offset: int) -> dict:
+    tokens, values, tops, offsets = [], [], [], []
+    for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
+        text = token_text(entry[tok], tok)
+        tokens.append(text)
+        values.append(_finite(entry[tok].logprob))
+        tops.append({token_text(e, t): _finite(e.logprob) for t, e in [(tok, entry[tok])] + top_entries(entry, k)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(gen: Generation, prompt_lens: list[int]) -> dict:
+    done = sum(len(c.token_ids) for out in gen.seen if out is not None for c in out.outputs)
+    return {"prompt_tokens": sum(prompt_lens), "completion_tokens": done,
+            "total_tokens": sum(prompt_lens) + done}
+
+
+def event(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def error_event(message: str) -> str:
+    return event(APIError(500, message, "internal_error", code="engine_error").body())
+
+
+# -- routes --------------------------------------------------------------------------------------------------------
+@public.get("/health")
+async def health(request: Request):
+    engine = request.app.state.engine
+    if not engine.healthy:
+        return JSONResponse(APIError(503, f"engine loop is not running: {engine.error!r}", "service_unavailable",
+                                     code="engine_dead").body(), status_code=503)
+    return {"status": "ok"}
+
+
+@public.get("/metrics")
+async def metrics(request: Request):
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request):
+    """Start an XLA profiler trace of whatever the engine runs next (as vLLM's endpoint)."""
+    from qwen35_jax import profile
+    try:
+        out = profile.start_profile(request.app.state.config.profile_dir)
+    except profile.ProfilerStateError as e:
+        raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
+    return {"status": "started", "trace_dir": out}
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request):
+    """Stop the trace; returns the session directory and device ms per block (embed, gdn, attention, ...)."""
+    from qwen35_jax import profile
+    try:
+        session = await asyncio.to_thread(profile.stop_profile)
+    except profile.ProfilerStateError as e:
+        raise APIError(409, str(e), "invalid_request_error", code="profiler_state")
+    hlo = [exe.as_text() for exe in list(request.app.state.engine.executor.compiled.values())]
+    blocks = await asyncio.to_thread(profile.summarize, session, hlo)
+    return {"status": "stopped", "session_dir": session, "device_ms_by_block": blocks}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = request.app.state
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created_at, "owned_by": "qwen35_jax",
+         "root": state.config.model_path, "max_model_len": state.engine.max_model_len}
+        for name in state.config.served_model_names]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: JSONBody):
+    state = request.app.state
+    engine, config, tokenizer = state.engine, state.config, state.tokenizer
+    req = parse(CompletionRequest, body)
+    check_model(config, req.model)
+    check_engine(engine)
+    items = []
+    for p in prompts(req.prompt):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise bad_request("text prompts need a tokenizer (the server runs with --skip-tokenizer-init); "
+                                  "send token ids", param="prompt")
+            ids = tokenizer.encode(p)
+            if not ids:
+                raise bad_request("prompt is empty", param="prompt")
+            items.append({"prompt": p, "prompt_token_ids": ids})
+        else:
+            items.append({"prompt": None, "prompt_token_ids": p})
+        check_length(engine, len(items[-1]["prompt_token_ids"]), req.max_tokens, "prompt")
+    if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
+        raise bad_request(f"{len(items)} prompts × n={req.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences",
+                          param="n")
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                             defaults=config.generation_defaults)
+    gen = submit(engine, items, params, "cmpl", "prompt")
+    prompt_lens = [len(it["prompt_token_ids"]) for it in items]
+    head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
+            "model": req.model or state.model_name}
+    k = req.logprobs
+
+    if not req.stream:
+        def choice(i: int, c: CompletionOutput) -> dict:
+            out = {"index": i * req.n + c.index, "text": c.text,
+                   "logprobs": completion_logprobs(c, 0, k, 0) if k is not None else None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                out |= {"prompt_token_ids": items[i]["prompt_token_ids"], "token_ids": c.token_ids}
+            return out
+
+        return JSONResponse(await complete(request, gen, head, prompt_lens, choice))
+
+    chars = {}      # (prompt index, choice index) -> text characters sent
+
+    def chunk(i: int, c: CompletionOutput, start: int) -> dict | None:
+        sent = chars.get((i, c.index), 0)
+        if len(c.token_ids) == start and len(c.text) == sent and c.finish_reason is None:
+            return None
+        chars[(i, c.index)] = len(c.text)
+        return {"index": i * req.n + c.index, "text": c.text[sent:],
+                "logprobs": completion_logprobs(c, start, k, sent) if k is not None else None}
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return _EventStream(stream_events(gen, head, prompt_lens, include_usage, req.return_token_ids, chunk), gen)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: JSONBody):
+    state = request.app.state
+    engine, config, tokenizer, template_vars = state.engine, state.config, state.tokenizer, state.template_vars
+    req = parse(ChatCompletionRequest, body)
+    check_model(config, req.model)
+    check_engine(engine)
+    if tokenizer is None:
+        raise bad_request("chat needs a tokenizer (the server runs with --skip-tokenizer-init)")
+    messages = chat_messages(req.messages)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= 20:
+            raise bad_request(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    template_kwargs = req.chat_template_kwargs or {}
+    for key in template_kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS or (template_vars is not None and key not in template_vars):
+            raise bad_request(f"chat_template_kwargs.{key}: not a variable this model's chat template reads"
+                              + (f" (it reads {sorted(template_vars - RESERVED_TEMPLATE_KWARGS)})"
+                                 if template_vars is not None else ""), param=f"chat_template_kwargs.{key}")
+    try:
+        text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    except Exception as e:      # jinja errors (raise_exception in a template), clashing keyword arguments
+        raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
+    ids = tokenizer.encode(text)
+    check_length(engine, len(ids), max_tokens, "messages")
+    params = sampling_params(req, max_tokens=max_tokens,
+                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                             defaults=config.generation_defaults)
+    gen = submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
+    head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
+            "model": req.model or state.model_name}
+    k = req.top_logprobs or 0
+    splitters = [ReasoningSplitter(tokenizer, state.think_ids, ids, params.skip_special_tokens)
+                 for _ in range(req.n)]
+
+    if not req.stream:
+        def choice(i: int, c: CompletionOutput) -> dict:
+            reasoning, content = splitters[c.index].split(c.text, c.token_ids)
+            out = {"index": c.index,
+                   "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+                   "logprobs": chat_logprobs(c, 0, k) if req.logprobs else None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                out["token_ids"] = c.token_ids
+            return out
+
+        body = await complete(request, gen, head, [len(ids)], choice)
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
+        return JSONResponse(body)
+
+    head["object"] = "chat.completion.chunk"
+    chars = [[0, 0] for _ in range(req.n)]      # reasoning, content characters sent
+
+    def chunk(i: int, c: CompletionOutput, start: int) -> dict | None:
+        st = chars[c.index]
+        reasoning, content = splitters[c.index].split(c.text, c.token_ids)
+        delta = {}
+        if reasoning is not None and len(reasoning) > st[0]:
+            delta["reasoning_content"] = reasoning[st[0]:]
+            st[0] = len(reasoning)
+        if len(content) > st[1]:
+            delta["content"] = content[st[1]:]
+            st[1] = len(content)
+        if not delta and len(c.token_ids) == start and c.finish_reason is None:
+            return None
+        return {"index": c.index, "delta": delta or {"content": ""},
+                "logprobs": chat_logprobs(c, start, k) if req.logprobs else None}
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for i in range(req.n)]
+    return _EventStream(stream_events(gen, head, [len(ids)], include_usage, req.return_token_ids, chunk, opening),
+                        gen)
 
 
 # Arguments apply_chat_template sets itself; a request may not pass them through chat_template_kwargs.

@@ -3,7 +3,6 @@ CUDA cross-lowering so a Triton-illegal shape fails here and not on the GPU; mod
 = reference's; and a decode step lowered for CUDA has no host synchronisation (no while / conditional)."""
 import dataclasses
 import functools
-import os
 import re
 
 import jax

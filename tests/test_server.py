@@ -403,12 +403,15 @@ def test_health_fails_when_engine_loop_dies(tiny_model_dir):
     """In-process app over a real engine whose loop has died (as Engine._run records it): /health and new
     requests answer 503, not 200 or 500."""
     from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
 
     from conftest import engine_args
     from qwen35_jax.llm import LLM
+    from qwen35_jax.metrics import PrometheusObserver
     from qwen35_jax.server_app import ServerConfig, create_app
-    llm = LLM(tiny_model_dir, **engine_args(precompile=False))
-    app = create_app(llm.engine, ServerConfig(served_model_names=[MODEL], model_path=tiny_model_dir))
+    registry = CollectorRegistry()
+    llm = LLM(tiny_model_dir, observer=PrometheusObserver(registry, MODEL), **engine_args(precompile=False))
+    app = create_app(llm.engine, ServerConfig(served_model_names=[MODEL], model_path=tiny_model_dir), registry)
     with TestClient(app) as c:
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
