@@ -3,9 +3,9 @@
 QWEN35_JAX_CACHE  where built models, the XLA compilation cache, serialized executables and profiles live
                   (default ~/.cache/qwen35_jax)
 QWEN35_API_KEY    the server's --api-key default
-QWEN35_COMMIT     the commit a profile report names when the tree has no git metadata (a copied checkout)
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID
                   JAX's own names for a multi-process job, the defaults of the serve flags of the same meaning
+XLA_FLAGS         XLA's own flags: they shape every compile of the process, so they key the cached executables
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import os
 class Environment:
     cache_root: str
     api_key: str | None
-    commit: str | None
     coordinator_address: str | None
     num_processes: int | None
     process_id: int | None
+    xla_flags: str
 
 
 def _int(name: str) -> int | None:
@@ -37,10 +37,10 @@ def read() -> Environment:
     return Environment(
         cache_root=os.environ.get("QWEN35_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qwen35_jax"),
         api_key=os.environ.get("QWEN35_API_KEY") or None,
-        commit=os.environ.get("QWEN35_COMMIT") or None,
         coordinator_address=os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
         num_processes=_int("JAX_NUM_PROCESSES"),
-        process_id=_int("JAX_PROCESS_ID"))
+        process_id=_int("JAX_PROCESS_ID"),
+        xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 def cache_root() -> str:

@@ -6,8 +6,8 @@ logprobs, "top" with them, "full" over the sorted vocabulary): at start-up every
 compiled (`jit(...).lower(...).compile()`, in parallel threads, persistent compilation cache on), the `Compiled`
 objects are kept and called directly, and serving never compiles. With a cache directory, the compiled executables
 are also serialized there (`ExecutableCache`), so a warm start loads them without tracing or lowering the model
-again (the persistent compilation cache keys on the lowered module, so it saves only XLA's compile: about 1 s of
-Python per 9B bucket remained, under the GIL). A decode executable runs `decode_steps` model
+again (the persistent compilation cache keys on the lowered module, so it saves only XLA's compile; tracing and
+lowering each bucket would remain, in Python under the GIL). A decode executable runs `decode_steps` model
 steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
 lives on the device, so the host can dispatch step i+1 before it has read step i's tokens.
 """
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from qwen35_jax import env
 from qwen35_jax.backends import KernelConfig
 from qwen35_jax.config import ModelConfig
 from qwen35_jax.model import Batch, Kernels, forward
@@ -214,7 +215,7 @@ class ExecutableCache:
         import jaxlib
         dev = jax.devices()[0]
         ident = (parts, source_digest(), jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
-                 dev.client.platform_version, os.environ.get("XLA_FLAGS", ""))
+                 dev.client.platform_version, env.read().xla_flags)
         return hashlib.sha256(repr(ident).encode()).hexdigest()
 
     def load(self, key: str, devices):
@@ -330,8 +331,7 @@ class Executor:
     def precompile(self, threads: int | None = None, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
-        argmax, larger buckets first): queued last, they made the sweep's tail (fdc0c83's 9B sweep, in key order:
-        21 decode executables done at 50 s, the last 16 took 77 s more)."""
+        argmax, larger buckets first): queued last, they would make the sweep's tail."""
         cost = lambda k: (1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()

@@ -65,6 +65,7 @@ import sys
 import threading
 import time
 
+from qwen35_jax import env
 from qwen35_jax import profile_trace as pt
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,7 +389,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
                f"{jnp.dtype(dt).name}, kernels {engine.kernel_config.backend}, "
                f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
                + "".join(f", {c}" for c in engine.kernel_config.changes().split())     # variants in force
-               + (f", XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else "")),
+               + (f", XLA_FLAGS={env.read().xla_flags}" if env.read().xla_flags else "")),
         device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
         layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
         dtype=jnp.dtype(dt).name,

@@ -32,8 +32,7 @@ not fit the group (e.g. a loop that ran more than once), the events keep the sco
 with the layer left open (`AMBIGUOUS_LAYER`), never a guess. Other H200 kernel names: the passes of one op
 (`sort_8_1__20`) and XLA's collective kernels, named after the computation their fusion runs
 (`psum_458_0_fusion_1`). XLA clones a loop body per call site with the first site's metadata, so a body's ops
-take the layer of the loop that runs them. Checked against 9B traces from the H200 at tp 1 and 2
-(bench/RESULTS.md: 0.01 ms per decode step left unattributed).
+take the layer of the loop that runs them. Checked against 9B traces from the H200 at tp 1 and 2.
 
 Time per event is its exclusive time on its line (an op's duration minus ops nested inside it on the same line);
 control-flow ops (`while`, `conditional`, `call`) are not counted since their bodies' ops are.

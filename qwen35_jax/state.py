@@ -2,7 +2,7 @@
 
 Slot 0 of the GDN pools and page 0 of the KV pool are null: padded rows read and write them, so a padded row
 never touches a live request. Layouts:
-- recurrent [slots+1, Hv, dv, dk] fp32, V-first: a decode row streams contiguous dk vectors (gdn-kernels.md §9);
+- recurrent [slots+1, Hv, dv, dk] fp32, V-first: a decode row streams contiguous dk vectors (docs/kernels.md);
 - conv      [slots+1, K-1, conv_dim] in the model dtype: the last K-1 pre-conv inputs, channels [q_r|k_r|v_r];
 - k/v pages [Hkv', num_pages, page_size, D] in the model dtype (the layout of JAX's GPU paged attention).
 Under tp the GDN state is sharded by value head / channel and the KV pages by KV head; nothing is all-reduced.
