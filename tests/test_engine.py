@@ -182,9 +182,9 @@ def test_warm_start_loads_serialized_executables(tmp_path):
     from qwen35_jax.executor import ExecutableCache
 
     def engine(kernel_config=KernelConfig()):
-        e = build_engine(fixture_dir(CASE), EngineArgs(tensor_parallel_size=2, kernel_config=kernel_config,
-                                                       **engine_args(
-            precompile=False, max_num_seqs=2, max_num_batched_tokens=32, max_prefill_rows=1)))      # 5 buckets
+        e = build_engine(fixture_dir(CASE), EngineArgs(
+            tensor_parallel_size=2, kernel_config=kernel_config, skip_tokenizer_init=True, **engine_args(
+                precompile=False, max_num_seqs=2, max_num_batched_tokens=32, max_prefill_rows=1)))      # 5 buckets
         e.executor.exe_cache = ExecutableCache(str(tmp_path))
         return e
 
