@@ -120,7 +120,8 @@ def main():
             runs[name].append(json.loads(line[7:]))
             print(f"round {r} {name}: {runs[name][-1]}", flush=True)
     rows = []
-    keys = [("decode", b) for b in args.batches.split(",") if b] + ([("prefill_us", None)] if args.prefill_tokens else [])
+    keys = [("decode", b) for b in args.batches.split(",") if b]
+    keys += [("prefill_us", None)] if args.prefill_tokens else []
     for kind, b in keys:
         get = (lambda run: run["decode"][b]) if kind == "decode" else (lambda run: run["prefill_us"])
         base, this = [get(x) for x in runs["base"]], [get(x) for x in runs["this"]]

@@ -218,9 +218,11 @@ def main():
 
     variants = engine.kernel_config.changes()
     body = (f"Model: `{args.config}` shapes, random bf16 weights ({weight_bytes / 1e9:.1f} GB), kernel_backend="
-            f"`{engine.kernel_config.backend}`{f' ({variants})' if variants else ''}, decode_steps={args.decode_steps}. Copy bandwidth measured in this run "
+            f"`{engine.kernel_config.backend}`{f' ({variants})' if variants else ''}, "
+            f"decode_steps={args.decode_steps}. Copy bandwidth measured in this run "
             f"(read + write): {bws['chained'] / 1e12:.2f} TB/s chained in one program, {bws['in place'] / 1e12:.2f} "
-            f"TB/s in place (donated, back to back); the floor takes the higher, {bw / 1e12:.2f} TB/s. Floor = (weights, an untied embedding table only for its looked-up "
+            f"TB/s in place (donated, back to back); the floor takes the higher, {bw / 1e12:.2f} TB/s. "
+            f"Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
             f"(`qwen35_jax.profile.decode_floor_bytes`). 'step ms': slope of wall time from bursts of {args.iters} to "
             f"{2 * args.iters} back-to-back dispatches (median of 3 each), the steady-state step; 'burst ms': one "

@@ -147,7 +147,8 @@ def run_config(path, tp, batches, prompt_len, max_num_seqs, record, precompile=T
             + (f"- compiled bucket sweep at tp={tp}: {n_exe} executables in {sweep:.1f} s\n" if precompile else
                f"- buckets compiled on first use (--no-precompile): {n_exe} executables\n") +
             f"- collectives per decode step (batch {coll_batch}, GPU 0 kernels in a profiler trace): {coll:.3f} ms of "
-            f"{total:.3f} ms device time ({100 * coll / max(total, 1e-9):.1f}%)\n\n" + results.table(table, list(table[0])))
+            f"{total:.3f} ms device time ({100 * coll / max(total, 1e-9):.1f}%)\n\n"
+            + results.table(table, list(table[0])))
     print(body, flush=True)
     if record:
         results.record(f"Tensor parallelism tp={tp}: {name} (bench/tp.py)" + (f" XLA_FLAGS={flags}" if flags else ""),

@@ -67,7 +67,8 @@ class EngineArgs:
         checks = [(self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
                   (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
                    f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
-                  (self.page_size >= 1, "page_size must be >= 1"), (self.decode_steps >= 1, "decode_steps must be >= 1"),
+                  (self.page_size >= 1, "page_size must be >= 1"),
+                  (self.decode_steps >= 1, "decode_steps must be >= 1"),
                   (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
                   (self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', not "
                    f"{self.load_format!r}"),

@@ -573,7 +573,8 @@ def main(argv=None):
     from qwen35_jax.backends import KernelConfig
     report = run_profile(args.model, args.config, random_weights=args.random_weights, batch=args.batch,
                          prompt_len=args.prompt_len, decode_steps=args.decode_steps, tp=args.tp, dtype=args.dtype,
-                         kernel_config=KernelConfig.parse(args.kernel_config, KernelConfig(backend=args.kernel_backend)),
+                         kernel_config=KernelConfig.parse(args.kernel_config,
+                                                          KernelConfig(backend=args.kernel_backend)),
                          page_size=args.page_size, greedy=args.greedy,
                          copy_mib=args.copy_mib, out_dir=args.out, compilation_cache_dir=args.compilation_cache_dir,
                          log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -129,9 +129,11 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> We
 
     def mlp(p):
         i = cfg.intermediate_size
-        runs = [Run(f"{p}.{name}.weight", r * layout.ffn, layout.ffn) for r in range(tp) for name in ("gate_proj", "up_proj")]
+        runs = [Run(f"{p}.{name}.weight", r * layout.ffn, layout.ffn)
+                for r in range(tp) for name in ("gate_proj", "up_proj")]
         exp = [(f"{p}.gate_proj.weight", (i, h)), (f"{p}.up_proj.weight", (i, h))]
-        return MLP(gate_up=_linear(runs, h, "ffn", dtype, exp), down=_row_parallel(f"{p}.down_proj.weight", i, h, "ffn", dtype))
+        return MLP(gate_up=_linear(runs, h, "ffn", dtype, exp),
+                   down=_row_parallel(f"{p}.down_proj.weight", i, h, "ffn", dtype))
 
     def attention(p):
         d = cfg.head_dim
@@ -149,7 +151,8 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> We
 
     def gdn(p):
         kd, vd = cfg.key_dim, cfg.value_dim
-        kl, vl, hl = layout.k_heads * cfg.linear_key_head_dim, layout.v_heads * cfg.linear_value_head_dim, layout.v_heads
+        kl, vl = layout.k_heads * cfg.linear_key_head_dim, layout.v_heads * cfg.linear_value_head_dim
+        hl = layout.v_heads
         qkv = lambda r: [Run(f"{p}.in_proj_qkv.weight", r * kl, kl), Run(f"{p}.in_proj_qkv.weight", kd + r * kl, kl),
                          Run(f"{p}.in_proj_qkv.weight", 2 * kd + r * vl, vl)]
         runs = []

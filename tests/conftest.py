@@ -33,7 +33,8 @@ def tiny_model_dir(tmp_path_factory):
 
 # One persistent XLA cache for the whole run: engines built with the same shapes in different tests (or xdist
 # workers) compile each executable once.
-XLA_CACHE = os.environ.get("QWEN35_TEST_XLA_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "xla-tests"))
+XLA_CACHE = os.environ.get("QWEN35_TEST_XLA_CACHE",
+                           os.path.join(os.path.dirname(__file__), "..", ".cache", "xla-tests"))
 
 
 def engine_args(**kw):

@@ -28,7 +28,8 @@ def test_ab_decode_bench_smoke():
     (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's)."""
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ab_decode.py"), "--config",
            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--kernel-backend", "pallas_interpret",
-           "--variants", "", "gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7", "--batches", "2", "--context", "40",
+           "--variants", "", "gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7", "--batches", "2",
+           "--context", "40",
            "--rounds", "2", "--iters", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -108,7 +108,8 @@ def test_no_compilation_while_serving():
         rng = np.random.default_rng(5)
         ps = prompts(50, seed=41, lo=1, hi=150)
         params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0, 0.8])),
-                                 top_k=int(rng.choice([0, 20])), logprobs=int(rng.choice([0, 3])) if i % 5 == 0 else None,
+                                 top_k=int(rng.choice([0, 20])),
+                                 logprobs=int(rng.choice([0, 3])) if i % 5 == 0 else None,
                                  presence_penalty=0.5 if i % 7 == 0 else 0.0, ignore_eos=True, n=1 + (i % 11 == 0))
                   for i in range(50)]
         outs = model.generate(ps, params)

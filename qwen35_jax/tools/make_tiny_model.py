@@ -22,11 +22,12 @@ from qwen35_jax.checkpoint import write_safetensors
 
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]     # added tokens but not special, as in Qwen's tokenizer
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]     # added, not special, as in Qwen's tokenizer
 PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 CHAT_TEMPLATE = """{%- for message in messages %}
-{%- set content = message['content'] if message['content'] is string else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}
+{%- set content = message['content'] if message['content'] is string
+    else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}
 {%- if message['role'] == 'assistant' and '</think>' in content %}
 {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
 {%- endif %}
