@@ -64,7 +64,9 @@ class EngineArgs:
     converted_weights_dir: str | None = None  # orbax copy of the re-laid-out weights, saved once, then restored
 
     def validate(self):
-        checks = [(self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+        checks = [(self.tensor_parallel_size in (1, 2, 4, 8),
+                   f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size}"),
+                  (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
                   (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
                    f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
                   (self.page_size >= 1, "page_size must be >= 1"),
