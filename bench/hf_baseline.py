@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def hf_child(args):
     """In a process of its own: {prompt length: [seconds per forward, ...]} for HF transformers on cuda."""
+    here = os.path.dirname(os.path.abspath(__file__))       # bench/kernels.py would shadow HF's `kernels` package
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import import_utils
