@@ -80,7 +80,7 @@ class PrefillConfig:
 
     @property
     def name(self):
-        return (f"bv{self.bv}_w{self.num_warps}_s{self.num_stages or 'auto'}"
+        return (f"prefill_bv{self.bv}_w{self.num_warps}_s{self.num_stages or 'auto'}"
                 + ("" if self.mgpu_bv is None else f"_mbv{self.mgpu_bv}") + ("" if self.mgpu else "_triton")
                 + f"_pw{self.prep_warps}_sw{self.solve_warps}_pfw{self.pf_warps}"
                 + ("" if self.prep_mode == "auto" else f"_{self.prep_mode}")
