@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.throughput import copy_bandwidth  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
+from bench.kernel_sweeps import attention_sweep  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
 from qwen35_jax.attention import decode_attention  # noqa: E402
 
@@ -65,7 +66,7 @@ def main():
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     variants = {c.name: jax.jit(lambda *a, c=c: pa.paged_decode_attention(*a, config=c, interpret=args.interpret))
-                for c in pa.config_sweep()}
+                for c in attention_sweep()}
     ref = jax.jit(decode_attention)
 
     checks, ok = [], []

@@ -4,8 +4,8 @@
 # finishes. Everything it writes is packed into $OUT/session.tgz after every section (the device tool returns at
 # most 8 files), with history.md beside it; back home: python bench/results.py merge <history.md> <session/runs>.
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
-# Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode gemm gemmlayout sampler throughput
-#   throughput_mm throughput_staged serving servinglite profile
+# Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
+#   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -58,19 +58,12 @@ for s in $sections; do
              --only correct_defaults conv ;;          # the conv kernels' sweep against fla's
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
-    gemm) CUDA_VISIBLE_DEVICES=0 run gemm 240 python3 bench/gemm.py --record --rows 1,16,64 --pick $work/gemm_pick.json \
-            --shapes "gdn in_proj,attn qkv_proj,out_proj / o_proj,mlp gate_up,mlp down_proj" ;;
-    gemmlayout) for f in "" "--xla_gpu_enable_cublaslt=true"; do      # XLA's dot on [K, N] vs [N, K] weights
-                  XLA_FLAGS="$f" CUDA_VISIBLE_DEVICES=0 run gemmlayout${f:+_lt} 200 python3 bench/gemm.py --record \
-                    --xla-only --rows 1,16,64; done ;;
     sampler) # an earlier sampler to time beside this one, left untracked (it travels with the tree), e.g.
              #   git show <commit>:qwen35_jax/sampler.py > bench/_old_sampler.py
              old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
              CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;
-    throughput_mm) QWEN35_DECODE_MATMUL=kernel CUDA_VISIBLE_DEVICES=0 run throughput_mm 300 python3 bench/throughput.py \
-                     --record --compilation-cache-dir $xla/engine_mm ;;     # the opt-in Pallas decode matmul
     throughput_staged) QWEN35_STEP_INPUTS=staged CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 \
                          python3 bench/throughput.py --record --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \

@@ -14,7 +14,7 @@ starts just before the limit still finishes.
 
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
- 2. GPU correctness of the defaults and the candidate (gdn.CANDIDATE_PREFILL) against the references (prefill:
+ 2. GPU correctness of the defaults and the candidate (bench/kernel_sweeps.CANDIDATE_PREFILL) against the references (prefill:
     fp32 token scan, 4 packed sequences 100/777/65/1 (8-row-aligned starts) with random initial states, one fresh;
     decode: 8 rows, 2 on the null slot);
  3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the candidate prefill, the previous decode
@@ -75,6 +75,7 @@ import numpy as np  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench import results as results_md  # noqa: E402
+from bench import kernel_sweeps as ks  # noqa: E402
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference  # noqa: E402
 from qwen35_jax import profile_trace  # noqa: E402
 
@@ -350,7 +351,7 @@ SWEEP_CASE = "1x8k"
 
 
 def prefill_floor_us(tokens, n_seq):
-    """gdn-kernels.md section 6: max(FLOP floor at the measured bf16 matmul rate, byte floor at the copy rate)."""
+    """docs/kernels.md: max(FLOP floor at the measured bf16 matmul rate, byte floor at the copy rate)."""
     flops = 183e3 * HV * tokens
     byts = 24.3 * 1024 * tokens + 2 * STATE_BYTES * n_seq
     mm = RES["ceilings"].get("matmul_TFLOPs") or 790.0
@@ -442,41 +443,6 @@ class PrefillProblem:
         o, pool = jax.jit(functools.partial(gdn_reference.gdn_prefill, method="scan"))(
             *padded, self.A_log, self.dt_bias, self.pool(), slots, self.lens_a, self.use)
         return jnp.concatenate([o[i, :ln] for i, ln in enumerate(self.lens)]), pool[slots]
-
-    def prep_outputs(self, config):
-        precs = config.precisions(jnp.bfloat16)
-        _, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
-        w_dtype = jnp.bfloat16 if precs[0] == "bf16" else jnp.float32
-        f = jax.jit(functools.partial(gdn.wy_prep, w_dtype=w_dtype, prec=precs[3], num_warps=config.prep_warps,
-                                      mode=config.prep_mode, solve_warps=config.solve_warps, **kernel_kw()))
-        return [f(q, k, v, a, b, self.A_log, self.dt_bias, row0, nvalid) for q, k, v, a, b, _ in self.sets]
-
-    def scan_us(self, config, preps):
-        """The WY scan alone, on precomputed prep outputs (preps from prep_outputs of a config of the same
-        precisions)."""
-        precs = config.precisions(jnp.bfloat16)[:3]
-        chunk_off, _, _ = gdn.chunk_map(self.starts, self.lens_a, self.mc)
-        sets = [(q, k, *pr, slots) for (q, k, v, a, b, slots), pr in zip(self.sets, preps)]
-
-        def call(c, q, k, w, u, p, f, slots):
-            o, pool = gdn.wy_scan(q, k, w, u, p, f, c[0], self.starts, self.lens_a, self.lens_a, slots, self.use,
-                                  chunk_off, config=config, precs=precs, **kernel_kw())
-            return pool, c[1] + o[0, 0, :1].astype(jnp.float32)
-        us, _ = time_calls(call, self.carry(), sets, calls=(2, 10))
-        return us
-
-    def prep_us(self, config):
-        precs = config.precisions(jnp.bfloat16)
-        _, row0, nvalid = gdn.chunk_map(self.starts, self.lens_a, self.mc)
-        w_dtype = jnp.bfloat16 if precs[0] == "bf16" else jnp.float32
-
-        def call(c, q, k, v, a, b, slots):
-            outs = gdn.wy_prep(q, k, v, a, b, self.A_log, self.dt_bias + c[0], row0, nvalid, w_dtype=w_dtype,
-                               prec=precs[3], num_warps=config.prep_warps, mode=config.prep_mode,
-                               solve_warps=config.solve_warps, **kernel_kw())
-            return c + 0.0 * outs[3][0, 0, 0, :1]       # a data dependence: no call is dead or CSE'd
-        us, _ = time_calls(call, jnp.zeros((1,), jnp.float32), self.sets, calls=(2, 10))
-        return us
 
 
 def fla_prefill(lens):
@@ -650,18 +616,8 @@ def main():
         log("ceilings", RES["ceilings"])
 
     # ------------------------------------------------------------------ correctness of every variant
-    prefill_variants = {c.name: c for c in [gdn.DEFAULT_PREFILL] + gdn.prefill_sweep()}
-    # the W-form of the default: the prep variants (W, U, P, f) and the scans timed alone on precomputed prep outputs
-    # (the T-form's scan takes T and V instead: T-form configurations are timed whole)
-    wform = dataclasses.replace(gdn.DEFAULT_PREFILL, tform=False)
-    prep_variants = {}                         # label -> WYConfig overrides of the prep variants timed alone
-    for kw in gdn.PREP_VARIANTS:               # they also run through the full pipeline here
-        c = dataclasses.replace(wform, **kw)
-        prefill_variants.setdefault(c.name, c)
-        prep_variants[f"{c.prep_mode}_w{c.prep_warps}"
-                      + (f"_s{c.solve_warps}" if c.prep_mode in ("solve", "solve2") else "")
-                      + ("" if c.solve_prec == wform.solve_prec else f"_{c.solve_prec}")] = kw
-    decode_variants = {c.name: c for c in gdn.decode_sweep()}
+    prefill_variants = {c.name: c for c in [ks.CANDIDATE_PREFILL] + ks.prefill_sweep()}
+    decode_variants = {c.name: c for c in ks.decode_sweep()}
     RES["valid"] = {"prefill": [], "decode": [], "conv_prefill": [], "conv_decode": []}
 
     RES["correct_prefill"], RES["correct_decode_conv"] = {}, {}
@@ -715,26 +671,8 @@ def main():
         run = lambda cfg, *x: gdn.gdn_prefill_packed(*x, config=cfg, starts_aligned=True, **kernel_kw())
 
         def run_all(*x):
-            """Every variant; WY variants sharing a prep configuration share one prep call (the composition
-            gdn_prefill_packed does: wy_prep then wy_scan), so each distinct kernel is compiled once."""
-            q, k, v, a, b, A_log, dt_bias, pool, starts, lens, slots, use = x
-            use_i = use.astype(jnp.int32)
-            chunk_off, row0, nvalid = gdn.chunk_map(starts, lens, -(-q.shape[0] // gdn.CHUNK) + starts.shape[0])
-            outs, preps = {}, {}
-            for nm, c in variants.items():
-                if not isinstance(c, gdn.WYConfig) or c.tform:
-                    outs[nm] = run(c, *x)
-                    continue
-                precs = c.precisions(v.dtype)
-                key = (c.prep_mode, c.prep_warps, c.solve_warps, precs[0], precs[3])
-                if key not in preps:
-                    preps[key] = gdn.wy_prep(q, k, v, a, b, A_log, dt_bias, row0, nvalid,
-                                             w_dtype=jnp.bfloat16 if precs[0] == "bf16" else jnp.float32,
-                                             prec=precs[3], num_warps=c.prep_warps, mode=c.prep_mode,
-                                             solve_warps=c.solve_warps, **kernel_kw())
-                outs[nm] = gdn.wy_scan(q, k, *preps[key], pool, starts, lens, lens, slots, use_i, chunk_off, config=c,
-                                       precs=precs[:3], **kernel_kw())
-            return outs
+            """Every variant in one program."""
+            return {nm: run(c, *x) for nm, c in variants.items()}
 
         try:   # all variants in one program
             outs = jax.jit(run_all)(*ck["args"])
@@ -828,7 +766,7 @@ def main():
         cs, cl, cu = jnp.array([4, 1, 2]), jnp.array([300, 2, 130]), jnp.array([True, True, False])
         y_r, p_r = conv1d_reference.conv_prefill(x, w, cpool, cs, cl, cu)
         yd_r, pd_r = conv1d_reference.conv_decode(x[:, 0], w, cpool, jnp.array([4, 0, 2]))
-        for c in conv1d.prefill_sweep():
+        for c in ks.conv_prefill_sweep():
             nm = f"conv_prefill_{c.prefill_name}"
             try:
                 y, p = jax.jit(functools.partial(conv1d.conv_prefill, config=c, **kernel_kw()))(x, w, cpool, cs, cl,
@@ -850,7 +788,7 @@ def main():
             out["conv_prefill_split"] = dict(ok=bool(ok))
         except Exception as e:  # noqa: BLE001
             out["conv_prefill_split"] = dict(ok=False, error=repr(e)[:400])
-        for c in conv1d.decode_sweep():
+        for c in ks.conv_decode_sweep():
             nm = f"conv_decode_{c.decode_name}"
             try:
                 yd, pd = jax.jit(functools.partial(conv1d.conv_decode, config=c, **kernel_kw()))(
@@ -869,7 +807,7 @@ def main():
                 RES["errors"][f"variant {nm}"] = "failed: excluded from timing"
         log("conv correctness", {k_: v_ for k_, v_ in out.items() if k_.startswith("conv")})
 
-    candidate_prefill = gdn.CANDIDATE_PREFILL
+    candidate_prefill = ks.CANDIDATE_PREFILL
     old_decode = gdn.DecodeConfig(bv=32, num_warps=2)          # the previous default
     first_prefill = {c.name: c for c in (gdn.DEFAULT_PREFILL, candidate_prefill)}
     first_decode = {c.name: c for c in (gdn.DEFAULT_DECODE, old_decode)}
@@ -1001,56 +939,17 @@ def main():
     # ------------------------------------------------------------------ prefill sweep at 1x8k
     @section("prefill_sweep", need=20)
     def _():
-        sw = RES["prefill"][SWEEP_CASE].setdefault("sweep", {})
-        pr = problem(SWEEP_CASE)
-        wy = [c for c in valid_prefill().values() if isinstance(c, gdn.WYConfig)   # scan variants (default prep)
-              and not c.tform and (c.prep_warps, c.prep_mode) == (wform.prep_warps, wform.prep_mode)]
-        by_prec = {}
-        for c in wy:                           # scan configurations (the prep is timed on its own below)
-            key_ = c.precisions(jnp.bfloat16)
-            if not have_time(f"prefill sweep scan {c.name}", 8):
-                break
-            try:
-                if key_ not in by_prec:
-                    by_prec[key_] = pr.prep_outputs(c)
-                sw[c.name] = dict(scan_us=pr.scan_us(c, by_prec[key_]))
-            except Exception as e:  # noqa: BLE001
-                sw[c.name] = dict(error=repr(e)[:400])
-                RES["errors"][f"sweep scan {c.name}"] = repr(e)[:400]
-            log("prefill sweep", c.name, sw[c.name])
-            save()
-        by_prec.clear()
-        prep = RES["prefill"][SWEEP_CASE].setdefault("prep", {})
-        tile_ok = any(dataclasses.replace(wform, **kw).name in RES["valid"]["prefill"]
-                      for kw in prep_variants.values() if kw["prep_mode"] != "blocks")
-        for label, kw in prep_variants.items():
-            c = dataclasses.replace(wform, **kw)
-            if c.prep_mode == "blocks" and tile_ok:      # the fallback is timed only when no tile prep compiled
-                continue
-            if c.name not in RES["valid"]["prefill"] or not have_time(f"prep {label}", 8):
-                continue
-            try:
-                prep[label] = pr.prep_us(c)
-            except Exception as e:  # noqa: BLE001
-                RES["errors"][f"prep {label}"] = repr(e)[:400]
-            log("prefill prep alone", label, prep.get(label))
-            save()
-        for c in valid_prefill().values():     # other configurations of the previous kernels and the T-form, whole
-            if (isinstance(c, gdn.PrefillConfig)   # (the default and the candidate: timed by the headline)
-                    or (c.tform and c not in (gdn.DEFAULT_PREFILL, candidate_prefill))):
+        for c in valid_prefill().values():     # every other configuration, whole (the default and the candidate:
+            if c not in (gdn.DEFAULT_PREFILL, candidate_prefill):     # timed by the headline)
                 time_prefill(SWEEP_CASE, c.name, c)
 
     def best_wy():
-        """The fastest valid scan configuration of the sweep with the fastest prep warp count (None: no sweep)."""
-        sw = RES["prefill"][SWEEP_CASE].get("sweep", {})
-        ok = {nm: r["scan_us"] for nm, r in sw.items() if r.get("scan_us")}
-        if not ok:
-            return None
-        cfg = prefill_variants[min(ok, key=ok.get)]
-        prep = {k: v for k, v in RES["prefill"][SWEEP_CASE].get("prep", {}).items() if v}
-        if prep:
-            cfg = dataclasses.replace(cfg, **prep_variants[min(prep, key=prep.get)])
-        return cfg
+        """The fastest configuration timed whole at SWEEP_CASE (None: no sweep)."""
+        r = RES["prefill"][SWEEP_CASE]
+        label = {"wy_default": gdn.DEFAULT_PREFILL.name, "candidate": candidate_prefill.name}
+        ok = {label.get(nm, nm): v["us"] for nm, v in r.items() if isinstance(v, dict) and v.get("us")
+              and label.get(nm, nm) in prefill_variants}
+        return prefill_variants[min(ok, key=ok.get)] if len(ok) > 2 else None
 
     # ------------------------------------------------------------------ the best WY configuration on every case
     @section("prefill_best", need=20)
@@ -1062,8 +961,6 @@ def main():
         for case in PREFILL_CASES:
             if best != gdn.DEFAULT_PREFILL:
                 time_prefill(case, "wy_best", best)
-            if case == "8x2k" and best.bv is not None:          # several sequences: also the automatic V-block
-                time_prefill(case, "wy_best_bvauto", dataclasses.replace(best, bv=None))
             time_fla_prefill(case)                              # fla beside it (skipped where already timed)
             RES["prefill"][case]["floor_us"] = prefill_floor_us(sum(PREFILL_CASES[case]), len(PREFILL_CASES[case]))
         problems.clear()
@@ -1084,9 +981,9 @@ def main():
             check_conv()          # an --only run without correct_variants: only checked kernels are timed
         key = jax.random.key(5)
         w = (0.3 * jax.random.normal(key, (4, CONV_CH))).astype(jnp.bfloat16)
-        vdec = [c for c in conv1d.decode_sweep()
+        vdec = [c for c in ks.conv_decode_sweep()
                 if f"conv_decode_{c.decode_name}" in RES["valid"]["conv_decode"]]
-        vpre = [c for c in conv1d.prefill_sweep()
+        vpre = [c for c in ks.conv_prefill_sweep()
                 if f"conv_prefill_{c.prefill_name}" in RES["valid"]["conv_prefill"]]
         for n in ((1, 8) if DRY else (1, 64, 256)):
             r = RES["conv"].setdefault(f"decode_{n}", {})
@@ -1299,7 +1196,7 @@ def report() -> str:
     pf = RES.get("prefill", {})
     L.append("")
     L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; candidate: "
-             f"`{gdn.CANDIDATE_PREFILL.name}` (timed beside the default: the next default if faster). "
+             f"`{ks.CANDIDATE_PREFILL.name}` (timed beside the default: the next default if faster). "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     dev = {case: ((pf.get(case, {}).get("wy_default") or {}).get("device_us"),
                   (pf.get(case, {}).get("fla") or {}).get("device_us")) for case in PREFILL_CASES}

@@ -1,11 +1,12 @@
-"""Errors of the Mosaic GPU scan's operand options against the fp32 token scan, on the CPU (Mosaic GPU's
-interpreter): bf16 inputs with tests/test_kernels.py's realistic gates, 2 key / 4 value heads, dk 64, dv 128.
+"""Errors of the GDN prefill's configurations against the fp32 token scan, on the CPU (interpret mode; Mosaic GPU's
+interpreter for the Mosaic scan): bf16 inputs with tests/test_kernels.py's realistic gates, 2 key / 4 value heads,
+dk 64, dv 128.
 
-    python bench/mgpu_precision.py --lens 2048,0 --configs "" v_parts=1
+    python bench/mgpu_precision.py --lens 2048,0 --configs "" mgpu=false prep_mode=solve2
 
-Sequences are padded to the longest, which must be a multiple of 8 (the Mosaic scan's aligned starts). Each config is
-a list of WYConfig overrides (k=v, integers or strings) on the default with the Mosaic scan forced on at V-block 32.
-Prints o and final-state rel-L2 per configuration (no GPU figure: timing is bench/prefill_parts.py's)."""
+Sequences are padded to the longest, which must be a multiple of 8 for the Mosaic scan (its aligned starts). Each
+config is a list of gdn.PrefillConfig overrides (k=v: integers, true / false or strings) on the default. Prints o and
+final-state rel-L2 per configuration (no GPU figure: timing is bench/prefill_parts.py's)."""
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,8 @@ from test_kernels import _prefill_fn, gdn_inputs, rel  # noqa: E402
 
 def overrides(spec):
     kw = dict(x.split("=") for x in spec.split(",") if x)
-    return {k: int(v) if v.isdigit() else v for k, v in kw.items()}
+    value = lambda v: int(v) if v.isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+    return {k: value(v) for k, v in kw.items()}
 
 
 def errors(config, lens_l, seed=13, dk=64, dv=128):
@@ -44,12 +46,12 @@ def errors(config, lens_l, seed=13, dk=64, dv=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lens", default="2048,0", help="sequence lengths, comma-separated")
-    ap.add_argument("--configs", nargs="+", default=["", "v_parts=1"])
+    ap.add_argument("--configs", nargs="+", default=["", "mgpu=false"])
     args = ap.parse_args()
     lens = [int(x) for x in args.lens.split(",")]
     print(f"| overrides | o rel-L2 | state rel-L2 |  (lengths {lens})\n|---|---|---|")
     for spec in args.configs:
-        config = dataclasses.replace(gdn.DEFAULT_PREFILL, mgpu="on", bv=32, **overrides(spec))
+        config = dataclasses.replace(gdn.DEFAULT_PREFILL, **overrides(spec))
         err_o, err_s = errors(config, lens)
         print(f"| {spec or '(default)'} | {err_o:.2e} | {err_s:.2e} |", flush=True)
 

@@ -1,17 +1,13 @@
-"""Where the GDN prefill's time goes at 1x8k (9B shapes, H200): each kernel of the default pipeline alone, the T
-solve's variants, and ablations of the scan.
+"""Where the GDN prefill's time goes (9B shapes, H200): each kernel of the default pipeline alone, the T solve's
+variants, and whole prefills.
 
     python3 bench/prefill_parts.py --record
 
 Parts (GPU time per call, host dispatch excluded: bench/kernels.py's time_calls over rotating input sets):
-- solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk and value head) in each configuration of SOLVES, each checked
-  against the first one's T (rel-L2) on the same inputs and on repeated keys;
-- tile: the W-form's `gdn.wy_prep` given T (W, U, P, f), in each (mode, warps) of TILES;
-- scan: the W-form's `gdn.wy_scan` (on precomputed W, U, P, f) in each configuration of SCANS, and ablations of it
-  (ABLATIONS: the same loop with parts removed, one sequence of whole chunks, plain loads), which tell whether the
-  sequential chain's latency (chunk c + 1 waits for chunk c's state) or the per-chunk traffic and work bound it;
-- pf: the T-form's prep (P and f only);
-- whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE;
+- solve: `gdn.wy_solve` (T = (I + A)^-1 per chunk) in each configuration of SOLVES, each checked against the first
+  one's T (rel-L2) on the same inputs and on repeated keys;
+- pf: the P / f prep (`gdn.wy_prep`), and the fused T / P / f prep (`with_t=True`);
+- whole: `gdn.gdn_prefill_packed` in each configuration of WHOLE, against the fp32 token scan;
 - kernels: whole prefills (KERNELS) under the profiler, their device time by kernel (XLA's glue included).
 """
 from __future__ import annotations
@@ -26,8 +22,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import kernels as kb  # noqa: E402
@@ -35,91 +29,24 @@ from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
 from qwen35_jax import profile_trace  # noqa: E402
 
-# (warps, precision of the merge dots, one program per value head): the default's is (1, "tf32x3", False); per value
-# head, K K^T is computed twice but the sm_90 compile spills 40 B instead of 344 B. T is written as the default
-# pipeline writes it (bf16 parts for the Mosaic GPU scan, WYConfig.t_parts). At 027d96e two warps took 178.6 / 308.2
-# us at 1x8k / 8x2k against 106.8 / 197.8, the value heads' substitutions interleaved in one row loop 231.0 / 498.0
-# (removed).
-SOLVES = [(1, "tf32x3", False), (1, "tf32", False), (1, "tf32x3", True)]
-TILES = [("solve", 4)]                             # (prep_mode, prep_warps)
-SCANS = [dict(), dict(overlap=False)]              # on the W-form of the default
-# whole prefill, on the default (the T-form, the Mosaic GPU scan where it applies, its output by TMA into o's rows, T
-# and P as bf16 hi alone, the T solve in TF32 (per value head for few chunks: solve_grid "auto"), the P / f prep on 2
-# warps, the scan's X, Vnew and fk Vnew in bf16): the previous default (gdn.PREVIOUS_PREFILL), the P / f prep on 4
-# warps (74.8 against 45.2 us at 1x8k, 40df20e), the T solve's two grids (gdn.CANDIDATE_PREFILL is the value grid at
-# every size; at 95822fc 328.0 vs 319.0 us at 1x8k, 70.9 vs 80.2 at 1x1k) and both preps of prep_mode "auto" (the
-# fused T / P / f kernel, the T solve + P / f prep). Earlier, not repeated here: 8 warps for P / f (64.7 us at 1x8k);
-# two warpgroups per scan program, slower at a1f01f0 and at 660dad0 (385.7 vs 370.8 us at 1x8k); at d61f829 (chunk
-# tiles, T and P as hi + lo) 501.6 / 924.2 us at 1x8k / 8x2k; at ccc4f03 the deferred output store (mgpu_defer_o) no
-# faster at 1x8k, slower at 1x32k; at c257dc4 the scan carrying the next chunk's K H (lookahead) 583.2 / 1191.1 us
-# against 477.1 / 819.2 (both without the gather: those timings left it out). `--whole` / `--kernels` replace these
-# lists for one run.
-PREVIOUS = {f.name: getattr(gdn.PREVIOUS_PREFILL, f.name) for f in dataclasses.fields(gdn.WYConfig)
-            if getattr(gdn.PREVIOUS_PREFILL, f.name) != getattr(gdn.DEFAULT_PREFILL, f.name)}
-WHOLE = [dict(), PREVIOUS, dict(pf_warps=4),
-         dict(solve_grid="key"), dict(solve_grid="value"), dict(prep_mode="fused"), dict(prep_mode="solve2")]
+# (warps, precision of the merge dots, one program per value head): the default's for bf16 inputs first
+SOLVES = [(1, "tf32", False), (1, "tf32", True), (1, "tf32x3", False), (2, "tf32", False)]
+PF_WARPS = (2, 4, 8)
+# whole prefill, as changes of the default (gdn.DEFAULT_PREFILL): both preps of prep_mode "auto", both T-solve grids,
+# the P / f prep on 4 warps, the Triton scan (the Mosaic scan's fallback). `--whole` / `--kernels` replace these lists
+# for one run.
+WHOLE = [dict(), dict(prep_mode="fused"), dict(prep_mode="solve2"), dict(solve_grid="key"), dict(solve_grid="value"),
+         dict(pf_warps=4), dict(mgpu=False)]
 KERNELS = [dict(), dict(solve_grid="value")]   # the configurations the kernels part profiles
-DEFAULT_PARTS = "solve,tile,scan,pf,whole"
+DEFAULT_PARTS = "solve,pf,whole"
 # the headline's cases and two short prompts (a chunked prefill's pieces), where prep_mode "auto" picks the fused prep
 CASES = {**kb.PREFILL_CASES, "1x256": [256], "1x512": [512]}
-ABLATIONS = {
-    "full": "the W-form scan's loop (all four dots, o stored)",
-    "chain": "X = W H, Vnew, the state update only (no q H, no P Vnew, no o; q and P not loaded)",
-    "nochain": "all four dots and o, but H never changes (the update accumulates into a separate tile)",
-    "loads": "the loads of every tile, reduced to a scalar (no dots)",
-}
-
-
-def _ablation_kernel(q_ref, k_ref, w_ref, u_ref, p_ref, f_ref, h0_ref, o_ref, h_ref, *, ratio, bv, nch, mode,
-                     interpret):
-    hv, vb = pl.program_id(0), pl.program_id(1)
-    kh = hv // ratio
-    vcols = pl.ds(vb * bv, bv)
-    mm = functools.partial(gdn._mm, interpret=interpret)
-    h0 = h0_ref[hv, vcols, :].T
-
-    def body(c, carry):
-        h, acc = carry
-        rows = pl.ds(c * gdn.CHUNK, gdn.CHUNK)
-        qr, kr, w, u, p = q_ref[rows, kh, :], k_ref[rows, kh, :], w_ref[c, hv], u_ref[c, hv, :, vcols], p_ref[c, hv]
-        fq, fk, fd = f_ref[c, hv, 0, :], f_ref[c, hv, 1, :], f_ref[c, hv, 2, :]
-        if mode == "loads":
-            s = (jnp.sum(qr.astype(jnp.float32)) + jnp.sum(kr.astype(jnp.float32)) + jnp.sum(w.astype(jnp.float32))
-                 + jnp.sum(u) + jnp.sum(p) + jnp.sum(fq) + jnp.sum(fk) + jnp.sum(fd))
-            return h, acc + s
-        vnew = u - mm(w, h, (1, 0), "bf16")
-        upd = mm(kr, vnew * fk[:, None], (0, 0), "bf16x2")
-        if mode == "nochain":
-            h_new, acc = h, jnp.max(fd) * acc + upd
-        else:
-            h_new = jnp.max(fd) * h + upd
-        if mode != "chain":
-            o = fq[:, None] * mm(qr, h, (1, 0), "bf16") + mm(p, vnew, (1, 0), "tf32")
-            o_ref[rows, hv, vcols] = o.astype(o_ref.dtype)
-        return h_new, acc
-
-    h, acc = jax.lax.fori_loop(0, nch, body, (h0, jnp.zeros_like(h0)))
-    h_ref[hv, vcols, :] = (h + acc).T
-
-
-def scan_ablation(q, k, w, u, p, f, h0, *, mode, bv=32, num_warps=4, num_stages=2, interpret=False):
-    """The ablated scan over the whole chunks of one sequence (rows [0, total // 64 * 64))."""
-    total, hk, dk = q.shape
-    hv, dv = u.shape[1], u.shape[-1]
-    return pl.pallas_call(
-        functools.partial(_ablation_kernel, ratio=hv // hk, bv=min(bv, dv), nch=total // gdn.CHUNK, mode=mode,
-                          interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((total, hv, dv), q.dtype), jax.ShapeDtypeStruct(h0.shape, h0.dtype)),
-        grid=(hv, dv // bv),
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=f"scan_ablation_{mode}",
-    )(q, k, w, u, p, f, h0)
 
 
 def variants(spec):
-    """'prep_mode=fused,prep_warps=8;;v_parts=2' -> [{'prep_mode': 'fused', 'prep_warps': 8}, {}, {'v_parts': 2}]
-    (values as the WYConfig field's type: int, bool or str; the field types are annotation strings)."""
-    types = {f.name: f.type for f in dataclasses.fields(gdn.WYConfig)}
+    """'prep_mode=fused,prep_warps=8;;mgpu=false' -> [{'prep_mode': 'fused', 'prep_warps': 8}, {}, {'mgpu': False}]
+    (values as the PrefillConfig field's type: int, bool or str; the field types are annotation strings)."""
+    types = {f.name: f.type for f in dataclasses.fields(gdn.PrefillConfig)}
     cast = {"int": int, "bool": lambda x: x.lower() in ("1", "true"), "str": str}
     out = []
     for entry in spec.split(";"):
@@ -127,7 +54,7 @@ def variants(spec):
         for item in filter(None, entry.split(",")):
             key, _, value = item.partition("=")
             if key not in types:
-                raise argparse.ArgumentTypeError(f"WYConfig has no field {key!r}")
+                raise argparse.ArgumentTypeError(f"PrefillConfig has no field {key!r}")
             kw[key] = cast.get(types[key].split()[0], str)(value)
         out.append(kw)
     return out
@@ -138,8 +65,8 @@ def main():
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--case", default="1x8k", choices=list(CASES))
     ap.add_argument("--parts", default=DEFAULT_PARTS,
-                    help="comma-separated subset of solve, tile, scan, pf, whole, kernels, ablations")
-    spec = "';'-separated WYConfig changes on the default, each ','-separated field=value ('' = the default)"
+                    help="comma-separated subset of solve, pf, whole, kernels")
+    spec = "';'-separated PrefillConfig changes on the default, each ','-separated field=value ('' = the default)"
     ap.add_argument("--whole", type=variants, help=f"the whole part's configurations instead of WHOLE: {spec}")
     ap.add_argument("--kernels", type=variants, help=f"the kernels part's configurations instead of KERNELS: {spec}")
     args = ap.parse_args()
@@ -154,10 +81,10 @@ def main():
         lines.append(s)
 
     parts = set(args.parts.split(","))
-    precs = d.precisions(jnp.bfloat16)
+    tiles = jnp.bfloat16 if d.mgpu else jnp.float32      # T and P as the default writes them for the Mosaic scan
     solve = lambda cfg, k, a, b, dtb: gdn.wy_solve(k, a, b, pr.A_log, dtb, row0, nvalid, prec="tf32",
                                                    num_warps=cfg[0], inv_prec=cfg[1], per_value_head=cfg[2],
-                                                   split=d.t_parts if d.mgpu else 0, **kb.kernel_kw())
+                                                   dtype=tiles, **kb.kernel_kw())
     zero = lambda: jnp.zeros((1,), jnp.float32)       # a fresh carry per timing (time_calls donates it)
 
     if "solve" in parts:                      # the T solve
@@ -184,48 +111,20 @@ def main():
                 log(f"| {cfg} | failed: {repr(e)[:200]} | | |")
         log("")
 
-    if "tile" in parts:                       # the tile kernel given T
-        ts = [jax.jit(functools.partial(solve, SOLVES[1]))(k, a, b, pr.dt_bias) for q, k, v, a, b, _ in pr.sets]
-        sets_t = [(*s[:5], t) for s, t in zip(pr.sets, ts)]
-        log("| tile kernel given T (mode, warps) | us |")
-        log("|---|---|")
-        for mode, warps in TILES:
-            def tile_call(c, q, k, v, a, b, t, mode=mode, warps=warps):
-                outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                                   prec=precs[3], num_warps=warps, mode=mode, t=t, **kb.kernel_kw())
-                return c + 0.0 * outs[3][0, 0, 0, :1]
-            try:
-                us, _ = kb.time_calls(tile_call, zero(), sets_t, calls=(2, 10))
-                log(f"| {mode}, {warps} | {us:.1f} |")
-            except Exception as e:  # noqa: BLE001
-                log(f"| {mode}, {warps} | failed: {repr(e)[:200]} |")
-        log("")
-        del ts, sets_t
-
-    wform = dataclasses.replace(d, tform=False)
-    preps = pr.prep_outputs(wform) if parts & {"scan", "ablations"} else None
-    def config_table(title, base, variants, time_us):
-        log(f"| {title} | us |")
-        log("|---|---|")
-        for kw in variants:
-            c = dataclasses.replace(base, **kw)
-            try:
-                log(f"| {c.name} | {time_us(c):.1f} |")
-            except Exception as e:  # noqa: BLE001
-                log(f"| {c.name} | failed: {repr(e)[:200]} |")
-        log("")
-
-    if "scan" in parts:
-        config_table("scan configuration", wform, SCANS, lambda c: pr.scan_us(c, preps))
-
     if "pf" in parts:
-        def pf_call(c, q, k, v, a, b, slots):
-            outs = gdn.wy_prep(q, k, v, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, w_dtype=jnp.bfloat16,
-                               prec=precs[3], num_warps=d.prep_warps, mode=d.prep_mode, pf_only=True,
-                               **kb.kernel_kw())
-            return c + 0.0 * outs[1][0, 0, 0, :1]
-        us, _ = kb.time_calls(pf_call, zero(), pr.sets, calls=(2, 10))
-        log(f"prep of the T-form (P and f only, `wy_prep(pf_only=True, mode={d.prep_mode!r})`): {us:.1f} us")
+        log("| P / f prep (`wy_prep`) | us |")
+        log("|---|---|")
+        for warps, with_t in [(w, False) for w in PF_WARPS] + [(d.prep_warps, True)]:
+            def pf_call(c, q, k, v, a, b, slots, warps=warps, with_t=with_t):
+                outs = gdn.wy_prep(q, k, a, b, pr.A_log, pr.dt_bias + c[0], row0, nvalid, prec="tf32",
+                                   num_warps=warps, with_t=with_t, dtype=tiles, **kb.kernel_kw())
+                return c + 0.0 * outs[-1][0, 0, 0, :1]
+            label = f"{'fused T / P / f' if with_t else 'P / f'}, {warps} warps"
+            try:
+                us, _ = kb.time_calls(pf_call, zero(), pr.sets, calls=(2, 10))
+                log(f"| {label} | {us:.1f} |")
+            except Exception as e:  # noqa: BLE001
+                log(f"| {label} | failed: {repr(e)[:200]} |")
         log("")
 
     if "whole" in parts:          # each configuration's o and final states against the fp32 token scan's
@@ -265,21 +164,6 @@ def main():
         log(f"| all {len(us)} | {total:.1f} | |")
         log("")
 
-    if "ablations" in parts and pr.n == 1:
-        h0 = pr.pool()[1]
-        sets_s = [(s[0], s[1], *pp) for s, pp in zip(pr.sets, preps)]
-        log("| scan ablation | what runs | us |")
-        log("|---|---|---|")
-        for mode, what in ABLATIONS.items():
-            try:
-                def call(c, q, k, w, u, p, f, mode=mode):
-                    _, h = scan_ablation(q, k, w, u, p, f, h0 + c[0], mode=mode, bv=d.bv or 32,
-                                         num_warps=d.num_warps, num_stages=d.num_stages or 2, **kb.kernel_kw())
-                    return c + 0.0 * h[0, 0, :1]
-                us, _ = kb.time_calls(call, zero(), sets_s, calls=(2, 10))
-                log(f"| {mode} | {what} | {us:.1f} |")
-            except Exception as e:  # noqa: BLE001
-                log(f"| {mode} | failed: {repr(e)[:200]} | |")
     if args.record:
         which = "" if args.parts == DEFAULT_PARTS else f", parts {args.parts}"
         results.record(f"GDN prefill by part at {args.case} (bench/prefill_parts.py{which})",

@@ -3,18 +3,16 @@
 Contract: pallas_kernels/conv1d_reference.py (beside this file). weight [K, C] (w[K-1] on the current token);
 conv state pool [slots, K-1, C] in the model dtype holding each slot's last K-1 pre-conv inputs, oldest first;
 fp32 accumulation in the reference's order, output in x.dtype. Channels need not be a power of two (masked).
+Slot 0 is the null slot: padded decode rows use it.
 
 Prefill: one program per (sequence, BT-token block, BC-channel block) reads the shifted inputs x[t - d] straight
 from memory (L1/L2 serve the overlap), so nothing is copied or padded: a row gather clamped to the sequence's
 first row, so no load starts before it. In a sequence's first block the rows before it take the slot's state,
 and that block writes the final state (the last K-1 real inputs, part of the old state for sequences shorter
-than K-1) back in place. One code path for every block: the first version shifted the first block's tile with
-0/1 matrix products under a branch, which cost every program 255 registers (552 B spilled) and left two
-programs per SM (sm_90 compile check, pallas_kernels/triton_compile_check.py). With `split` (the model's q | k | v
-as arrays of their own, so that no slice copies them for the GDN kernels) each program stores its tile under a
-branch per part, into the part holding its channel block; a store per part masked off outside it, or the whole tile
-computed inside each branch, measured slower on the H200 (bench/RESULTS.md, readings of 2026-12-04). Decode: one
-program per (row, channel block), state in place.
+than K-1) back in place. One code path for every block (a branch that shifted the first block's tile cost every
+program registers and occupancy). With `split` (the model's q | k | v as arrays of their own, so that no slice
+copies them for the GDN kernels) each program stores its tile under a branch per part, into the part holding its
+channel block. Decode: one program per (row, channel block), state in place. docs/kernels.md has the tiling.
 """
 from __future__ import annotations
 
@@ -32,10 +30,11 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    bt: int = 32            # prefill tokens per program   (H200, the model's call with q | k | v split: 1.155 ms
-    bc: int = 128           # prefill channels per program  per 9B layer at 64 x 1024 tokens, 64 x 128 on 8 warps 1.410
-    num_warps: int = 4      # in the same run; bench/RESULTS.md, readings of 2026-12-04)
-    decode_bc: int = 2048   # decode channels per program  (H200 sweep: best at batch 64 and 256)
+    """Tiles of the conv kernels (the defaults: the fastest of the H200 sweeps, bench/kernel_sweeps.py)."""
+    bt: int = 32            # prefill tokens per program
+    bc: int = 128           # prefill channels per program
+    num_warps: int = 4      # prefill warps
+    decode_bc: int = 2048   # decode channels per program
     decode_warps: int = 8
 
     @property
@@ -45,24 +44,6 @@ class ConvConfig:
     @property
     def decode_name(self):
         return f"bc{self.decode_bc}_w{self.decode_warps}"
-
-
-def decode_sweep():
-    """Conv decode configurations bench/kernels.py times (tests cross-lower each one for CUDA)."""
-    return [ConvConfig(), ConvConfig(decode_bc=1024, decode_warps=4), ConvConfig(decode_bc=4096, decode_warps=8)]
-
-
-def prefill_sweep():
-    """Conv prefill configurations bench/kernels.py times and QWEN35_CONV_PREFILL names (tests cross-lower each one
-    for CUDA). The first five are from the H200 sweep at 5bfe895; the rest keep fewer values per thread live (4 taps
-    x bt x bc / threads): for sm_90 bt16_bc128_w8 compiles to 64 registers and four programs per SM, bt64_bc128_w8 to
-    88 and two (pallas_kernels/triton_compile_check.py). In the 9B prefill's profile neither bt32_bc128_w8 nor
-    bt64_bc128_w8 beat the default (bench/RESULTS.md, readings of 2026-12-04)."""
-    return [ConvConfig(), ConvConfig(bt=64, bc=128, num_warps=8), ConvConfig(bt=64, bc=128, num_warps=4),
-            ConvConfig(bt=64, bc=256, num_warps=8), ConvConfig(bt=128, bc=128, num_warps=8),
-            ConvConfig(bt=32, bc=128, num_warps=8), ConvConfig(bt=16, bc=128, num_warps=8),
-            ConvConfig(bt=16, bc=64, num_warps=4), ConvConfig(bt=32, bc=64, num_warps=8),
-            ConvConfig(bt=8, bc=128, num_warps=4)]
 
 
 def _i(i):

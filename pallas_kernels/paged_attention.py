@@ -10,15 +10,15 @@ Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[
 Grid (row, KV head, split): a program takes the G query heads of one KV head (padded to 16 rows, the smallest
 tensor-core tile) and one contiguous, equal share of the row's real pages (its context length, not its page table),
 `pages_per_block` pages per loop step, with an online softmax in fp32. Splits (flash-decoding) give small batches
-enough programs; their partial results are merged outside the kernel. By default (`flat`) a block's keys are
-gathered row by row from the pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps +
-j % ps), one 2-D load feeding the dot with no reshape between, which Triton pipelines into asynchronous copies
-of K and V; the page-wise gather ([ppb, ps, D] reshaped) reached 0.55 of the copy bandwidth on the H200 where
-this one reaches 0.85 (bench/RESULTS.md).
+enough programs; their partial results are merged outside the kernel. A block's keys are gathered row by row
+from the pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps + j % ps), one 2-D load
+feeding the dot with no reshape between, which Triton pipelines into asynchronous copies of K and V (a page-wise
+gather, [ppb, ps, D] reshaped, reached a clearly lower fraction of the copy bandwidth). Page 0 is the null page:
+padding rows write their K / V there and page tables point unused entries at it.
 
 decode_prologue does in one kernel what the decode step runs between qkv_proj and this kernel: q / k RMSNorm and
-RoPE, the new K / V written into their pages, q scaled into the kernel's tiles (XLA ran six small kernels for it,
-~16 us per attention layer at batch 64 on the H200); its contract is the model's ops (qwen35_jax.model.rms_norm_1p,
+RoPE, the new K / V written into their pages, q scaled into the kernel's tiles (in place of six small XLA
+kernels); its contract is the model's ops (qwen35_jax.model.rms_norm_1p,
 rope, qwen35_jax.attention.write_kv and the scaling / padding in paged_decode_attention).
 """
 from __future__ import annotations
@@ -37,48 +37,25 @@ MIN_ROWS = 16        # tl.dot needs M >= 16
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    pages_per_block: int = 4      # pages gathered per loop step (page_size * this keys)
+    """Tiles of the decode attention kernel (the defaults: the fastest of the H200 sweeps, bench/kernel_sweeps.py)."""
+    pages_per_block: int = 2      # pages gathered per loop step (page_size * this keys)
     target_programs: int = 264    # splits are chosen so that rows * kv heads * splits reaches this (2 per H200 SM)
     max_splits: int = 32
     num_warps: int = 4
-    num_stages: int = 2
-    flat: bool = False            # gather keys row by row from a [pages * page_size, D] view (one 2-D load, no
-                                  # reshape between the load and the dot: the form Triton's pipeliner recognises)
+    num_stages: int = 4           # Triton pipeline depth of the K / V gathers
 
     @property
     def name(self):
-        return (f"ppb{self.pages_per_block}_t{self.target_programs}_w{self.num_warps}_s{self.num_stages}"
-                + ("_flat" if self.flat else ""))
+        return f"ppb{self.pages_per_block}_t{self.target_programs}_w{self.num_warps}_s{self.num_stages}"
 
 
-# Flat gathers, two pages per step, four stages: the H200 sweep at 7030540 (bench/RESULTS.md, "Paged decode
-# attention") timed 77.2 vs 130.1 us for the page-wise gathers at batch 64, context 1024 (0.85 of the copy
-# bandwidth), 29.5 vs 51.8 us at batch 16; the 9B step at batch 64 went 8.983 -> 8.427 ms untraced.
-DEFAULT = DecodeAttentionConfig(pages_per_block=2, num_stages=4, flat=True)
-
-
-def config_sweep():
-    """Variants bench/kernels.py times and triton_compile_check.py compiles (the first is DEFAULT)."""
-    c = DecodeAttentionConfig
-    # A register double buffer in place of the pipeliner (next block's loads issued before this block's math) timed
-    # 108.5 vs 77.2 us at batch 64, context 1k (7030540) and was removed.
-    return [DEFAULT, c(pages_per_block=2, num_stages=4), c(), c(pages_per_block=2),
-            c(pages_per_block=2, target_programs=528), c(pages_per_block=1, num_stages=4),
-            # flat gathers (PyPI Triton 3.9 for sm_90: 86-146 registers against 126-248 page-wise, so 3-5
-            # programs per SM instead of 2; K and V both become asynchronous copies)
-            c(pages_per_block=1, num_stages=4, flat=True),
-            c(pages_per_block=2, num_stages=3, flat=True), c(pages_per_block=4, num_stages=2, flat=True),
-            c(pages_per_block=4, num_stages=3, flat=True), c(pages_per_block=4, num_stages=4, flat=True),
-            c(pages_per_block=8, num_stages=2, flat=True), c(pages_per_block=4, num_stages=2, flat=True,
-                                                             target_programs=132),
-            c(pages_per_block=2, num_stages=4, num_warps=8, flat=True)]
+DEFAULT = DecodeAttentionConfig()
 
 
 def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, page_size, pages_per_block,
-            splits, flat):
-    """Refs (BlockSpecs): ctx [N] (whole), q [R, D] (this row and KV head), k/v [num_pages, ps, D] (this KV
-    head; [num_pages * ps, D] when flat), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row,
-    KV head)."""
+            splits):
+    """Refs (BlockSpecs): ctx [N] (whole), q [R, D] (this row and KV head), k/v [num_pages * ps, D] (this KV
+    head), pages [P'] (this row); outputs o [R, D], m/l [R] for this (split, row, KV head)."""
     n, s = pl.program_id(0), pl.program_id(2)
     ctx = ctx_ref[n]
     # Splits share the row's real pages, not its page table (sized for max_model_len): a short row in a long
@@ -96,11 +73,9 @@ def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, pag
 
     def load(i):
         p0 = first + i * pages_per_block
-        if flat:    # key j of the block: row pages[p0 + j // ps] * ps + j % ps of the flat view
-            at = pages_ref[p0 + key // page_size] * page_size + key % page_size
-            return k_ref[at], v_ref[at]
-        ids = pages_ref[pl.ds(p0, pages_per_block)]
-        return k_ref[ids].reshape(keys, d), v_ref[ids].reshape(keys, d)
+        # key j of the block: row pages[p0 + j // ps] * ps + j % ps of the flat view
+        at = pages_ref[p0 + key // page_size] * page_size + key % page_size
+        return k_ref[at], v_ref[at]
 
     def update(i, k, v, acc, m, l):
         s_ = pltriton.dot(q, k, trans_b=True)                                   # [R, keys] fp32 (scaled q)
@@ -172,16 +147,12 @@ def attend_tiles(qg, hq, k_pages, v_pages, pages, ctx_lens, *, config: DecodeAtt
     per_split = -(-pages.shape[1] // splits)
     per_split = -(-per_split // config.pages_per_block) * config.pages_per_block
     pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, splits * per_split - pages.shape[1])))
-    if config.flat:
-        k_pages = k_pages.reshape(hkv, -1, d)            # [Hkv, num_pages * ps, D]: a free view of the pool
-        v_pages = v_pages.reshape(hkv, -1, d)
-        kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0))
-    else:
-        kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0, 0))
+    k_pages = k_pages.reshape(hkv, -1, d)                # [Hkv, num_pages * ps, D]: a free view of the pool
+    v_pages = v_pages.reshape(hkv, -1, d)
+    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, s: (h, 0, 0))
     f32 = jnp.float32
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits,
-                          flat=config.flat),
+        functools.partial(_kernel, page_size=page_size, pages_per_block=config.pages_per_block, splits=splits),
         grid=(n, hkv, splits),
         in_specs=[pl.BlockSpec((n,), lambda i, h, s: (0,)),
                   pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),

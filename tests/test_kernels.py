@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import fixture_dir
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, matmul, matmul_mgpu, paged_attention
+from bench import kernel_sweeps
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, paged_attention
 from qwen35_jax.attention import decode_attention
 from qwen35_jax.backends import KernelConfig, make_kernels
 from qwen35_jax.sharding import Layout
@@ -46,19 +47,16 @@ def _prefill_fn(config=None):
     return jax.jit(functools.partial(gdn.gdn_prefill, config=config, interpret=True))
 
 
-WY, V1 = gdn.DEFAULT_PREFILL, gdn.PrefillConfig()
+WY = gdn.DEFAULT_PREFILL
 
 
 @pytest.mark.parametrize("ratio,dk,dv,config,lens_l", [(1, 16, 32, WY, LENS), (3, 16, 16, WY, [3, 130, 64, 0]),
-                                                       (3, 16, 32, V1, [65, 130, 1, 0]),
-                                                       (2, 16, 32, gdn.WYConfig(prep_mode="tile"), [70, 130, 1, 0]),
-                                                       (2, 16, 32, dataclasses.replace(WY, tform=False),
-                                                        [70, 130, 1, 0]),
-                                                       (2, 16, 32, dataclasses.replace(WY, prep_mode="fused"),
+                                                       (2, 16, 32, dataclasses.replace(WY, solve_grid="key"),
                                                         [70, 130, 1, 0])],
-                         ids=["wy-r1", "wy-r3", "v1-r3", "wy-tile-prep-r2", "wy-wform-r2", "wy-fused-prep-r2"])
+                         ids=["r1", "r3", "r2-solve-per-key-head"])
 def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
-    """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode): far inside the issue's bars."""
+    """fp32 model inputs select near-fp32 dots (tf32x3; fp32 in interpret mode) and the T solve + P / f prep with the
+    Triton scan: far inside the issue's bars."""
     n, t = len(lens_l), max(lens_l)
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(ratio, n, t, 2, 2 * ratio, dk, dv)
     slots = jnp.array([3, 1, 5, 9, 2, 7, 0])[-n:]
@@ -76,26 +74,13 @@ def test_gdn_prefill_matches_token_scan(ratio, dk, dv, config, lens_l):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-# bf16 model inputs: every precision code path of both pipelines. Interpret mode rounds the operands as the
-# tensor cores do ("bf16", "bf16x2", "tf32"). The fast state update (s_prec="bf16") is held to the issue's bars only.
+# bf16 model inputs through the Triton scan (dk = 32: the Mosaic GPU scan does not take it). Interpret mode rounds the
+# operands as the tensor cores do ("bf16", "bf16x2", "tf32").
 BF16_CASES = {
-    "wy-default": (WY, LENS, 1.5e-3),
-    "wy-bv16-fast-update-blocks-prep": (gdn.WYConfig(bv=16, s_prec="bf16", prep_mode="blocks"), [200, 65, 0], 3e-3),
-    "wy-no-prefetch-tf32-update": (gdn.WYConfig(bv=32, prefetch=False, num_stages=2, s_prec="tf32"), [129, 3, 0],
-                                   1.5e-3),
-    "wy-tf32-fp32W-tile2-prep": (gdn.WYConfig(h_prec="tf32", o_prec="tf32", s_prec="tf32", prep_prec="tf32x3",
-                                              prep_mode="tile2"), [130, 1, 0], 1.5e-3),
-    "v1": (V1, [200, 63, 0], 1.5e-3),
-    "wy-tile-prep": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False), [130, 1, 0], 1.5e-3),
-    "wy-tform-pf-per-value-head": (dataclasses.replace(WY, prep_mode="solve"), [130, 1, 0], 1.5e-3),
-    "wy-wform": (dataclasses.replace(WY, tform=False), [130, 1, 0], 1.5e-3),
-    "wy-tform-fused-prep-bf16x3": (dataclasses.replace(WY, prep_mode="fused", solve_prec="bf16x3"), [130, 1, 0],
-                                   1.5e-3),
-    "wy-tform-fused2-prep-bf16x3": (dataclasses.replace(WY, prep_mode="fused2", solve_prec="bf16x3"), [70, 1, 0],
-                                    1.5e-3),
-    "wy-overlap-solve2-exact-merges": (gdn.WYConfig(bv=32, num_stages=2, prefetch=False, overlap=True,
-                                                    prep_mode="solve2", solve_warps=1, solve_prec="ieee"),
-                                       [130, 1, 0], 1.5e-3),
+    "default": (WY, LENS, 1.5e-3),
+    "solve2-per-value-head": (dataclasses.replace(WY, prep_mode="solve2", solve_grid="value"), [130, 1, 0], 1.5e-3),
+    "solve2-per-key-head": (dataclasses.replace(WY, prep_mode="solve2", solve_grid="key"), [130, 1, 0], 1.5e-3),
+    "bv16-two-stages": (dataclasses.replace(WY, bv=16, num_stages=2), [200, 65, 0], 1.5e-3),
 }
 
 
@@ -103,7 +88,7 @@ BF16_CASES = {
 def test_gdn_prefill_bf16_inputs_meet_issue_bars(case):
     """Bars of the issue against an fp32 token scan: output rel-L2 <= 4e-3, final state <= 3e-3 (fla's level). The
     output error includes the bf16 rounding of o itself (~1.2e-3 rel-L2), so the state is the sharper check: the
-    default WY path is held to 1.5e-3 (its CPU emulation at 9B head dims gives ~3e-4)."""
+    Triton scan is held to 1.5e-3 (its CPU emulation at 9B head dims gives ~3e-4)."""
     config, lens_l, state_bar = BF16_CASES[case]
     n = len(lens_l)
     check_bf16_prefill(config, lens_l, 11, 32, 32, [3, 1, 5, 9, 2, 7, 0][-n:], [True] * (n - 1) + [False],
@@ -128,98 +113,68 @@ def check_bf16_prefill(config, lens_l, seed, dk, dv, slots, use, state_bar):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-MGPU_CASES = {"bv32": dict(mgpu="on", bv=32), "bv64": dict(mgpu="on", bv=64),       # on the default: direct output,
-              "bv32-one-buffer": dict(mgpu="on", bv=32, num_stages=1), "auto": dict(),  # T and P as bf16 hi alone
-              "bv32-fused-prep": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3"),
-              "bv32-chunk-out": dict(mgpu="on", bv=32, mgpu_out="chunks"),
-              "bv64-one-buffer-chunk-out": dict(mgpu="on", bv=64, num_stages=1, mgpu_out="chunks"),
-              "bv16-two-warpgroups": dict(mgpu="on", bv=16, mgpu_wgs=2),
-              "bv32-two-warpgroups-chunk-out": dict(mgpu="on", bv=32, mgpu_wgs=2, mgpu_out="chunks"),
-              "bv32-lookahead": dict(mgpu="on", bv=32, mgpu_lookahead=True),
-              "bv16-lookahead-chunk-out": dict(mgpu="on", bv=16, mgpu_out="chunks", mgpu_lookahead=True),
-              "bv32-split-t-p": dict(mgpu="on", bv=32, t_parts=2, p_parts=2),
-              "bv32-split-p": dict(mgpu="on", bv=32, p_parts=2),
-              "bv32-solve-tf32": dict(mgpu="on", bv=32, prep_mode="solve2", solve_prec="tf32", solve_grid="key"),
-              "bv32-fused-prep-tf32": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="tf32"),
-              "bv32-defer-o": dict(mgpu="on", bv=32, mgpu_defer_o=True),
-              "bv64-defer-o-chunk-out": dict(mgpu="on", bv=64, mgpu_defer_o=True, mgpu_out="chunks"),
-              "bv32-fused-prep-split-t-p": dict(mgpu="on", bv=32, prep_mode="fused", solve_prec="bf16x3", t_parts=2,
-                                                p_parts=2),
-              "bv32-lookahead-split-t-p-chunk-out": dict(mgpu="on", bv=32, t_parts=2, p_parts=2, mgpu_lookahead=True,
-                                                         mgpu_out="chunks"),
-              "bv32-split-vnew": dict(mgpu="on", bv=32, v_parts=2),
-              "bv16-lookahead-split-vnew": dict(mgpu="on", bv=16, v_parts=2, mgpu_lookahead=True),
-              "previous-default": dict(v_parts=2, solve_prec="tf32x3")}
+MGPU_CASES = {"auto": dict(), "bv32": dict(mgpu_bv=32), "bv64": dict(mgpu_bv=64),
+              "solve2-per-value-head": dict(prep_mode="solve2", solve_grid="value"),
+              "solve2-per-key-head": dict(prep_mode="solve2", solve_grid="key")}
 
 
 @pytest.mark.parametrize("case", list(MGPU_CASES))
 def test_mgpu_scan_meets_issue_bars(case):
     """The Mosaic GPU scan (Mosaic GPU's interpreter: TMA copies, barriers and wgmma emulated) on bf16 inputs at
-    dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks (out="direct": stored as row
-    pieces of 16 + 8, 4 + 2 and 1), an empty row and a fresh state: the issue's bars against an fp32 token scan,
-    padding rows zero, other slots untouched."""
+    dk = 64, dv = 128 (two or four V-blocks per head), ragged lengths with tail chunks (stored as row pieces of 16 + 8,
+    4 + 2 and 1), an empty row and a fresh state, after either prep: the issue's bars against an fp32 token scan
+    (X, Vnew and fk Vnew rounded to bf16 as fla's v_new: the state to fla's level), padding rows zero, other slots
+    untouched."""
     config = dataclasses.replace(WY, **MGPU_CASES[case])
-    # X, Vnew and fk Vnew rounded to bf16 (v_parts=1, the default, as fla's v_new): the state to the issue's bar
-    # (fla's level); split into bf16 hi + lo (v_parts=2): the tighter one
-    check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False],
-                       3e-3 if config.v_parts == 1 else 1.5e-3)
+    check_bf16_prefill(config, [152, 70, 1, 0], 13, 64, 128, [3, 1, 5, 0], [True, False, True, False], 3e-3)
 
 
-@pytest.mark.parametrize("solve_prec,bar", [("ieee", 1e-6), ("bf16x3", 1e-4), ("tf32", 2e-3)])
-def test_fused_prep_t_matches_the_solve_kernel(solve_prec, bar):
-    """prep_mode "fused": T by recursive doubling on the whole tile equals the solve kernel's (16x16 substitutions and
-    exact merges) on random keys and on the hard case of one key repeated (beta ~ 1, no decay: A's strictly lower
-    entries all ~1), and its P and f equal the P / f prep's."""
+@pytest.mark.parametrize("t_prec,bar", [("tf32x3", 1e-6), ("tf32", 2e-3)])
+def test_fused_prep_t_matches_the_solve_kernel(t_prec, bar):
+    """The fused prep: T by recursive doubling on the whole tile equals the solve kernel's (16x16 substitutions and
+    merges, exact in interpret mode) on random keys and on the hard case of one key repeated (beta ~ 1, no decay:
+    A's strictly lower entries all ~1), and its P and f equal the P / f prep's (per key head)."""
     q, k, v, a, b, A_log, dt_bias, _ = gdn_inputs(3, 1, 200, 2, 4, 64, 64, dtype=jnp.bfloat16)
     q, k, v, a, b = (x[0] for x in (q, k, v, a, b))
     _, row0, nvalid = gdn.chunk_map(jnp.array([0]), jnp.array([200]), 5)
     used = np.asarray(nvalid) > 0
     hard = (jnp.broadcast_to(k[:1], k.shape), jnp.full_like(a, -8.0), jnp.full_like(b, 8.0))
     for kk, aa, bb in ((k, a, b), hard):
-        t_ref = gdn.wy_solve(kk, aa, bb, A_log, dt_bias, row0, nvalid, prec="tf32", num_warps=1, inv_prec="ieee",
-                             interpret=True)
-        kw = dict(w_dtype=jnp.bfloat16, prec="tf32", pf_only=True, interpret=True)
-        t, p, f = gdn.wy_prep(q, kk, v, aa, bb, A_log, dt_bias, row0, nvalid, with_t=True, solve_prec=solve_prec, **kw)
-        p_ref, f_ref = gdn.wy_prep(q, kk, v, aa, bb, A_log, dt_bias, row0, nvalid, **kw)
+        t_ref = gdn.wy_solve(kk, aa, bb, A_log, dt_bias, row0, nvalid, prec="tf32", inv_prec="tf32x3", interpret=True)
+        t, p, f = gdn.wy_prep(q, kk, aa, bb, A_log, dt_bias, row0, nvalid, prec="tf32", with_t=True, t_prec=t_prec,
+                              interpret=True)
+        p_ref, f_ref = gdn.wy_prep(q, kk, aa, bb, A_log, dt_bias, row0, nvalid, prec="tf32", interpret=True)
         assert rel(t[used], t_ref[used]) <= bar
         np.testing.assert_array_equal(p[used], p_ref[used])
         np.testing.assert_array_equal(f[used], f_ref[used])
 
 
-def test_mgpu_scan_needs_aligned_starts():
-    """An explicit Mosaic GPU scan refuses starts it cannot prove 8-row aligned; "auto" (the default) runs the Triton
-    scan there, and on shapes the Mosaic scan does not take."""
-    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(14, 1, 20, 1, 1, 64, 64, dtype=jnp.bfloat16)
-    flat = [x[0] for x in (q, k, v, a, b)]
-    args = (*flat, A_log, dt_bias, pool, jnp.array([0]), jnp.array([20]), jnp.array([2]), jnp.array([True]))
-    with pytest.raises(ValueError, match="multiples of 8"):
-        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="on"), interpret=True)
-    with pytest.raises(ValueError, match="mgpu must be"):
-        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, mgpu="yes"), interpret=True)
-    with pytest.raises(ValueError, match="t_parts, p_parts and v_parts are 1 or 2"):
-        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, t_parts=3), interpret=True)
+def test_mgpu_scan_applies_where_its_shapes_allow():
+    """The default runs the Mosaic GPU scan on bf16 inputs with 8-row aligned starts, dk % 64 and dv % 32, and the
+    Triton scan elsewhere (fp32 models, unaligned starts, other head dims); mgpu=False forces the Triton scan."""
     assert gdn_mgpu.applies(8192, 128, 128, True) and not gdn_mgpu.applies(8192, 128, 128, False)
     assert not gdn_mgpu.applies(8192, 128, 128, True, jnp.float32)           # fp32 models: the Triton scan
     assert not gdn_mgpu.applies(8192, 32, 128, True) and not gdn_mgpu.applies(8190, 128, 128, True)
     assert gdn_mgpu.pick_bv(1, 32, 128) == 32 and gdn_mgpu.pick_bv(8, 32, 128) == 64
-    assert gdn_mgpu.pick_bv(1, 32, 128, wgs=2) == 16 and gdn_mgpu.pick_bv(8, 32, 128, wgs=2) == 32
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(14, 1, 24, 1, 1, 64, 64, dtype=jnp.bfloat16)
+    flat = [x[0] for x in (q, k, v, a, b)]
+    args = (*flat, A_log, dt_bias, pool, jnp.array([0]), jnp.array([20]), jnp.array([2]), jnp.array([True]))
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=WY), *shapes)      # unaligned: Triton scan
-    assert "mosaic_gpu" not in text and text.count("__gpu$xla.gpu.triton") == 2        # two chunks: the fused prep
+    for aligned, config, mosaic in ((False, WY, False), (True, WY, True), (True, dataclasses.replace(WY, mgpu=False),
+                                                                             False)):
+        text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=config, starts_aligned=aligned), *shapes)
+        assert ("mosaic_gpu" in text) == mosaic                              # one chunk: the fused prep
+        assert text.count("__gpu$xla.gpu.triton") == 1 + (not mosaic)
+    with pytest.raises(ValueError, match="prep_mode"):
+        gdn.gdn_prefill_packed(*args, config=dataclasses.replace(WY, prep_mode="tile"), interpret=True)
 
 
 def test_mgpu_scan_cross_lowers_for_cuda():
-    """The Mosaic GPU scan at both V-blocks, one or two buffers, either output path (and with two warpgroups, the
-    lookahead, the operand splits and the deferred store at V-blocks 16 and 32), lowers for CUDA (sm_90a) at the 9B
-    shapes, one packed call of 8 sequences and the padded contract the model calls (where "auto" picks the Mosaic
-    scan)."""
+    """The Mosaic GPU scan at both V-blocks lowers for CUDA (sm_90a) at the 9B shapes, one packed call of 8 sequences
+    and the padded contract the model calls (where the default picks the Mosaic scan)."""
     S, i32 = jax.ShapeDtypeStruct, jnp.int32
     packed = packed_prefill_shapes(8 * 1024, 8, 16, 32, 128, 128, 9)
-    cfgs = [dataclasses.replace(WY, mgpu="on", bv=bv, num_stages=s, mgpu_out=o) for bv in (32, 64) for s in (1, 2)
-            for o in ("chunks", "direct")]
-    cfgs += [dataclasses.replace(WY, mgpu="on", bv=bv, mgpu_out=o, **kw) for bv in (16, 32) for o in ("chunks", "direct")
-             for kw in (dict(mgpu_wgs=2), dict(mgpu_lookahead=True), dict(t_parts=2, p_parts=2), dict(p_parts=2),
-                        dict(mgpu_defer_o=True), dict(v_parts=2), dict(v_parts=2, mgpu_lookahead=True))]
+    cfgs = [WY] + [dataclasses.replace(WY, mgpu_bv=bv) for bv in (32, 64)]
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True) for c in cfgs],
                           *packed)
     assert text.count("__gpu$xla.gpu.triton") == 2 * len(cfgs) and text.count("mosaic_gpu") >= len(cfgs)
@@ -235,13 +190,13 @@ def test_wy_solve_per_value_head_equals_per_key_head():
     flat = lambda x: x.reshape(150, *x.shape[2:])
     _, row0, nvalid = gdn.chunk_map(jnp.array([0]), jnp.array([150]), 4)
     solve = lambda pvh: gdn.wy_solve(flat(k), flat(a), flat(b), A_log, dt_bias, row0, nvalid, prec="tf32",
-                                     num_warps=1, per_value_head=pvh, interpret=True)
+                                     inv_prec="tf32", per_value_head=pvh, interpret=True)
     t_key, t_value = solve(False), solve(True)
     np.testing.assert_array_equal(np.asarray(t_value[:3]), np.asarray(t_key[:3]))    # chunk 3 is unused
     assert np.all(np.isfinite(np.asarray(t_key[:3])))
 
 
-@pytest.mark.parametrize("config", [None, gdn.WYConfig(prep_mode="tile2")], ids=["default", "tile2-prep"])
+@pytest.mark.parametrize("config", [WY, dataclasses.replace(WY, solve_grid="key")], ids=["default", "solve-key-grid"])
 def test_gdn_prefill_packed_ragged(config):
     """Packed sequences at arbitrary offsets (not chunk-aligned), one call; rows outside sequences untouched."""
     hk, hv, dk, dv = 2, 4, 32, 16
@@ -263,12 +218,9 @@ def test_gdn_prefill_packed_ragged(config):
         assert rel(new[slots[i]], p_ref[slots[i]]) <= 1e-4
 
 
-@pytest.mark.parametrize("ratio,config", [(1, gdn.DecodeConfig()), (2, gdn.DecodeConfig(bv=8, num_warps=1, group=True)),
-                                          (3, gdn.DecodeConfig(bv=16, num_warps=1)), (2, gdn.DecodeConfig(bv=16, group=True)),
-                                          (2, gdn.DecodeConfig(vblocks=4)), (3, gdn.DecodeConfig(group=True, vblocks=2)),
-                                          (2, gdn.DecodeConfig(vfirst=True)), (2, gdn.DecodeConfig(group=True, vfirst=True))],
-                         ids=["r1", "r2-group-bv8", "r3-bv16", "r2-group-bv16", "r2-loop4", "r3-group-loop2", "r2-vfirst",
-                              "r2-group-vfirst"])
+@pytest.mark.parametrize("ratio,config", [(1, gdn.DEFAULT_DECODE), (2, gdn.DEFAULT_DECODE), (3, gdn.DecodeConfig(bv=16)),
+                                          (2, gdn.DecodeConfig(bv=16, num_warps=2))],
+                         ids=["r1", "r2", "r3-bv16", "r2-bv16-w2"])
 def test_gdn_decode_in_place(ratio, config):
     n, hk, dk, dv = 5, 2, 32, 16
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(20 + ratio, n, 1, hk, hk * ratio, dk, dv)
@@ -284,8 +236,7 @@ def test_gdn_decode_in_place(ratio, config):
     np.testing.assert_array_equal(new[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("config", [gdn.DEFAULT_DECODE, gdn.DecodeConfig(bv=8, num_warps=1, group=True, vblocks=2)],
-                         ids=["default", "group-loop2"])
+@pytest.mark.parametrize("config", [gdn.DEFAULT_DECODE, gdn.DecodeConfig(bv=16)], ids=["default", "bv16"])
 def test_gdn_decode_packed_reads_the_layer_arrays_in_place(config):
     """The model's decode contract: q | k | v from the conv output and b, a from the end of the input projection
     ([.. | z | b | a]), read where they lie: bit-exact with gdn_decode on the slices, and the reference agrees."""
@@ -390,12 +341,10 @@ def attention_inputs(seed, n, hq, hkv, d, page_size, pages_per_seq, ctx, dtype):
 @pytest.mark.parametrize("hq,hkv,config", [
     (4, 4, None), (8, 4, None), (6, 2, paged_attention.DecodeAttentionConfig(pages_per_block=2, target_programs=64)),
     (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1)),
-    (6, 2, paged_attention.DecodeAttentionConfig(pages_per_block=2, target_programs=64, flat=True)),
-    (8, 4, paged_attention.DecodeAttentionConfig(pages_per_block=4, flat=True)),
-    (12, 2, paged_attention.DecodeAttentionConfig(pages_per_block=1, target_programs=1, flat=True))])
+    (8, 4, paged_attention.DecodeAttentionConfig(pages_per_block=4))])
 def test_paged_decode_attention_matches_reference(hq, hkv, config):
     """G = 1, 2, 3, 6 query heads per KV head (padded to 16 rows); contexts empty (padded row), one token, page
-    boundaries, long; several splits and one; page-wise and flat key gathers."""
+    boundaries, long; several splits and one; one, two and four pages per step."""
     ctx = [0, 1, 15, 16, 17, 64, 200, 127]
     args = attention_inputs(0, len(ctx), hq, hkv, 32, 8, 32, ctx, jnp.float32)
     ref = decode_attention(*args)
@@ -473,22 +422,17 @@ def packed_prefill_shapes(total, n, hk, hv, dk, dv, slots):
 
 @pytest.mark.parametrize("hk,hv,dk,dv,conv_ch", [(16, 32, 128, 128, 8192), (2, 6, 16, 32, 256 + 96)])
 def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
-    """Every configuration the GPU benchmark sweeps (gdn.prefill_sweep / decode_sweep, conv1d's) plus the defaults,
-    at the 9B shapes and at a small one, so the GPU run cannot fail on a Triton-illegal shape."""
+    """Every configuration the GPU benchmarks sweep (bench/kernel_sweeps.py, the defaults first), at the 9B shapes
+    and at a small one, so the GPU run cannot fail on a Triton-illegal shape (unaligned rows: the Triton scan)."""
     S, bf, f32, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32, jnp.int32
     n, t, slots = 3, 300, 9
     prefill = (S((n, t, hk, dk), bf), S((n, t, hk, dk), bf), S((n, t, hv, dv), bf), S((n, t, hv), bf),
                S((n, t, hv), bf), S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32),
                S((n,), i32), S((n,), jnp.bool_))
-    configs = gdn.prefill_sweep() + [None, gdn.WYConfig(bv=64, prefetch=True, num_warps=8),
-                                     gdn.PrefillConfig(bv=dv, prec="tf32x3", num_warps=8),
-                                     gdn.PrefillConfig(bv=32, num_warps=8, prec="bf16", solve_prec="bf16")]
-    configs += [gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS]
+    configs = kernel_sweeps.prefill_sweep()
     text = lower_for_cuda(lambda *x: [gdn.gdn_prefill(*x, config=cfg) for cfg in configs], *prefill)
-    resolved = [gdn.DEFAULT_PREFILL if c is None else c for c in configs]
-    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf) if isinstance(c, gdn.WYConfig) else c
-                for c in resolved]
-    kernels = sum(2 + (getattr(c, "prep_mode", "") in ("solve", "solve2")) for c in resolved)   # prep, scan (+ T)
+    resolved = [gdn.resolve_prep(c, n * (-(-t // 64)), hv, bf) for c in configs]
+    kernels = sum(2 + (c.prep_mode == "solve2") for c in resolved)           # (T solve +) prep, scan
     assert text.count("__gpu$xla.gpu.triton") == kernels
     packed = (S((t, hk, dk), bf), S((t, hk, dk), bf), S((t, hv, dv), bf), S((t, hv), bf), S((t, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32), S((n,), i32),
@@ -498,33 +442,19 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(gdn.gdn_prefill, *f32_prefill)
     decode = (S((n, hk, dk), bf), S((n, hk, dk), bf), S((n, hv, dv), bf), S((n, hv), bf), S((n, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((n,), i32))
-    dcfgs = gdn.decode_sweep() + [None]
+    dcfgs = kernel_sweeps.decode_sweep()
     text = lower_for_cuda(lambda *x: [gdn.gdn_decode(*x, config=cfg) for cfg in dcfgs], *decode)
     assert text.count("__gpu$xla.gpu.triton") == len(dcfgs)
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
-    ccfgs = conv1d.prefill_sweep()
+    ccfgs = kernel_sweeps.conv_prefill_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_prefill(*x, config=cfg) for cfg in ccfgs]
                           + [conv1d.conv_prefill(*x, split=(hk * dk, 2 * hk * dk))], *conv)   # the model's q, k, v
     assert text.count("__gpu$xla.gpu.triton") == len(ccfgs) + 1
-    ccfgs = conv1d.decode_sweep()
+    ccfgs = kernel_sweeps.conv_decode_sweep()
     text = lower_for_cuda(lambda *x: [conv1d.conv_decode(*x, config=cfg) for cfg in ccfgs], S((n, conv_ch), bf),
                           S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32))
     assert text.count("__gpu$xla.gpu.triton") == len(ccfgs)
-
-    for m in (1, 64):                                              # decode matmuls at the 9B in_proj / down_proj
-        for k, nn in ((4096, 12352), (12288, 4096)):
-            mcfgs = [c for c in matmul.config_sweep() if matmul.fits(m, k, nn, c)]
-            text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
-                                  S((k, nn), bf))
-            assert len(mcfgs) >= 6 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
-
-    for m in (64,):                      # what every rule of QWEN35_DECODE_MATMUL picks for the 9B projections
-        for k, nn in ((4096, 12352), (4096, 24576), (12288, 4096)):
-            mcfgs = sorted({c for r in matmul.RULES.values() if (c := matmul.choose(m, k, nn, r))}, key=str)
-            text = lower_for_cuda(lambda x, w: [matmul.matmul(x, w, config=c) for c in mcfgs], S((m, k), bf),
-                                  S((k, nn), bf))
-            assert len(mcfgs) >= 3 and text.count("__gpu$xla.gpu.triton") == len(mcfgs)
 
     for b, hq in ((64, 16), (3, 24)):                    # the decode prologue and attention on its tiles, 9B / 27B
         prologue = functools.partial(paged_attention.decode_prologue, q_heads=hq, rotary_dim=64, theta=1e7, eps=1e-6)
@@ -539,58 +469,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
                 S((b,), i32))
-        acfgs = paged_attention.config_sweep()
+        acfgs = kernel_sweeps.attention_sweep()
         text = lower_for_cuda(lambda *x: [paged_attention.paged_decode_attention(*x, config=c) for c in acfgs], *attn)
         assert text.count("__gpu$xla.gpu.triton") == len(acfgs)
-
-
-@pytest.mark.parametrize("m,k,n,config", [(1, 512, 256, matmul.DEFAULT), (5, 512, 384, matmul.MatmulConfig(bn=128, split_k=2)),
-                                      (16, 1024, 256, matmul.MatmulConfig(bn=32, split_k=4)),
-                                      (40, 256, 128, matmul.MatmulConfig(bn=128, bk=256, num_stages=2))])
-def test_decode_matmul_matches_dot(m, k, n, config):
-    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-    w = (0.05 * jax.random.normal(jax.random.key(k), (k, n))).astype(jnp.bfloat16)
-    for out_dtype in (jnp.float32, jnp.bfloat16):
-        got = matmul.matmul(x, w, out_dtype=out_dtype, config=config, interpret=True)
-        want = matmul.reference(x, w, out_dtype=out_dtype)
-        assert got.shape == (m, n) and got.dtype == out_dtype
-        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
-    with pytest.raises(ValueError, match="does not fit"):
-        matmul.matmul(x, w[:, :n - 8], config=config, interpret=True)
-
-
-@pytest.mark.parametrize("m,k,n,config", [(64, 512, 256, matmul_mgpu.MgpuConfig()),
-                                          (5, 1024, 192, matmul_mgpu.MgpuConfig(bn=64, split_k=2, stages=2)),
-                                          (1, 512, 512, matmul_mgpu.MgpuConfig(bn=256, split_k=4, stages=3))])
-def test_mgpu_matmul_matches_dot(m, k, n, config):
-    """The Mosaic GPU decode matmul in Mosaic GPU's interpreter (TMA copies, barriers and wgmma emulated) against
-    XLA's dot: fp32 partial sums equal up to summation order, and the rows past M are zeros."""
-    x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
-    w = (0.05 * jax.random.normal(jax.random.key(k), (k, n))).astype(jnp.bfloat16)
-    parts = matmul_mgpu.partial_sums(x, w, config=config, interpret=True)
-    assert parts.shape == (config.split_k, matmul_mgpu.ROWS, n) and not jnp.any(parts[:, m:])
-    for out_dtype in (jnp.float32, jnp.bfloat16):
-        got = matmul_mgpu.matmul(x, w, out_dtype=out_dtype, config=config, interpret=True)
-        want = matmul.reference(x, w, out_dtype=out_dtype)
-        assert got.shape == (m, n) and got.dtype == out_dtype
-        assert rel(got.astype(jnp.float32), want.astype(jnp.float32)) <= (1e-6 if out_dtype == jnp.float32 else 4e-3)
-    with pytest.raises(ValueError, match="does not fit"):
-        matmul_mgpu.matmul(x, w[:, :n - 32], config=config, interpret=True)
-
-
-def test_mgpu_matmul_configurations_cross_lower_for_cuda():
-    """What every rule of QWEN35_DECODE_MATMUL=mgpu* picks for the 9B in_proj, gate_up and down_proj at 16 and 64
-    rows lowers for CUDA (sm_90a: TMA, wgmma); and the rule itself."""
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    for m in (16, 64):
-        for k, n in ((4096, 12352), (4096, 24576), (12288, 4096)):
-            cfgs = sorted({c for kw in matmul_mgpu.RULES.values() if (c := matmul_mgpu.choose(m, k, n, **kw))}, key=str)
-            text = lower_for_cuda(lambda x, w: [matmul_mgpu.matmul(x, w, config=c) for c in cfgs], S((m, k), bf),
-                                  S((k, n), bf))
-            assert cfgs and text.count("mosaic_gpu") >= len(cfgs)
-    assert matmul_mgpu.choose(64, 4096, 24576) == matmul_mgpu.MgpuConfig(bn=128, split_k=2)
-    assert matmul_mgpu.choose(64, 4096, 12352) == matmul_mgpu.MgpuConfig(bn=64, split_k=2)
-    assert matmul_mgpu.choose(64, 256, 4096) is None and matmul_mgpu.choose(65, 4096, 4096) is None
 
 
 def test_model_projections_round_once():
@@ -682,9 +563,15 @@ def test_backend_kernels_follow_the_config():
 
 
 def test_sweep_names_unique():
-    for sweep in (gdn.prefill_sweep(), gdn.decode_sweep(), paged_attention.config_sweep()):
-        names = [c.name for c in sweep]
-        assert len(names) == len(set(names)), names
+    """bench/kernel_sweeps.py: each list starts with the kernel's default and names each configuration once."""
+    ks = kernel_sweeps
+    for sweep, default, name in ((ks.prefill_sweep(), gdn.DEFAULT_PREFILL, "name"),
+                                 (ks.decode_sweep(), gdn.DEFAULT_DECODE, "name"),
+                                 (ks.attention_sweep(), paged_attention.DEFAULT, "name"),
+                                 (ks.conv_prefill_sweep(), conv1d.ConvConfig(), "prefill_name"),
+                                 (ks.conv_decode_sweep(), conv1d.ConvConfig(), "decode_name")):
+        names = [getattr(c, name) for c in sweep]
+        assert sweep[0] == default and len(names) == len(set(names)), names
 
 
 def test_illegal_head_dim_raises():
@@ -735,20 +622,17 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
 
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on bf16
-    T-form inputs only, its products in bf16x3 unless solve_prec asks for TF32 (as "auto" does on bf16 inputs; tf32x3
-    merges on fp32 ones); the solve kernel + the per-key-head P / f prep otherwise; explicit modes pass through."""
+    inputs only; the T solve + the per-key-head P / f prep otherwise; explicit modes pass through, a bad one (or the
+    fused prep on fp32 inputs) is refused."""
     few, many = gdn.FUSED_PREP_PROGRAMS // 32, gdn.FUSED_PREP_PROGRAMS // 32 + 1
-    fused = gdn.resolve_prep(dataclasses.replace(WY, solve_prec="tf32x3"), few, 32, jnp.bfloat16)
-    assert (fused.prep_mode, fused.solve_prec) == ("fused", "bf16x3")
-    tf32 = gdn.resolve_prep(WY, few, 32, jnp.bfloat16)    # solve_prec "auto" (the default): TF32 on bf16 inputs
-    assert (tf32.prep_mode, tf32.solve_prec) == ("fused", "tf32")   # TF32 asked for: the fused prep's products too
+    assert gdn.resolve_prep(WY, few, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="fused", solve_grid="value")
     assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="solve2",
-                                                                               solve_prec="tf32", solve_grid="value")
-    assert gdn.resolve_prep(WY, few, 32, jnp.float32) == dataclasses.replace(WY, prep_mode="solve2",
-                                                                             solve_prec="tf32x3",
-                                                                             solve_grid="value")  # near-fp32
-    assert gdn.resolve_prep(dataclasses.replace(WY, tform=False), few, 32, jnp.bfloat16).prep_mode == "solve2"
-    assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve"), few, 32, jnp.bfloat16).prep_mode == "solve"
+                                                                               solve_grid="value")
+    assert gdn.resolve_prep(WY, few, 32, jnp.float32).prep_mode == "solve2"               # fp32: near-fp32 merges
+    assert gdn.resolve_prep(dataclasses.replace(WY, prep_mode="solve2"), few, 32, jnp.bfloat16).prep_mode == "solve2"
+    for bad, dtype in (("tile", jnp.bfloat16), ("fused", jnp.float32)):
+        with pytest.raises(ValueError, match="prep_mode"):
+            gdn.resolve_prep(dataclasses.replace(WY, prep_mode=bad), few, 32, dtype)
 
 
 def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
@@ -763,30 +647,21 @@ def test_solve_grid_auto_goes_per_value_head_for_few_chunks():
         grid(1, dataclasses.replace(WY, solve_grid="heads"))
 
 
-def test_solve_grid_reaches_the_w_form_solve():
-    """solve_grid reaches the T solve of either form: the W-form's (wy_prep's own solve, prep_mode "solve") runs one
-    program per key head or per value head as asked (read from the lowered kernels' grids), not the key grid alone."""
+def test_prep_kernels_take_their_own_warps():
+    """The fused prep runs on prep_warps; after the T solve (solve_warps, one program per key head or value head as
+    solve_grid says), the P / f prep on pf_warps (read from the lowered kernels' Triton parameters and grids)."""
     hk, hv = 2, 4
-    packed = packed_prefill_shapes(64 * 12, 1, hk, hv, 64, 64, 3)
-    for grid, heads in (("key", hk), ("value", hv)):
-        c = dataclasses.replace(WY, tform=False, prep_mode="solve", solve_grid=grid, mgpu="")
-        text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c), *packed)
-        solve = text[:text.index('name = "gdn_solve"')]                  # its custom call's grid precedes its name
-        assert re.findall(r"grid_y = (\d+)", solve)[-1] == str(heads), grid
-
-
-def test_pf_warps_sets_the_pf_prep_alone():
-    """WYConfig.pf_warps: the P / f prep after the T solve on its own warps (the T solve keeps solve_warps); the fused
-    prep of few chunks keeps prep_warps (read from the kernels' lowered Triton parameters)."""
-    warps = {}
-    for total in (64 * 12, 64 * 200):          # "auto": the fused prep (12 chunks x 4 heads), then solve2
-        packed = packed_prefill_shapes(total, 1, 2, 4, 64, 64, 3)
-        for c in (WY, dataclasses.replace(WY, pf_warps=8)):
+    for total in (64 * 12, 64 * 100):          # "auto": the fused prep (12 chunks x 4 heads), then solve2
+        packed = packed_prefill_shapes(total, 1, hk, hv, 64, 64, 3)
+        for c in (WY, dataclasses.replace(WY, pf_warps=8, solve_grid="key")):
             text = lower_for_cuda(lambda *x: gdn.gdn_prefill_packed(*x, config=c, starts_aligned=True), *packed)
-            warps[total, c.pf_warps] = sorted(int(w) for w in re.findall(r"num_warps = (\d+) : i32", text))
-    assert warps[64 * 12, WY.pf_warps] == warps[64 * 12, 8] == [WY.prep_warps]
-    assert warps[64 * 200, WY.pf_warps] == sorted([WY.solve_warps, WY.pf_warps])
-    assert warps[64 * 200, 8] == sorted([WY.solve_warps, 8])
+            warps = sorted(int(w) for w in re.findall(r"num_warps = (\d+) : i32", text))
+            if total == 64 * 12:
+                assert warps == [c.prep_warps]
+            else:
+                assert warps == sorted([c.solve_warps, c.pf_warps])
+                solve = text[:text.index('name = "gdn_solve"')]                  # its custom call's grid precedes
+                assert re.findall(r"grid_y = (\d+)", solve)[-1] == str(hv if c.solve_grid == "auto" else hk)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,18 +1,17 @@
 """Compile the Pallas-Triton GDN kernels for sm_90 on a machine without a GPU: shared memory, registers, spills.
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
-further: it dumps the Triton IR of every kernel in gdn.prefill_sweep() / gdn.decode_sweep() /
-paged_attention.config_sweep() and decode_prologue / the decode matmul's matmul.RULES at the 9B shapes (with the
-project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
+further: it dumps the Triton IR of every kernel in bench/kernel_sweeps.py's lists and decode_prologue at the 9B
+shapes (with the project's Python), then compiles each one for sm_90 (H100/H200) with the PyPI `triton` package (any
 machine, no driver needed: TTIR -> TTGIR -> PTX -> cubin with the ptxas it ships) and reports the dynamic shared
 memory, registers, local-memory spills, programs per SM, the tensor-core path of the dots, how many loads
 became asynchronous copies (the software pipeliner's work) and how many layout conversions the TTGIR holds (a static
 count: a loop body counts once); the TTGIR is saved beside each .ttir. jaxlib bundles its
 own Triton, so PyPI Triton's passes are a close proxy, not the exact compiler the GPU run uses.
 
-  python pallas_kernels/triton_compile_check.py dump /tmp/ttir              # the project's venv (jax)
+  python bench/triton_compile_check.py dump /tmp/ttir              # the project's venv (jax)
   python3 -m venv /tmp/tritonenv && /tmp/tritonenv/bin/pip install triton
-  /tmp/tritonenv/bin/python pallas_kernels/triton_compile_check.py compile /tmp/ttir/*.ttir
+  /tmp/tritonenv/bin/python bench/triton_compile_check.py compile /tmp/ttir/*.ttir
 """
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ def dump(out_dir, only=()):
     import jax
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from pallas_kernels import conv1d, gdn, matmul, paged_attention as pa
+    from bench import kernel_sweeps as ks
+    from pallas_kernels import conv1d, gdn, paged_attention as pa
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -54,12 +54,9 @@ def dump(out_dir, only=()):
                S((1,), i32), S((1,), jnp.bool_))
     decode = (S((64, hk, dk), bf), S((64, hk, dk), bf), S((64, hv, dv), bf), S((64, hv), bf), S((64, hv), bf),
               S((hv,), f32), S((hv,), f32), S((slots, hv, dv, dk), f32), S((64,), i32))
-    sweep = gdn.prefill_sweep()
-    sweep += [] if gdn.DEFAULT_PREFILL in sweep else [gdn.DEFAULT_PREFILL]
-    jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in sweep]
-    jobs += [(f"{c.name}_prep", functools.partial(gdn.gdn_prefill, config=c), prefill)
-             for c in (gdn.WYConfig(**kw) for kw in gdn.PREP_VARIANTS)]
-    jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in gdn.decode_sweep()]
+    # the Mosaic GPU scan is not a Triton kernel: these dump its prep kernels (and the Triton scan where mgpu=False)
+    jobs = [(c.name, functools.partial(gdn.gdn_prefill, config=c), prefill) for c in ks.prefill_sweep()]
+    jobs += [("dec_" + c.name, functools.partial(gdn.gdn_decode, config=c), decode) for c in ks.decode_sweep()]
     prologue = (S((64, 16 * 512 + 2048), bf), S((256,), bf), S((256,), bf), S((4, 8193, 16, 256), bf),
                 S((4, 8193, 16, 256), bf), S((64, 512), i32), S((64,), i32), S((64,), i32))
     jobs.append(("attn_prologue_b64", functools.partial(pa.decode_prologue, q_heads=16, rotary_dim=64, theta=1e7,
@@ -68,24 +65,19 @@ def dump(out_dir, only=()):
         attn = (S((b, 16, 256), bf), S((4, 8193, 16, 256), bf), S((4, 8193, 16, 256), bf), S((b, 512), i32),
                 S((b,), i32))
         jobs += [(f"attn_b{b}_{c.name}", functools.partial(pa.paged_decode_attention, config=c), attn)
-                 for c in pa.config_sweep()]
+                 for c in ks.attention_sweep()]
     # conv1d prefill (8k tokens, one sequence) and decode (batch 256) at 9B shapes (8192 channels)
     conv_pre = (S((t, 8192), bf), S((4, 8192), bf), S((slots, 3, 8192), bf), S((1,), i32), S((1,), i32),
                 S((1,), i32), S((1,), jnp.bool_))
     jobs += [(f"conv_prefill_{c.prefill_name}", functools.partial(conv1d.conv_prefill_packed, config=c), conv_pre)
-             for c in conv1d.prefill_sweep()]
+             for c in ks.conv_prefill_sweep()]
     # as the model calls it: the whole input projection read in place, q, k and v written as arrays of their own
     jobs += [(f"conv_prefill_{'split_' if cuts else 'wide_'}{c.prefill_name}",
               functools.partial(conv1d.conv_prefill_packed, split=cuts, config=c), (S((t, 12352), bf), *conv_pre[1:]))
-             for c in conv1d.prefill_sweep() for cuts in ((2048, 4096), None)]
+             for c in ks.conv_prefill_sweep() for cuts in ((2048, 4096), None)]
     conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
-             for c in conv1d.decode_sweep()]
-    for b in (16, 64):              # the decode matmul's configurations by each rule at the 9B gate_up / down_proj
-        for k, n in ((4096, 24576), (12288, 4096)):
-            for c in sorted({c for r in matmul.RULES.values() if (c := matmul.choose(b, k, n, r))}, key=str):
-                jobs.append((f"matmul_b{b}_{k}x{n}_{c.name}", functools.partial(matmul.matmul, config=c),
-                             (S((b, k), bf), S((k, n), bf))))
+             for c in ks.conv_decode_sweep()]
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:
