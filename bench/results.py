@@ -75,8 +75,7 @@ def record(title: str, body: str, command: str | None = None, fields: dict | Non
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.strftime("%Y-%m-%d %H:%M UTC")
     sha, desc = commit(), machine()
-    section = (f"## {title}\n\n- command: `{command}`\n- commit: `{sha}`\n- machine: {desc}\n"
-               f"- date: {stamp}\n\n{body.rstrip()}\n")
+    section = _section(title, command, sha, desc, stamp, body)
     os.makedirs(runs_dir(), exist_ok=True)
     if title in _written and os.path.exists(_written[title][0]):
         path, old = _written[title]
@@ -105,6 +104,12 @@ def record(title: str, body: str, command: str | None = None, fields: dict | Non
     _written[title] = (path, section)
     print(f"recorded '{title}' in {path} and {hist}")
     return path
+
+
+def _section(title, command, sha, desc, stamp, body) -> str:
+    """A run's section of history.md."""
+    return (f"## {title}\n\n- command: `{command}`\n- commit: `{sha}`\n- machine: {desc}\n"
+            f"- date: {stamp}\n\n{body.rstrip()}\n")
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
@@ -138,11 +143,19 @@ def merge(paths: list[str]):
         else:
             files = [path]
         for p in files:
-            if p.endswith(".json"):
-                dest = os.path.join(runs_dir(), os.path.basename(p))
+            if p.endswith(".json"):          # the run's file, under a name of its own, and its section
+                run = json.load(open(p))
+                base, n = os.path.join(runs_dir(), os.path.basename(p)[:-5]), 1
+                dest = base + ".json"
+                while os.path.exists(dest) and json.load(open(dest)) != run:
+                    n += 1
+                    dest = f"{base}_{n}.json"
                 if not os.path.exists(dest):
                     shutil.copy(p, dest)
-                    print(f"merged {os.path.basename(p)}")
+                    print(f"merged {os.path.basename(dest)}")
+                sec = _section(run["title"], run["command"], run["commit"], run["machine"], run["date"], run["body"])
+                if sec.rstrip() not in text:
+                    text = text.rstrip() + "\n\n" + sec.rstrip() + "\n"
                 continue
             for (title, date), sec in sections(open(p).read()):
                 if sec.rstrip() not in text:
