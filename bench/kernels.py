@@ -14,7 +14,8 @@ starts just before the limit still finishes.
 
 Order (most valuable first; the model step has a reserved slice of the time, `--model-reserve`, so it always runs):
  1. ceilings (copy bandwidth, bf16 matmul rate) and fla import;
- 2. GPU correctness of the defaults and the candidate (bench/kernel_sweeps.CANDIDATE_PREFILL) against the references (prefill:
+ 2. GPU correctness of the defaults and the candidate (bench/kernel_sweeps.CANDIDATE_PREFILL) against the references
+    (prefill:
     fp32 token scan, 4 packed sequences 100/777/65/1 (8-row-aligned starts) with random initial states, one fresh;
     decode: 8 rows, 2 on the null slot);
  3. headline: prefill 1x8k and decode batch 1 / 256 for the defaults, the candidate prefill, the previous decode
@@ -51,7 +52,6 @@ GPU time, host dispatch excluded:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -1160,9 +1160,9 @@ def report() -> str:
          "CUDA-graph replay of one call, `do_bench` median with L2 flushed (as shared/tools/fla_baseline.py); fla (b) "
          "= back-to-back calls in one CUDA graph over rotating inputs, time / calls (ours' method).",
          f"Ceilings measured in this run: copy {fmt(ceil.get('copy_TBps_torch'), '.2f')} TB/s (torch `copy_`), "
-         f"{fmt(ceil.get('copy_TBps_jax'), '.2f')} TB/s (JAX `x*c`); bf16 matmul {fmt(ceil.get('matmul_TFLOPs'), '.0f')} "
-         "TFLOP/s. Variants: `wy_*` = the WY pipeline (parallel prep kernel + four-dot scan; pallas_kernels/gdn.py), "
-         "`v1_*` = the previous kernels, decode `bvN_wM` = V-rows per program and warps.", ""]
+         f"{fmt(ceil.get('copy_TBps_jax'), '.2f')} TB/s (JAX `x*c`); bf16 matmul "
+         f"{fmt(ceil.get('matmul_TFLOPs'), '.0f')} TFLOP/s. Variants: `prefill_*` = tiles of the chunked prefill "
+         "(pallas_kernels/gdn.py), decode `bvN_wM` = V-rows per program and warps.", ""]
     cpf = RES.get("correct_prefill", {})
     if cpf:
         L += ["### GPU correctness (prefill: fp32 token scan reference, 4 packed sequences 100/777/65/1 (8-row-aligned "
@@ -1170,17 +1170,18 @@ def report() -> str:
               "| variant | o rel-L2 | state rel-L2 | untouched slots | ok |", "|---|---|---|---|---|"]
         for k, v in cpf.items():
             L.append(f"| {k} | {fmt(v.get('o_rel'), '.2e')} | {fmt(v.get('state_rel'), '.2e')} | "
-                     f"{v.get('untouched_ok', '—')} | {v.get('ok', '—') if 'error' not in v else 'ERROR ' + v['error'][:120]} |")
+                     f"{v.get('untouched_ok', '—')} | "
+                     f"{v.get('ok', '—') if 'error' not in v else 'ERROR ' + v['error'][:120]} |")
         L.append("")
     cd = RES.get("correct_decode_conv", {})
     if cd:
-        L.append("Decode (8 rows, 2 padded on the null slot; bar state <= 1e-5) and conv (bit-exact) on GPU: " + "; ".join(
-            f"{k}: " + ", ".join(f"{kk}={vv:.1e}" if isinstance(vv, float) else f"{kk}={vv}" for kk, vv in v.items())
-            for k, v in cd.items()))
+        L.append("Decode (8 rows, 2 padded on the null slot; bar state <= 1e-5) and conv (bit-exact) on GPU: "
+                 + "; ".join(f"{k}: " + ", ".join(f"{kk}={vv:.1e}" if isinstance(vv, float) else f"{kk}={vv}"
+                                                  for kk, vv in v.items()) for k, v in cd.items()))
         L.append("")
     L += ["### Prefill (GDN core incl. gates and l2norm, initial state read from the pool, final state written back)",
-          "", "| case | WY best µs | WY default µs | candidate µs | fla µs (a) | best / fla | candidate / fla | floor µs | "
-          "best / floor |", "|---|---|---|---|---|---|---|---|---|"]
+          "", "| case | best µs | default µs | candidate µs | fla µs (a) | best / fla | candidate / fla | floor µs "
+          "| best / floor |", "|---|---|---|---|---|---|---|---|---|"]
     for case in PREFILL_CASES:
         r = RES.get("prefill", {}).get(case, {})
         us = lambda k: (r.get(k) or {}).get("us")
@@ -1195,23 +1196,24 @@ def report() -> str:
                  f"{fmt(best / r['floor_us'] if best and r.get('floor_us') else None, '.1f')} |")
     pf = RES.get("prefill", {})
     L.append("")
-    L.append(f"WY best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; candidate: "
+    L.append(f"Best configuration: `{pf.get('best_config', '—')}`; default: `{gdn.DEFAULT_PREFILL.name}`; candidate: "
              f"`{ks.CANDIDATE_PREFILL.name}` (timed beside the default: the next default if faster). "
              "8x2k: fla (a) runs it as B=8 x 2048.")
     dev = {case: ((pf.get(case, {}).get("wy_default") or {}).get("device_us"),
                   (pf.get(case, {}).get("fla") or {}).get("device_us")) for case in PREFILL_CASES}
     if any(o and f for o, f in dev.values()):
         L.append("Device time per call (µs; the profiler's kernel events of a few calls summed, XLA's glue and "
-                 "torch's allocations included, no host launch and no gaps between kernels), default vs fla: " + "; ".join(
-                     f"{case} {fmt(o)} vs {fmt(f)} ({fmt(o / f if o and f else None, '.2f')}x)"
-                     for case, (o, f) in dev.items()) + ".")
+                 "torch's allocations included, no host launch and no gaps between kernels), default vs fla: "
+                 + "; ".join(f"{case} {fmt(o)} vs {fmt(f)} ({fmt(o / f if o and f else None, '.2f')}x)"
+                             for case, (o, f) in dev.items()) + ".")
     sw = pf.get(SWEEP_CASE, {}).get("sweep")
     if sw:
         L.append(f"Sweep {SWEEP_CASE}, WY scan kernel alone (µs): " + ", ".join(
             f"{k} {fmt(v.get('scan_us'))}" for k, v in sw.items()))
     prep = pf.get(SWEEP_CASE, {}).get("prep")
     if prep:
-        L.append(f"WY prep kernel alone {SWEEP_CASE} (µs), mode_warps: " + ", ".join(f"{k} {fmt(v)}" for k, v in prep.items()))
+        L.append(f"Prep kernel alone {SWEEP_CASE} (µs), mode_warps: "
+                 + ", ".join(f"{k} {fmt(v)}" for k, v in prep.items()))
     for prefix, what in (("v1_", "Previous kernels"), ("wy_", "T-form")):
         others = {k: v for k, v in pf.get(SWEEP_CASE, {}).items() if isinstance(v, dict) and k.startswith(prefix)
                   and v.get("us") and k not in ("wy_default", "wy_best", "wy_best_bvauto")}
@@ -1219,7 +1221,8 @@ def report() -> str:
             L.append(f"{what}, other configurations, whole prefill {SWEEP_CASE} (µs): "
                      + ", ".join(f"{k} {fmt(v['us'])}" for k, v in others.items()))
     L += ["", "### Decode (one token per row, state read + written in place by slot; traffic = 2 x 2 MiB per row)", "",
-          "| batch | best µs (config) | TB/s | % of copy | default µs | previous default (bv32_w2) µs | fla (a) µs | fla (b) µs | fla (b) TB/s |",
+          "| batch | best µs (config) | TB/s | % of copy | default µs | bv32_w2 µs | fla (a) µs | fla (b) µs "
+          "| fla (b) TB/s |",
           "|---|---|---|---|---|---|---|---|---|"]
     for n, r in sorted(RES.get("decode", {}).items(), key=lambda kv: int(kv[0])):
         best, us = decode_best(r)
@@ -1227,7 +1230,8 @@ def report() -> str:
         f = r.get("fla") or {}
         L.append(f"| {n} | {fmt(us)} ({best}) | {fmt(byts / us / 1e6 if us else None, '.2f')} | "
                  f"{fmt(100 * byts / us / 1e6 / cp if us and cp else None, '.0f')}% | "
-                 f"{fmt((r.get(gdn.DEFAULT_DECODE.name) or {}).get('us'))} | {fmt((r.get('bv32_w2') or {}).get('us'))} | "
+                 f"{fmt((r.get(gdn.DEFAULT_DECODE.name) or {}).get('us'))} | "
+                 f"{fmt((r.get('bv32_w2') or {}).get('us'))} | "
                  f"{fmt(f.get('graph_us'))} | {fmt(f.get('b2b_us'))} | "
                  f"{fmt(byts / f['b2b_us'] / 1e6 if f.get('b2b_us') else None, '.2f')} |")
     dsw = {n: {k: v.get("us") for k, v in r.items() if isinstance(v, dict) and k != "fla"}
@@ -1268,7 +1272,8 @@ def report() -> str:
         L += ["", "### Whole 9B-shaped model, one decode step (random weights, bf16, tp=1, position 512, wall time "
               "per jitted step incl. dispatch, median of 8)", "",
               f"Kernels: decode `{ms.get('decode_config')}`, prefill `{ms.get('prefill_config')}` (the defaults).", "",
-              "| batch | pallas ms | reference ms | speed-up | max abs dlogit (max abs logit) | top-1 agree | first call s (pallas / reference) |",
+              "| batch | pallas ms | reference ms | speed-up | max abs dlogit (max abs logit) | top-1 agree "
+              "| first call s (pallas / reference) |",
               "|---|---|---|---|---|---|---|"]
         for n in sorted({int(k.split("_")[0]) for k in ms if k[0].isdigit()}):
             p = ms.get(f"{n}_pallas", ms.get(f"{n}_pallas_interpret", {}))
@@ -1323,7 +1328,8 @@ def summary() -> str:
     for n in sorted({int(k.split("_")[0]) for k in ms if k[0].isdigit()}):
         p = ms.get(f"{n}_pallas", ms.get(f"{n}_pallas_interpret", {})).get("ms")
         r = ms.get(f"{n}_reference", {}).get("ms")
-        rows.append(f"{'model decode step batch ' + str(n) + ' (ms)':34s} {fmt(p, '.2f'):>12s} {'ref ' + fmt(r, '.2f'):>12s}")
+        label = f"model decode step batch {n} (ms)"
+        rows.append(f"{label:34s} {fmt(p, '.2f'):>12s} {'ref ' + fmt(r, '.2f'):>12s}")
     bad = [k for k in RES.get("errors", {}) if "variant" in k]
     rows.append(f"variants excluded: {len(bad)}; skipped points: {len(RES['skipped'])}; errors: {len(RES['errors'])}")
     return "\n".join(rows)

@@ -420,7 +420,8 @@ def _scan_kernel(start_ref, len_ref, span_ref, slot_ref, use_ref, coff_ref, q_re
         vk = jnp.broadcast_to(valid, (CHUNK, dk))
         cc = jnp.minimum(coff + c, last_chunk)               # in bounds even for an empty sequence's fetch
         return (_load(q_ref.at[pl.ds(row0, CHUNK), kh, :], vk), _load(k_ref.at[pl.ds(row0, CHUNK), kh, :], vk),
-                t_ref[cc, hv, :, :], _load(v_ref.at[pl.ds(row0, CHUNK), hv, vcols], jnp.broadcast_to(valid, (CHUNK, bv))),
+                t_ref[cc, hv, :, :],
+                _load(v_ref.at[pl.ds(row0, CHUNK), hv, vcols], jnp.broadcast_to(valid, (CHUNK, bv))),
                 p_ref[cc, hv, :, :])
 
     def factors(c):                                          # the row factors and the chunk's decay, a scalar

@@ -95,7 +95,8 @@ def test_mgpu_precision_bench_smoke():
            "prep_mode=solve2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [line.split(" | ") for line in r.stdout.splitlines() if line.startswith(("| (default)", "| prep_mode=solve2"))]
+    rows = [line.split(" | ") for line in r.stdout.splitlines()
+            if line.startswith(("| (default)", "| prep_mode=solve2"))]
     assert len(rows) == 2, r.stdout
     for row in rows:
         assert float(row[1]) <= 4e-3 and float(row[2].rstrip(" |")) <= 3e-3, row

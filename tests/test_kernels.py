@@ -218,7 +218,8 @@ def test_gdn_prefill_packed_ragged(config):
         assert rel(new[slots[i]], p_ref[slots[i]]) <= 1e-4
 
 
-@pytest.mark.parametrize("ratio,config", [(1, gdn.DEFAULT_DECODE), (2, gdn.DEFAULT_DECODE), (3, gdn.DecodeConfig(bv=16)),
+@pytest.mark.parametrize("ratio,config", [(1, gdn.DEFAULT_DECODE), (2, gdn.DEFAULT_DECODE),
+                                          (3, gdn.DecodeConfig(bv=16)),
                                           (2, gdn.DecodeConfig(bv=16, num_warps=2))],
                          ids=["r1", "r2", "r3-bv16", "r2-bv16-w2"])
 def test_gdn_decode_in_place(ratio, config):
@@ -621,9 +622,9 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
 
 
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
-    """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on bf16
-    inputs only; the T solve + the per-key-head P / f prep otherwise; explicit modes pass through, a bad one (or the
-    fused prep on fp32 inputs) is refused."""
+    """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on
+    bf16 inputs only; the T solve + the per-key-head P / f prep otherwise; explicit modes pass through, a bad one
+    (or the fused prep on fp32 inputs) is refused."""
     few, many = gdn.FUSED_PREP_PROGRAMS // 32, gdn.FUSED_PREP_PROGRAMS // 32 + 1
     assert gdn.resolve_prep(WY, few, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="fused", solve_grid="value")
     assert gdn.resolve_prep(WY, many, 32, jnp.bfloat16) == dataclasses.replace(WY, prep_mode="solve2",
