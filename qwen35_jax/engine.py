@@ -8,6 +8,7 @@ i+1; a request that stops is simply left out of the next dispatch (its one extra
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
 import os
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import Callable
 
 import jax
@@ -87,6 +89,34 @@ def setup_compilation_cache(path: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return path
+
+
+# Engines whose loop thread was started. One atexit hook stops them all before the interpreter finalizes: a daemon
+# thread still running at finalization is killed by pthread_exit the next time it takes the GIL, and when that
+# happens inside jaxlib's C++ (a TraceMe's exit, a device-to-host read) the forced unwind hits a noexcept frame and
+# aborts the process ("terminate called after throwing an instance of ''", "FATAL: exception not rethrown").
+# A WeakSet: the hook keeps no engine alive.
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _shutdown_live_engines():
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown at exit failed")
+
+
+def _register_atexit():
+    """Register the hook once, at the first start(): after jax's own atexit hooks (jax is imported and its backend
+    initialized by then), so it runs before them (atexit is LIFO) while the backends still exist."""
+    global _atexit_registered
+    with _atexit_lock:
+        if not _atexit_registered:
+            atexit.register(_shutdown_live_engines)
+            _atexit_registered = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,17 +236,27 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------------------------
     def start(self):
-        if self._thread is None:
+        if self._thread is None and not self._stopped:
+            _register_atexit()
+            _live_engines.add(self)
             self._thread = threading.Thread(target=self._run, name="qwen35-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self):
-        self._stopped = True
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if self.leader is not None:
-            self.leader.shutdown()
+    def shutdown(self, timeout: float = 30.0):
+        """Stop the loop thread and wait for it to end (after the step it is reading back, if any), then the
+        multi-host leader. Idempotent; also run at interpreter exit for every started engine."""
+        if not self._stopped:
+            self._stopped = True
+            self._inbox.put(None)           # wakes a loop blocked on an empty inbox
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+            if thread.is_alive():
+                log.warning("engine loop thread did not stop within %.0fs", timeout)
+        leader, self.leader = self.leader, None
+        if leader is not None:
+            leader.shutdown()
+        _live_engines.discard(self)
 
     def fail(self, error: BaseException):
         """Mark the engine dead (health fails, new requests are refused) and end every request with an error."""
@@ -347,6 +387,8 @@ class Engine:
     def _run(self):
         try:
             self._loop()
+            if self._groups:      # shut down with requests in flight: end them (with an error) instead of hanging
+                self.fail(RuntimeError("the engine was shut down"))
         except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
             log.exception("engine loop failed")
             if self.leader is not None:          # a collective that lost its peer: say which peer
@@ -417,6 +459,8 @@ class Engine:
                     if self.on_fetched is not None:
                         self.on_fetched(len(records))
             pending = records or None
+        if pending:       # stopped with a step in flight: let it finish, so no device work outlives the loop
+            jax.block_until_ready([out for _, _, out in pending])
 
     def _dispatch(self, plan) -> list:
         """Host arrays for the plan (replica d's rows at [d * rows, (d + 1) * rows)), then the compiled calls."""
