@@ -109,14 +109,16 @@ def _shutdown_live_engines():
             log.exception("engine shutdown at exit failed")
 
 
-def _register_atexit():
-    """Register the hook once, at the first start(): after jax's own atexit hooks (jax is imported and its backend
-    initialized by then), so it runs before them (atexit is LIFO) while the backends still exist."""
+def shutdown_at_exit(engine: Engine):
+    """Have `engine` shut down at interpreter exit (called when it starts a thread: its loop, a multi-host
+    watchdog). The hook is registered once, on the first call: after jax's own atexit hooks (jax is imported and
+    its backend initialized by then), so it runs before them (atexit is LIFO) while the backends still exist."""
     global _atexit_registered
     with _atexit_lock:
         if not _atexit_registered:
             atexit.register(_shutdown_live_engines)
             _atexit_registered = True
+        _live_engines.add(engine)
 
 
 @dataclasses.dataclass(eq=False)
@@ -237,8 +239,7 @@ class Engine:
     # -- public API ----------------------------------------------------------------------------------------------
     def start(self):
         if self._thread is None and not self._stopped:
-            _register_atexit()
-            _live_engines.add(self)
+            shutdown_at_exit(self)
             self._thread = threading.Thread(target=self._run, name="qwen35-engine", daemon=True)
             self._thread.start()
 

@@ -150,7 +150,7 @@ class LLM:
         it on leaving the block."""
         self.engine.shutdown()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:

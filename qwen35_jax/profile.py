@@ -328,88 +328,93 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         max_num_batched_tokens=batch * prompt_len, max_prefill_rows=batch, min_prefill_tokens=prompt_len,
         page_size=page_size, num_kv_pages=1 + batch * pages_per_seq, decode_steps=1, kernel_backend=kernel_backend,
         compilation_cache_dir=compilation_cache_dir, precompile=False), weights=weights, devices=devices)
-    ex, cfg = engine.executor, engine.cfg
-    if tmp:
-        tmp.cleanup()
-    if engine.pages_per_seq != pages_per_seq:
-        raise RuntimeError(f"engine made {engine.pages_per_seq} pages per sequence, expected {pages_per_seq}")
+    try:             # the engine is shut down however the profile ends
+        ex, cfg = engine.executor, engine.cfg
+        if tmp:
+            tmp.cleanup()
+        if engine.pages_per_seq != pages_per_seq:
+            raise RuntimeError(f"engine made {engine.pages_per_seq} pages per sequence, expected {pages_per_seq}")
 
-    slots = np.arange(1, batch + 1, dtype=np.int32)
-    pages = (1 + np.arange(batch * pages_per_seq, dtype=np.int32)).reshape(batch, pages_per_seq)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len), dtype=np.int32)
-    zeros = np.zeros(batch, np.int32)
+        slots = np.arange(1, batch + 1, dtype=np.int32)
+        pages = (1 + np.arange(batch * pages_per_seq, dtype=np.int32)).reshape(batch, pages_per_seq)
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len), dtype=np.int32)
+        zeros = np.zeros(batch, np.int32)
 
-    # The copy that measures bandwidth: one device, fp32, read once and written once; donated, so the result
-    # reuses the input buffer (no fresh allocation, i.e. no page faults on CPU, inside the timing).
-    dev0 = engine.mesh.devices.flat[0]
-    copy_bytes = (copy_mib or (1024 if dev0.platform == "gpu" else 64)) << 20
-    x = jax.jit(lambda: jnp.ones(copy_bytes // 4, jnp.float32), out_shardings=jax.sharding.SingleDeviceSharding(dev0))()
+        # The copy that measures bandwidth: one device, fp32, read once and written once; donated, so the result
+        # reuses the input buffer (no fresh allocation, i.e. no page faults on CPU, inside the timing).
+        dev0 = engine.mesh.devices.flat[0]
+        copy_bytes = (copy_mib or (1024 if dev0.platform == "gpu" else 64)) << 20
+        x = jax.jit(lambda: jnp.ones(copy_bytes // 4, jnp.float32),
+                    out_shardings=jax.sharding.SingleDeviceSharding(dev0))()
 
-    def copy_bandwidth(a):
-        return a * 2
+        def copy_bandwidth(a):
+            return a * 2
 
-    copy = jax.jit(copy_bandwidth, donate_argnums=0).lower(x).compile()
+        copy = jax.jit(copy_bandwidth, donate_argnums=0).lower(x).compile()
 
-    def run(traced: bool):
-        nonlocal x
-        ann = jax.profiler.StepTraceAnnotation if traced else (lambda *a, **k: contextlib.nullcontext())
-        with ann("prefill", step_num=0):
-            jax.block_until_ready(ex.prefill((batch, prompt_len), tokens, zeros, np.full(batch, prompt_len, np.int32),
-                                             slots, pages, np.ones(batch, np.bool_),
-                                             _sampling_batch(batch, greedy, 0)))
-        for k in range(decode_steps if traced else 1):
-            with ann("decode", step_num=k):
-                jax.block_until_ready(ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
-                                                _sampling_batch(batch, greedy, k + 1)))
-        for k in range(COPY_RUNS if traced else 1):
-            with ann("copy_bandwidth", step_num=k):
-                x = jax.block_until_ready(copy(x))
+        def run(traced: bool):
+            nonlocal x
+            ann = jax.profiler.StepTraceAnnotation if traced else (lambda *a, **k: contextlib.nullcontext())
+            with ann("prefill", step_num=0):
+                jax.block_until_ready(ex.prefill((batch, prompt_len), tokens, zeros,
+                                                 np.full(batch, prompt_len, np.int32), slots, pages,
+                                                 np.ones(batch, np.bool_),
+                                                 _sampling_batch(batch, greedy, 0)))
+            for k in range(decode_steps if traced else 1):
+                with ann("decode", step_num=k):
+                    jax.block_until_ready(ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
+                                                    _sampling_batch(batch, greedy, k + 1)))
+            for k in range(COPY_RUNS if traced else 1):
+                with ann("copy_bandwidth", step_num=k):
+                    x = jax.block_until_ready(copy(x))
 
-    t0 = time.perf_counter()
-    run(traced=False)                 # compiles, and keeps first-execution costs out of the trace
-    log(f"compiled and warmed up in {time.perf_counter() - t0:.1f}s")
-    texts = {"prefill": ex.compiled[("prefill", batch, prompt_len)].as_text(),
-             "decode": ex.compiled[("decode", batch, sampler_mode(_sampling_batch(batch, greedy, 1)))].as_text(),
-             "copy_bandwidth": copy.as_text()}
-    start_profile(out_dir, perfetto=True)
-    try:
-        run(traced=True)
-    finally:
-        session = stop_profile()
-
-    # The same decode steps untraced, dispatched back to back (the device queues them, as in serving); they
-    # re-decode the profiled positions, which costs the same.
-    def passes(rounds):
         t0 = time.perf_counter()
-        for _ in range(rounds):
-            for k in range(decode_steps):
-                out = ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
-                                _sampling_batch(batch, greedy, k + 1))
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0
-    r1 = -(-8 // decode_steps)          # at least 8 steps in the shorter burst
-    step_s, pass_s = steady_step_seconds(passes, r1)
+        run(traced=False)                 # compiles, and keeps first-execution costs out of the trace
+        log(f"compiled and warmed up in {time.perf_counter() - t0:.1f}s")
+        texts = {"prefill": ex.compiled[("prefill", batch, prompt_len)].as_text(),
+                 "decode": ex.compiled[("decode", batch, sampler_mode(_sampling_batch(batch, greedy, 1)))].as_text(),
+                 "copy_bandwidth": copy.as_text()}
+        start_profile(out_dir, perfetto=True)
+        try:
+            run(traced=True)
+        finally:
+            session = stop_profile()
 
-    name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
-    meta = dict(
-        title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
-               f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
-               f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
-               + "".join(f", {k}={v}" for k, v in sorted(os.environ.items())       # kernel variants in force
-                         if (k.startswith("QWEN35_") and k != "QWEN35_COMMIT") or (k == "XLA_FLAGS" and v))),
-        device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
-        layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
-        dtype=jnp.dtype(dt).name,
-        kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
-        decode_wall_ms=step_s / decode_steps * 1e3, decode_pass_ms=pass_s / decode_steps * 1e3,
-        floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
-                                       prompt_len + (decode_steps + 1) / 2))
-    for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
-        with open(os.path.join(session, f"{step}.hlo.txt"), "w") as f:
-            f.write(text)
-    with open(os.path.join(session, "profile.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    return load_report(session)
+        # The same decode steps untraced, dispatched back to back (the device queues them, as in serving); they
+        # re-decode the profiled positions, which costs the same.
+        def passes(rounds):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                for k in range(decode_steps):
+                    out = ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
+                                    _sampling_batch(batch, greedy, k + 1))
+            jax.block_until_ready(out)
+            return time.perf_counter() - t0
+        r1 = -(-8 // decode_steps)          # at least 8 steps in the shorter burst
+        step_s, pass_s = steady_step_seconds(passes, r1)
+
+        name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
+        meta = dict(
+            title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
+                   f"{jnp.dtype(dt).name}, kernels {engine.backend}, "
+                   f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
+                   + "".join(f", {k}={v}" for k, v in sorted(os.environ.items())       # kernel variants in force
+                             if (k.startswith("QWEN35_") and k != "QWEN35_COMMIT") or (k == "XLA_FLAGS" and v))),
+            device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
+            layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
+            dtype=jnp.dtype(dt).name,
+            kernel_backend=engine.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
+            decode_wall_ms=step_s / decode_steps * 1e3, decode_pass_ms=pass_s / decode_steps * 1e3,
+            floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
+                                           prompt_len + (decode_steps + 1) / 2))
+        for step, text in texts.items():             # beside the trace, so load_report can read it back anywhere
+            with open(os.path.join(session, f"{step}.hlo.txt"), "w") as f:
+                f.write(text)
+        with open(os.path.join(session, "profile.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        return load_report(session)
+    finally:
+        engine.shutdown()
 
 
 def _shard_bytes(x) -> int:

@@ -145,6 +145,8 @@ def main(argv=None):
             except multihost.PeerLost as e:
                 log.error("%s; exiting", e)
                 return 3
+            finally:
+                engine.shutdown()
             return 0
     import uvicorn
 
@@ -157,23 +159,23 @@ def main(argv=None):
         from qwen35_jax.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
     engine = build_engine(args)
-    model = args.model or default_model_dir()
-    defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
-    if defaults:
-        log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
-    config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
-                          api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
-                          generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
-                          profile_dir=args.profile_dir or os.path.join(cache_root(), "profiles"))
-    app = create_app(engine, config)
-    engine.start()
-    host, port = sock.getsockname()[:2]
-    print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
-          f"{' (API key required)' if config.api_key else ''}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                           access_log=not args.disable_uvicorn_access_log,
-                                           timeout_graceful_shutdown=5))
-    try:
+    try:                 # the engine (its loop thread) is shut down however the server ends
+        model = args.model or default_model_dir()
+        defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
+        if defaults:
+            log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
+        config = ServerConfig(served_model_names=args.served_model_name or [model], model_path=model,
+                              api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
+                              generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
+                              profile_dir=args.profile_dir or os.path.join(cache_root(), "profiles"))
+        app = create_app(engine, config)
+        engine.start()
+        host, port = sock.getsockname()[:2]
+        print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
+              f"{' (API key required)' if config.api_key else ''}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                               access_log=not args.disable_uvicorn_access_log,
+                                               timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
