@@ -460,8 +460,12 @@ class Engine:
                     if self.on_fetched is not None:
                         self.on_fetched(len(records))
             pending = records or None
-        if pending:       # stopped with a step in flight: let it finish, so no device work outlives the loop
-            jax.block_until_ready([out for _, _, out in pending])
+        # Stopped with a step in flight (as after every request's last token): read it back, tokens dropped. Waiting
+        # for the step alone is not enough: its host copy (copy_to_host_async at dispatch) completes in a callback on
+        # an XLA worker thread that takes the GIL, after block_until_ready's waiter may already have returned; run
+        # during interpreter finalization, that callback aborts the process (std::terminate in tstate_ensure).
+        for _, _, out in pending or ():
+            np.asarray(out)
 
     def _dispatch(self, plan) -> list:
         """Host arrays for the plan (replica d's rows at [d * rows, (d + 1) * rows)), then the compiled calls."""
