@@ -21,12 +21,13 @@ def main():
     llm = LLM(model=model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=1024, max_num_seqs=4,
               max_num_batched_tokens=256, max_prefill_rows=1)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f}s")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    out = llm.generate(args.prompt, params)[0].outputs[0]
-    print(f"completion: {out.text!r} ({len(out.token_ids)} tokens, finish_reason={out.finish_reason})")
-    chat = llm.chat([{"role": "user", "content": args.prompt}], params,
-                    chat_template_kwargs={"enable_thinking": False})[0].outputs[0]
-    print(f"chat: {chat.text!r}")
+    with llm:           # stops the engine's loop thread before the interpreter exits
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        out = llm.generate(args.prompt, params)[0].outputs[0]
+        print(f"completion: {out.text!r} ({len(out.token_ids)} tokens, finish_reason={out.finish_reason})")
+        chat = llm.chat([{"role": "user", "content": args.prompt}], params,
+                        chat_template_kwargs={"enable_thinking": False})[0].outputs[0]
+        print(f"chat: {chat.text!r}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ i+1; a request that stops is simply left out of the next dispatch (its one extra
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
 import os
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import Callable
 
 import jax
@@ -133,6 +135,36 @@ def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, we
                   leader=leader)
 
 
+# Engines whose loop thread was started. One atexit hook stops them all before the interpreter finalizes: a daemon
+# thread still running at finalization is killed by pthread_exit the next time it takes the GIL, and when that
+# happens inside jaxlib's C++ (a TraceMe's exit, a device-to-host read) the forced unwind hits a noexcept frame and
+# aborts the process ("terminate called after throwing an instance of ''", "FATAL: exception not rethrown").
+# A WeakSet: the hook keeps no engine alive.
+_live_engines: weakref.WeakSet = weakref.WeakSet()
+_atexit_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _shutdown_live_engines():
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown at exit failed")
+
+
+def shutdown_at_exit(engine: Engine):
+    """Have `engine` shut down at interpreter exit (called when it starts a thread: its loop, a multi-host
+    watchdog). The hook is registered once, on the first call: after jax's own atexit hooks (jax is imported and
+    its backend initialized by then), so it runs before them (atexit is LIFO) while the backends still exist."""
+    global _atexit_registered
+    with _atexit_lock:
+        if not _atexit_registered:
+            atexit.register(_shutdown_live_engines)
+            _atexit_registered = True
+        _live_engines.add(engine)
+
+
 @dataclasses.dataclass(eq=False)
 class RequestGroup:
     """A user request: n sequences sharing a prompt; the callback receives cumulative RequestOutputs."""
@@ -223,6 +255,7 @@ class Engine:
         self.error: BaseException | None = None
         if leader is not None:
             leader.watch(self.fail)
+            shutdown_at_exit(self)       # engine.shutdown() -> leader.shutdown() stops the watchdog before exit
 
     def _auto_pages(self, num_slots: int) -> int:
         want = 1 + num_slots * self.pages_per_seq
@@ -243,17 +276,26 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------------------------
     def start(self):
-        if self._thread is None:
+        if self._thread is None and not self._stopped:
+            shutdown_at_exit(self)
             self._thread = threading.Thread(target=self._run, name="qwen35-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self):
-        self._stopped = True
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if self.leader is not None:
-            self.leader.shutdown()
+    def shutdown(self, timeout: float = 30.0):
+        """Stop the loop thread and wait for it to end (after the step it is reading back, if any), then the
+        multi-host leader. Idempotent; also run at interpreter exit for every started engine."""
+        if not self._stopped:
+            self._stopped = True
+            self._inbox.put(None)           # wakes a loop blocked on an empty inbox
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
+            if thread.is_alive():
+                log.warning("engine loop thread did not stop within %.0fs", timeout)
+        leader, self.leader = self.leader, None
+        if leader is not None:
+            leader.shutdown()
+        _live_engines.discard(self)
 
     def fail(self, error: BaseException):
         """Mark the engine dead (health fails, new requests are refused) and end every request with an error."""
@@ -384,6 +426,8 @@ class Engine:
     def _run(self):
         try:
             self._loop()
+            if self._groups:      # shut down with requests in flight: end them (with an error) instead of hanging
+                self.fail(RuntimeError("the engine was shut down"))
         except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
             log.exception("engine loop failed")
             if self.leader is not None:          # a collective that lost its peer: say which peer
@@ -454,6 +498,12 @@ class Engine:
                     if self.leader is not None:
                         self.leader.consumed(len(records))
             pending = records or None
+        # Stopped with a step in flight (as after every request's last token): read it back, tokens dropped. Waiting
+        # for the step alone is not enough: its host copy (copy_to_host_async at dispatch) completes in a callback on
+        # an XLA worker thread that takes the GIL, after block_until_ready's waiter may already have returned; run
+        # during interpreter finalization, that callback aborts the process (std::terminate in tstate_ensure).
+        for _, _, out in pending or ():
+            np.asarray(out)
 
     def _dispatch(self, plan) -> list:
         """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records."""

@@ -89,4 +89,12 @@ class LLM:
         return np.asarray(logits)[0, :len(ids), :self.cfg.vocab_size].astype(np.float32)
 
     def shutdown(self):
+        """Stop the engine's loop thread (idempotent; also done at interpreter exit). `with LLM(...) as llm:` calls
+        it on leaving the block."""
         self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

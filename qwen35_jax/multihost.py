@@ -125,8 +125,12 @@ class Leader:
 
     def shutdown(self, timeout: float = 30.0):
         """Orderly end: tell the followers to stop, wait until each has left the job, then leave it ourselves
-        (the coordination service lives in this process, so it must go last)."""
+        (the coordination service lives in this process, so it must go last). Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        if self.watchdog is not None and self.watchdog is not threading.current_thread():
+            self.watchdog.join(timeout=timeout)      # wakes from its wait at once; at most one poll in progress
         try:
             self.client.key_value_set_bytes(f"{PREFIX}{self.step}", b"stop||0\n")
             deadline = time.monotonic() + timeout

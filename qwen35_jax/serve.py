@@ -125,6 +125,8 @@ def main(argv=None):
             except multihost.PeerLost as e:
                 log.error("%s; exiting", e)
                 return 3
+            finally:
+                engine.shutdown()
             return 0
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -141,22 +143,22 @@ def main(argv=None):
     served_model_names = args.served_model_name or [model]
     registry = CollectorRegistry()
     engine = build_engine(model, engine_args(args), observer=PrometheusObserver(registry, served_model_names[0]))
-    defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
-    if defaults:
-        log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
-    config = ServerConfig(served_model_names=served_model_names, model_path=model,
-                          api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
-                          generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
-                          profile_dir=args.profile_dir or os.path.join(env.cache_root(), "profiles"))
-    app = create_app(engine, config, registry)
-    engine.start()
-    host, port = sock.getsockname()[:2]
-    print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
-          f"{' (API key required)' if config.api_key else ''}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                           access_log=not args.disable_uvicorn_access_log,
-                                           timeout_graceful_shutdown=5))
-    try:
+    try:                 # the engine (its loop thread) is shut down however the server ends
+        defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
+        if defaults:
+            log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
+        config = ServerConfig(served_model_names=served_model_names, model_path=model,
+                              api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
+                              generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",
+                              profile_dir=args.profile_dir or os.path.join(env.cache_root(), "profiles"))
+        app = create_app(engine, config, registry)
+        engine.start()
+        host, port = sock.getsockname()[:2]
+        print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
+              f"{' (API key required)' if config.api_key else ''}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                               access_log=not args.disable_uvicorn_access_log,
+                                               timeout_graceful_shutdown=5))
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
