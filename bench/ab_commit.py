@@ -27,8 +27,8 @@ def child(args):
     import jax.numpy as jnp
 
     from bench.ab_decode import decode_call
-    from qwen35_jax import engine as engine_module
-    from qwen35_jax.profile import steady_step_seconds
+    from qwen35_jax.engine import engine as engine_module
+    from qwen35_jax.tools.profile import steady_step_seconds
     batches = [int(b) for b in args.batches.split(",")]
     raw = json.load(open(args.config))
     out = {"decode": {}, "prefill_us": None}
@@ -42,9 +42,9 @@ def child(args):
         else:                                               # the API before build_engine
             import tempfile
 
-            from qwen35_jax.config import ModelConfig
-            from qwen35_jax.sharding import make_mesh
-            from qwen35_jax.weights import random_weights
+            from qwen35_jax.model.config import ModelConfig
+            from qwen35_jax.model.sharding import make_mesh
+            from qwen35_jax.model.weights import random_weights
             d = tempfile.mkdtemp()
             json.dump(raw, open(os.path.join(d, "config.json"), "w"))
             weights = random_weights(ModelConfig.from_hf(raw), make_mesh(1), jnp.bfloat16)

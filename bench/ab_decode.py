@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
 from bench.throughput import Row  # noqa: E402
-from qwen35_jax.backends import KernelConfig  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
-from qwen35_jax.profile import steady_step_seconds  # noqa: E402
-from qwen35_jax.sampler import host_batch  # noqa: E402
-from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.model.backends import KernelConfig  # noqa: E402
+from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.tools.profile import steady_step_seconds  # noqa: E402
+from qwen35_jax.engine.sampler import host_batch  # noqa: E402
+from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def parse_variant(text: str, base: KernelConfig) -> tuple[KernelConfig, float]:

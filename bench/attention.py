@@ -27,7 +27,7 @@ from bench.throughput import copy_bandwidth  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
 from bench.kernel_sweeps import attention_sweep  # noqa: E402
 from pallas_kernels import paged_attention as pa  # noqa: E402
-from qwen35_jax.attention import decode_attention  # noqa: E402
+from qwen35_jax.model.attention import decode_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 16, 4, 256, 16
 

@@ -9,8 +9,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qwen35_jax.backends import BACKENDS, KernelConfig  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs, build_engine  # noqa: E402
+from qwen35_jax.model.backends import BACKENDS, KernelConfig  # noqa: E402
+from qwen35_jax.engine.engine import Engine, EngineArgs, build_engine  # noqa: E402
 
 
 def config_dir(config: str | dict) -> str:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
-from qwen35_jax.backends import KernelConfig, make_kernels  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.model.backends import KernelConfig, make_kernels  # noqa: E402
+from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
 
 TINY = dict(vocab_size=4096, hidden_size=64, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
             intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
@@ -38,7 +38,7 @@ def bare(kernels):
 
 
 def make_engine(raw: dict, config: KernelConfig, unjit: bool, weights=None) -> Engine:
-    import qwen35_jax.engine as engine_module
+    import qwen35_jax.engine.engine as engine_module
     jitted = engine_module.make_kernels
     if unjit:             # the engine makes its kernels through engine.make_kernels: hand it the bare ones
         engine_module.make_kernels = lambda c: bare(jitted(c))
@@ -56,11 +56,11 @@ def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, p
     on any machine, from abstract inputs on an abstract H200 mesh: its StableHLO text. tests/test_kernels.py checks
     it for host round trips."""
     import functools
-    from qwen35_jax.executor import decode_step
-    from qwen35_jax.sampler import SAMPLER_MODES, SamplerState, SamplingBatch
-    from qwen35_jax.sharding import DP, TP, Layout
-    from qwen35_jax.state import abstract_state
-    from qwen35_jax.weights import abstract_weights
+    from qwen35_jax.engine.executor import decode_step
+    from qwen35_jax.engine.sampler import SAMPLER_MODES, SamplerState, SamplingBatch
+    from qwen35_jax.model.sharding import DP, TP, Layout
+    from qwen35_jax.model.state import abstract_state
+    from qwen35_jax.model.weights import abstract_weights
     if mode not in SAMPLER_MODES:
         raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
     layout = Layout.build(cfg, 1)

@@ -27,9 +27,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import random_engine  # noqa: E402
-from qwen35_jax.backends import KernelConfig  # noqa: E402
-from qwen35_jax.engine import EngineArgs  # noqa: E402
-from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.model.backends import KernelConfig  # noqa: E402
+from qwen35_jax.engine.engine import EngineArgs  # noqa: E402
+from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def small_config(raw: dict, layers: int) -> dict:

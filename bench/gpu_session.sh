@@ -59,7 +59,7 @@ for s in $sections; do
     kdecode) OUT=$work/kdecode CUDA_VISIBLE_DEVICES=0 run kdecode 150 python3 bench/kernels.py --time-limit 130 \
                --decode-batches 1 64 256 --only correct_defaults correct_decode decode_cases decode_sweep ;;
     sampler) # an earlier sampler to time beside this one, left untracked (it travels with the tree), e.g.
-             #   git show <commit>:qwen35_jax/sampler.py > bench/_old_sampler.py
+             #   git show <commit>:qwen35_jax/engine/sampler.py > bench/_old_sampler.py
              old=$( [ -f bench/_old_sampler.py ] && echo "--old bench/_old_sampler.py" )
              CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
@@ -77,7 +77,7 @@ for s in $sections; do
     profile) CUDA_VISIBLE_DEVICES=0 run profile 80 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/prof \
                --compilation-cache-dir $xla/profile --top-unattributed 25
-             # trace, HLO and metadata come back too: qwen35_jax.profile.load_report(session dir) re-reads them
+             # trace, HLO and metadata come back too: qwen35_jax.tools.profile.load_report(session dir) re-reads them
              tar czf "$out/prof.tgz" -C /tmp prof ;;
     profile64|profile64pick)     # the 9B step at batch 64; profile64pick with the attention variant `attention` picked
              pick=$( [ $s = profile64pick ] && [ -f $work/pick.txt ] && cat $work/pick.txt )
@@ -95,7 +95,7 @@ for s in $sections; do
                  python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
                  --prompt-len 1024 --decode-steps 8 --out /tmp/profile64_e$i \
                  --compilation-cache-dir $xla/profile64_e$i --top-unattributed 8 ${PROFILE64_ARGS:-}"
-               # the whole session comes back (trace, HLO, profile.json): qwen35_jax.profile.load_report re-reads it
+               # the whole session comes back (trace, HLO, profile.json): qwen35_jax.tools.profile.load_report re-reads it
                tar czf "$out/profile64_e$i.tgz" -C /tmp profile64_e$i
              done ;;
     ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated

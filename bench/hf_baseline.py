@@ -61,8 +61,8 @@ def ours(args) -> dict:
     import numpy as np
 
     from bench.common import kernel_config, random_engine
-    from qwen35_jax.engine import EngineArgs
-    from qwen35_jax.sampling_params import SamplingParams
+    from qwen35_jax.engine.engine import EngineArgs
+    from qwen35_jax.engine.sampling_params import SamplingParams
     lens = [int(x) for x in args.prompt_lens.split(",")]
     engine = random_engine(args.config, EngineArgs(
         max_model_len=max(lens) + 16, max_num_seqs=1, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -77,7 +77,7 @@ sys.path.insert(0, ROOT)
 from bench import results as results_md  # noqa: E402
 from bench import kernel_sweeps as ks  # noqa: E402
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference  # noqa: E402
-from qwen35_jax import profile_trace  # noqa: E402
+from qwen35_jax.tools import profile_trace  # noqa: E402
 
 results_md.machine = functools.lru_cache(maxsize=None)(results_md.machine)   # nvidia-smi once, not per save
 results_md.commit = functools.lru_cache(maxsize=None)(results_md.commit)
@@ -1061,11 +1061,11 @@ def main():
     def _():
         if not ARGS.model:
             return
-        from qwen35_jax.config import ModelConfig, load_config
-        from qwen35_jax.backends import KernelConfig, make_kernels
-        from qwen35_jax.runner import ModelRunner, make_batch
-        from qwen35_jax.sharding import Layout, make_mesh
-        from qwen35_jax.weights import random_weights
+        from qwen35_jax.model.config import ModelConfig, load_config
+        from qwen35_jax.model.backends import KernelConfig, make_kernels
+        from qwen35_jax.model.runner import ModelRunner, make_batch
+        from qwen35_jax.model.sharding import Layout, make_mesh
+        from qwen35_jax.model.weights import random_weights
         fla_free()
         if DRY:     # the tiny test fixture; the interpret-mode kernels stand in for "pallas"
             cfg = load_config(os.path.join(ROOT, "tests", "fixtures", "hf", "mm_tied_r2_g2"))

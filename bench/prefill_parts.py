@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import kernels as kb  # noqa: E402
 from bench import results  # noqa: E402
 from pallas_kernels import gdn  # noqa: E402
-from qwen35_jax import profile_trace  # noqa: E402
+from qwen35_jax.tools import profile_trace  # noqa: E402
 
 # (warps, precision of the merge dots, one program per value head): the default's for bf16 inputs first
 SOLVES = [(1, "tf32", False), (1, "tf32", True), (1, "tf32x3", False), (2, "tf32", False)]

@@ -1,8 +1,8 @@
-"""Profile a prefill and N decode steps (`qwen35_jax.profile`) and record the table through bench/results.py: a JSON
-file under bench/runs/ and a section of bench/runs/history.md, with command, commit (git, else $QWEN35_COMMIT) and
-machine.
+"""Profile a prefill and N decode steps (`qwen35_jax.tools.profile`) and record the table through bench/results.py:
+a JSON file under bench/runs/ and a section of bench/runs/history.md, with command, commit (git, else
+$QWEN35_COMMIT) and machine.
 
-Takes the arguments of `python -m qwen35_jax.profile` (prints the same table), plus --no-record:
+Takes the arguments of `python -m qwen35_jax.tools.profile` (prints the same table), plus --no-record:
 
     python bench/profile.py --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 --prompt-len 1024 \
         --decode-steps 8 --out /tmp/prof --greedy
@@ -35,8 +35,8 @@ def _results():
 
 
 def record(report, command: str, top_unattributed: int = 8) -> str:
-    """Record a `qwen35_jax.profile.ProfileReport`'s table; returns the run's JSON file."""
-    from qwen35_jax import profile as qp
+    """Record a `qwen35_jax.tools.profile.ProfileReport`'s table; returns the run's JSON file."""
+    from qwen35_jax.tools import profile as qp
     table = qp.format_report(report, top_unattributed)
     fields = {"floor_ms": report.floor_ms, "decode_wall_ms": report.decode_wall_ms, "decode_ms": report.decode_ms,
               "roofline_ratio": report.roofline_ratio, "copy_bandwidth": report.copy_bandwidth,
@@ -50,7 +50,7 @@ def main(argv=None):
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--top-unattributed", type=int, default=8)
     own, _ = ap.parse_known_args(argv)
-    from qwen35_jax import profile as qp
+    from qwen35_jax.tools import profile as qp
     report = qp.main([a for a in argv if a != "--no-record"])
     if not own.no_record:
         record(report, "python bench/profile.py " + " ".join(shlex.quote(a) for a in argv), own.top_unattributed)

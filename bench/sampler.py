@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
-from qwen35_jax import sampler  # noqa: E402
+from qwen35_jax.engine import sampler  # noqa: E402
 
 
 def per_call_us(fn, logits, extra, calls=(2, 8), reps=7):

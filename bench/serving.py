@@ -304,8 +304,8 @@ class Server:
 def run_engine(serve_args: list[str], prompts, warm, args) -> dict:
     """The same workload through Engine.generate_async in this process (the engine built from the server's flags)."""
     sys.path.insert(0, ROOT)
-    from qwen35_jax.sampling_params import SamplingParams
-    from qwen35_jax.engine import build_engine
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    from qwen35_jax.engine.engine import build_engine
     from qwen35_jax.serve import build_parser, engine_args
     from qwen35_jax.tools.make_tiny_model import default_model_dir
     cli = build_parser().parse_args(serve_args)

@@ -23,18 +23,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
 from bench.timing import slope_us  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
-from qwen35_jax.executor import pack_rows  # noqa: E402
-from qwen35_jax.profile import decode_floor_bytes, steady_step_seconds  # noqa: E402
-from qwen35_jax.sampler import host_batch, sampler_mode  # noqa: E402
-from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.engine.executor import pack_rows  # noqa: E402
+from qwen35_jax.tools.profile import decode_floor_bytes, steady_step_seconds  # noqa: E402
+from qwen35_jax.engine.sampler import host_batch, sampler_mode  # noqa: E402
+from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def copy_bandwidths(gib: float | None = None, calls: tuple[int, int] = (2, 12), reps: int = 7) -> dict[str, float]:
     """Bytes read + written per second by a large elementwise copy (the memory roofline XLA can reach), two ways,
     both from device time alone:
     'chained': the slope over two counts of chained out-of-place passes in one program (bench/timing.slope_us);
-    'in place': the steady-state time (qwen35_jax.profile.steady_step_seconds) of back-to-back calls of one
+    'in place': the steady-state time (qwen35_jax.tools.profile.steady_step_seconds) of back-to-back calls of one
     donated pass (x * 2 written over x, as the profile's copy; ~0.5 ms each, so the host runs ahead and dispatch
     is not in it).
     The floor takes the higher ("max"): the in-place copy read 4.27-4.30 TB/s in the profiles where the chained
@@ -224,7 +224,8 @@ def main():
             f"TB/s in place (donated, back to back); the floor takes the higher, {bw / 1e12:.2f} TB/s. "
             f"Floor = (weights, an untied embedding table only for its looked-up "
             f"rows, + GDN state read and written + KV read at context {ctx}) / copy bandwidth "
-            f"(`qwen35_jax.profile.decode_floor_bytes`). 'step ms': slope of wall time from bursts of {args.iters} to "
+            f"(`qwen35_jax.tools.profile.decode_floor_bytes`). 'step ms': slope of wall time from bursts of "
+            f"{args.iters} to "
             f"{2 * args.iters} back-to-back dispatches (median of 3 each), the steady-state step; 'burst ms': one "
             f"burst's wall time per step (the method of runs before 2026-12-02), which also carries the first "
             f"dispatch's host time and the final wait. 'dispatch ms': median host time of one dispatch call (much "

@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import random_engine  # noqa: E402
 from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
-from qwen35_jax.engine import Engine, EngineArgs  # noqa: E402
-from qwen35_jax.profile import decode_floor_bytes  # noqa: E402
-from qwen35_jax.runner import ModelRunner, make_batch  # noqa: E402
-from qwen35_jax.sharding import make_mesh  # noqa: E402
-from qwen35_jax.weights import relayout  # noqa: E402
+from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
+from qwen35_jax.tools.profile import decode_floor_bytes  # noqa: E402
+from qwen35_jax.model.runner import ModelRunner, make_batch  # noqa: E402
+from qwen35_jax.model.sharding import make_mesh  # noqa: E402
+from qwen35_jax.model.weights import relayout  # noqa: E402
 
 GiB = 2 ** 30
 MARGIN = 0.1        # nats: well above the bf16 difference between tp layouts (mean |Δ log-prob| 0.04 at 9B)

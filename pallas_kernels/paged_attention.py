@@ -1,6 +1,6 @@
 """Paged GQA attention for decode (one query token per row) as a Pallas-Triton kernel.
 
-Why a kernel: the jnp attention (qwen35_jax/attention.py, the reference here) walks the pages in a `fori_loop`
+Why a kernel: the jnp attention (qwen35_jax/model/attention.py, the reference here) walks the pages in a `fori_loop`
 whose trip count is read from the data. XLA:GPU runs such a loop on the host, copying the loop predicate back and
 blocking on the stream at every iteration, so each attention layer of a decode step was a host-device round trip
 and the engine could never dispatch a step ahead. Here the page loop runs inside the kernel (its bound is the
@@ -18,8 +18,8 @@ padding rows write their K / V there and page tables point unused entries at it.
 
 decode_prologue does in one kernel what the decode step runs between qkv_proj and this kernel: q / k RMSNorm and
 RoPE, the new K / V written into their pages, q scaled into the kernel's tiles (in place of six small XLA
-kernels); its contract is the model's ops (qwen35_jax.model.rms_norm_1p,
-rope, qwen35_jax.attention.write_kv and the scaling / padding in paged_decode_attention).
+kernels); its contract is the model's ops (qwen35_jax.model.forward.rms_norm_1p,
+rope, qwen35_jax.model.attention.write_kv and the scaling / padding in paged_decode_attention).
 """
 from __future__ import annotations
 

@@ -8,13 +8,13 @@ import importlib
 
 _EXPORTS = {
     "LLM": "qwen35_jax.llm",
-    "SamplingParams": "qwen35_jax.sampling_params",
-    "RequestOutput": "qwen35_jax.outputs",
-    "CompletionOutput": "qwen35_jax.outputs",
-    "Logprob": "qwen35_jax.outputs",
-    "EngineArgs": "qwen35_jax.engine",
-    "KernelConfig": "qwen35_jax.backends",
-    "build_engine": "qwen35_jax.engine",
+    "SamplingParams": "qwen35_jax.engine.sampling_params",
+    "RequestOutput": "qwen35_jax.engine.outputs",
+    "CompletionOutput": "qwen35_jax.engine.outputs",
+    "Logprob": "qwen35_jax.engine.outputs",
+    "EngineArgs": "qwen35_jax.engine.engine",
+    "KernelConfig": "qwen35_jax.model.backends",
+    "build_engine": "qwen35_jax.engine.engine",
 }
 __all__ = list(_EXPORTS)
 

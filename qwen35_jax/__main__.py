@@ -3,7 +3,7 @@ import argparse
 import time
 
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 from qwen35_jax.tools.make_tiny_model import default_model_dir
 
 

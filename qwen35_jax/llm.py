@@ -5,10 +5,10 @@ import logging
 
 import numpy as np
 
-from qwen35_jax.engine import EngineArgs, Observer, build_engine
-from qwen35_jax.outputs import RequestOutput
-from qwen35_jax.runner import ModelRunner, make_batch
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.engine import EngineArgs, Observer, build_engine
+from qwen35_jax.engine.outputs import RequestOutput
+from qwen35_jax.model.runner import ModelRunner, make_batch
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import socket
 import sys
 
 from qwen35_jax import env
-from qwen35_jax.backends import BACKENDS, KernelConfig
-from qwen35_jax.engine import EngineArgs, build_engine
+from qwen35_jax.model.backends import BACKENDS, KernelConfig
+from qwen35_jax.engine.engine import EngineArgs, build_engine
 
 log = logging.getLogger("qwen35_jax.serve")
 
@@ -114,7 +114,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from qwen35_jax import multihost
+    from qwen35_jax.engine import multihost
     from qwen35_jax.tools.make_tiny_model import default_model_dir
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id):
         import jax
@@ -131,13 +131,13 @@ def main(argv=None):
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from qwen35_jax.metrics import PrometheusObserver
-    from qwen35_jax.server_app import ServerConfig, create_app
-    from qwen35_jax.server_protocol import load_generation_defaults
+    from qwen35_jax.server.metrics import PrometheusObserver
+    from qwen35_jax.server.app import ServerConfig, create_app
+    from qwen35_jax.server.protocol import load_generation_defaults
 
     sock = _bind(args.host, args.port)       # fail on a taken port before spending minutes compiling
     if args.profiler_port is not None:
-        from qwen35_jax.profile import start_profiler_server
+        from qwen35_jax.tools.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
     model = args.model or default_model_dir()
     served_model_names = args.served_model_name or [model]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen35_jax import attention
+from qwen35_jax.model import attention
 
 
 def dense(q, k, v, positions, ctx):

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from conftest import fixture_dir
-from qwen35_jax.config import ModelConfig, load_config
+from qwen35_jax.model.config import ModelConfig, load_config
 
 
 def test_multimodal_and_text_layouts():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import engine_args, fixture_dir, reference
-from qwen35_jax.backends import KernelConfig
+from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 CASE = "text_untied_r1_g6"   # untied head: a spread-out distribution for the sampling tests
 
@@ -153,7 +153,7 @@ def test_data_parallel_replicas_match_single_replica():
 def test_prefill_bucket_floor():
     """128 tokens on GPU (weight-bound there), 32 elsewhere; never above the step budget; an explicit value wins
     and is checked against the budget."""
-    from qwen35_jax.engine import EngineArgs
+    from qwen35_jax.engine.engine import EngineArgs
     assert EngineArgs().prefill_floor("cpu") == 32 and EngineArgs().prefill_floor("gpu") == 128
     assert EngineArgs(max_num_batched_tokens=64).prefill_floor("gpu") == 64
     assert EngineArgs(min_prefill_tokens=16).prefill_floor("gpu") == 16
@@ -179,8 +179,8 @@ def test_warm_start_loads_serialized_executables(tmp_path):
     """A second engine of the same model and shapes (tp=2: the executables are loaded onto the mesh's 2 of 8
     devices) loads every bucket's executable from the executable cache, without tracing, lowering or compiling,
     and generates the same tokens; an unreadable entry is a logged miss, compiled and written again."""
-    from qwen35_jax.engine import EngineArgs, build_engine
-    from qwen35_jax.executor import ExecutableCache
+    from qwen35_jax.engine.engine import EngineArgs, build_engine
+    from qwen35_jax.engine.executor import ExecutableCache
 
     def engine(kernel_config=KernelConfig()):
         e = build_engine(fixture_dir(CASE), EngineArgs(
@@ -234,7 +234,7 @@ def test_warm_start_loads_serialized_executables(tmp_path):
 
 def test_packed_step_inputs_round_trip():
     """A step's host inputs travel as one int32 array: every dtype the engine sends comes back bit for bit."""
-    from qwen35_jax.executor import pack_rows, unpack_rows
+    from qwen35_jax.engine.executor import pack_rows, unpack_rows
     rng = np.random.default_rng(3)
     tree = (rng.integers(-2**31, 2**31 - 1, size=(4, 3), dtype=np.int32),
             np.array([0.5, -0.0, np.nan, np.inf], np.float32), np.array([0, 1, 2**32 - 1, 7], np.uint32),
@@ -293,7 +293,7 @@ def test_unsupported_shapes_fail_early(tmp_path):
     or anything compiled, naming the dimension and the backend that runs it."""
     import json
 
-    from qwen35_jax.engine import EngineArgs, build_engine
+    from qwen35_jax.engine.engine import EngineArgs, build_engine
     raw = json.load(open(os.path.join(fixture_dir(CASE), "config.json")))
     text = raw.get("text_config", raw)
     text["linear_value_head_dim"] = 24

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import engine_args
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

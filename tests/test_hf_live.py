@@ -10,7 +10,7 @@ import pytest
 
 from conftest import engine_args
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 HF_PYTHON = os.environ.get("QWEN35_HF_PYTHON")
 pytestmark = pytest.mark.skipif(not HF_PYTHON, reason="QWEN35_HF_PYTHON (a Python with torch) is not set")

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import CASES, engine_args, fixture_dir, reference
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import fixture_dir
 from bench import kernel_sweeps
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, paged_attention
-from qwen35_jax.attention import decode_attention
-from qwen35_jax.backends import KernelConfig, make_kernels
-from qwen35_jax.sharding import Layout
+from qwen35_jax.model.attention import decode_attention
+from qwen35_jax.model.backends import KernelConfig, make_kernels
+from qwen35_jax.model.sharding import Layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -360,8 +360,8 @@ def test_decode_prologue_matches_the_model_ops(hq, hkv, d, rd, dtype):
     """decode_prologue against the ops it replaces (model.rms_norm_1p and rope on q and k, attention.write_kv,
     paged_decode_attention's scaling and padding): the 9B and 27B head shapes (G 4 and 6) in bf16, the test
     models' in fp32; a padding row (lens 0) writes the null page only, and no other page slot changes."""
-    from qwen35_jax import attention as attn_ops
-    from qwen35_jax.model import rms_norm_1p, rope
+    from qwen35_jax.model import attention as attn_ops
+    from qwen35_jax.model.forward import rms_norm_1p, rope
     n, ps, num_pages, per_row = 4, 16, 11, 3
     ks = jax.random.split(jax.random.key(hq + d), 5)
     qkv = jax.random.normal(ks[0], (n, hq * 2 * d + 2 * hkv * d)).astype(dtype)
@@ -478,7 +478,7 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
 def test_model_projections_round_once():
     """model.project: prefill rows ask the GEMM for the output dtype itself (no fp32 result and convert); decode
     rows ask for fp32 and round after (where XLA's K split adds its partial sums), unless the GEMM rounds itself."""
-    from qwen35_jax.model import project
+    from qwen35_jax.model.forward import project
     spec = lambda t: (jax.ShapeDtypeStruct((3, t, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16))
     prefill, decode, rounds = (str(jax.jit(lambda x, w: project(x, w, gemm_rounds=r)).trace(*spec(t)).jaxpr)
                                for t, r in ((2, False), (1, False), (1, True)))
@@ -492,9 +492,9 @@ def test_gate_up_rounds_in_the_gemm_from_64_decode_rows():
     SiLU then on bf16 gate / up as in prefill and HF; smaller ones keep the fp32 path; both agree within bf16
     roundings; KernelConfig.gate_up_rounds_from moves the threshold, a negative one is refused."""
     import dataclasses as dc
-    from qwen35_jax.model import mlp_block
-    from qwen35_jax.sharding import TP
-    from qwen35_jax.weights import MLP
+    from qwen35_jax.model.forward import mlp_block
+    from qwen35_jax.model.sharding import TP
+    from qwen35_jax.model.weights import MLP
     P = jax.sharding.PartitionSpec
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (TP,))
     kernels = make_kernels(KernelConfig(backend="pallas_interpret").resolved())
@@ -521,7 +521,7 @@ def test_decode_step_has_no_host_synchronisation():
     the host and blocking on the stream; a decode step must have neither, so the engine can dispatch ahead. The
     decode step with the Pallas kernels, lowered for CUDA: no while / case / if outside the Triton kernels."""
     from bench.compile_time import lower_decode_for_cuda
-    from qwen35_jax.config import load_config
+    from qwen35_jax.model.config import load_config
     cfg = load_config(fixture_dir("mm_tied_r2_g2"))
     kernels = make_kernels(KernelConfig(backend="pallas", decode_split_k=4))     # lowered for CUDA on the CPU
     lowered = lambda kernels, mode="top": lower_decode_for_cuda(cfg, kernels, batch=4, slots=4, pages=9,
@@ -586,10 +586,10 @@ def test_illegal_head_dim_raises():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_model_logits_pallas_interpret_equal_reference(tp):
-    from qwen35_jax.config import load_config
-    from qwen35_jax.runner import ModelRunner, make_batch
-    from qwen35_jax.sharding import make_mesh
-    from qwen35_jax.weights import load_weights
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.runner import ModelRunner, make_batch
+    from qwen35_jax.model.sharding import make_mesh
+    from qwen35_jax.model.weights import load_weights
     model = fixture_dir("mm_tied_r2_g2")
     cfg = load_config(model)
     mesh = make_mesh(tp)
@@ -670,10 +670,10 @@ def test_decode_split_k_keeps_the_logits(tp):
     """KernelConfig.decode_split_k=S: the row-parallel decode GEMMs as one batched dot over S ranges of K
     (model.row_parallel, from decode_split_k_from rows) give the logits of the single dot within fp32 summation
     order; prefill, and decode batches below the threshold, are untouched."""
-    from qwen35_jax.config import load_config
-    from qwen35_jax.runner import ModelRunner, make_batch
-    from qwen35_jax.sharding import make_mesh
-    from qwen35_jax.weights import load_weights
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.runner import ModelRunner, make_batch
+    from qwen35_jax.model.sharding import make_mesh
+    from qwen35_jax.model.weights import load_weights
     model = fixture_dir("mm_tied_r2_g2")
     cfg = load_config(model)
     mesh = make_mesh(tp)

@@ -10,7 +10,7 @@ import time
 
 from conftest import engine_args, fixture_dir
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 DRIVER = os.path.join(os.path.dirname(__file__), "helpers", "multihost_driver.py")
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 90, 4 + i] for i in range(6)]

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import XLA_CACHE
-from qwen35_jax import profile as qp
-from qwen35_jax import profile_trace as pt
+from qwen35_jax.tools import profile as qp
+from qwen35_jax.tools import profile_trace as pt
 
 HLO = """HloModule jit_decode, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 
@@ -307,11 +307,11 @@ def test_profile_table_covers_every_layer(report):
 
 
 def test_profile_steps_and_roofline(report):
-    from qwen35_jax.config import load_config
-    from qwen35_jax.sharding import Layout
-    from qwen35_jax.state import bytes_per_slot
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.sharding import Layout
+    from qwen35_jax.model.state import bytes_per_slot
     from qwen35_jax.tools.make_tiny_model import default_model_dir
-    from qwen35_jax.weights import abstract_weights, nbytes
+    from qwen35_jax.model.weights import abstract_weights, nbytes
 
     assert len(report.decode) == 2 and len(report.copies) == qp.COPY_RUNS
     for w in [report.prefill] + report.decode + report.copies:
@@ -368,7 +368,7 @@ def test_summarize_engine_trace(tmp_path):
     the HLO of the engine's compiled buckets (several executables share the module name jit__lambda)."""
     from conftest import engine_args
     from qwen35_jax.llm import LLM
-    from qwen35_jax.sampling_params import SamplingParams
+    from qwen35_jax.engine.sampling_params import SamplingParams
     from qwen35_jax.tools.make_tiny_model import default_model_dir
 
     llm = LLM(default_model_dir(), skip_tokenizer_init=True,

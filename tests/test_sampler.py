@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35_jax.sampler import MAX_LOGPROBS, SamplingBatch, _filter, apply_penalties, sample
+from qwen35_jax.engine.sampler import MAX_LOGPROBS, SamplingBatch, _filter, apply_penalties, sample
 
 
 def batch(b, **kw):
@@ -83,7 +83,7 @@ def test_sampling_distribution_follows_temperature():
 
 
 def test_top_k_desc_by_levels_is_exact():
-    from qwen35_jax.sampler import top_k_desc
+    from qwen35_jax.engine.sampler import top_k_desc
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 70001)).astype(np.float32)  # 547 blocks of 128, the last one partial
     x[1, 69990:] = -np.inf                                  # padding columns, as in the model's logits
@@ -100,7 +100,7 @@ def test_top_k_desc_by_levels_is_exact():
 
 def test_candidate_filter_equals_full_sort():
     """Where the host routes a batch to the candidates executable, its thresholds are those of the full sort."""
-    from qwen35_jax.sampler import CANDIDATES, needs_full_vocab
+    from qwen35_jax.engine.sampler import CANDIDATES, needs_full_vocab
     rng = np.random.default_rng(4)
     v = 6000
     x = (rng.standard_normal((8, v)) * rng.uniform(0.5, 4, (8, 1))).astype(np.float32)
@@ -115,7 +115,7 @@ def test_candidate_filter_equals_full_sort():
 
 
 def test_needs_full_vocab_routing():
-    from qwen35_jax.sampler import CANDIDATES, needs_full_vocab
+    from qwen35_jax.engine.sampler import CANDIDATES, needs_full_vocab
     assert not needs_full_vocab(batch(2, temperature=[0.0, 0.0], top_p=[0.5, 0.5]))          # greedy ignores filters
     assert not needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 1.0], min_p=[0, 0.1]))
     assert needs_full_vocab(batch(2, top_k=[20, 0], top_p=[0.8, 0.9]))                        # nucleus unbounded
@@ -125,7 +125,7 @@ def test_needs_full_vocab_routing():
 def test_sampler_mode_routing_and_lean_tokens():
     """Batches without penalties or logprobs run the lean sampler (all-greedy ones the argmax alone): the same
     tokens as the sampler with extras."""
-    from qwen35_jax.sampler import sampler_mode
+    from qwen35_jax.engine.sampler import sampler_mode
     assert sampler_mode(batch(2, top_k=[20, 0], top_p=[0.8, 1.0])) == "lean"
     assert sampler_mode(batch(2, temperature=[0.0, 0.7])) == "lean"
     assert sampler_mode(batch(2, temperature=[0.0, 0.0], top_k=[20, 0], top_p=[0.5, 1.0])) == "greedy"
@@ -156,7 +156,7 @@ def test_sampler_mode_routing_and_lean_tokens():
 def test_draw_is_exact_on_a_grid_of_uniforms():
     """Over a 200 x 200 grid of (u0, u1) the two-level inverse CDF picks each kept token with its probability (to the
     grid's resolution), never a removed or padding one; blocks of 128 with a partial last block."""
-    from qwen35_jax.sampler import draw
+    from qwen35_jax.engine.sampler import draw
     rng = np.random.default_rng(5)
     v = 300
     x = (rng.standard_normal(v) * 1.5).astype(np.float32)
@@ -175,7 +175,7 @@ def test_draw_is_exact_on_a_grid_of_uniforms():
 
 def test_candidate_and_full_vocab_sampling_agree():
     """The same seeded draws whichever decode executable (candidates or full sort) a batch runs."""
-    from qwen35_jax.sampler import CANDIDATES
+    from qwen35_jax.engine.sampler import CANDIDATES
     rng = np.random.default_rng(6)
     v = 5000
     logits = jnp.asarray((rng.standard_normal((6, v)) * 2).astype(np.float32))

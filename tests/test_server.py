@@ -35,7 +35,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from qwen35_jax.tokenizer import Tokenizer
+    from qwen35_jax.engine.tokenizer import Tokenizer
     return Tokenizer(tiny_model_dir)
 
 
@@ -407,8 +407,8 @@ def test_health_fails_when_engine_loop_dies(tiny_model_dir):
 
     from conftest import engine_args
     from qwen35_jax.llm import LLM
-    from qwen35_jax.metrics import PrometheusObserver
-    from qwen35_jax.server_app import ServerConfig, create_app
+    from qwen35_jax.server.metrics import PrometheusObserver
+    from qwen35_jax.server.app import ServerConfig, create_app
     registry = CollectorRegistry()
     llm = LLM(tiny_model_dir, observer=PrometheusObserver(registry, MODEL), **engine_args(precompile=False))
     app = create_app(llm.engine, ServerConfig(served_model_names=[MODEL], model_path=tiny_model_dir), registry)
@@ -431,8 +431,8 @@ def test_reasoning_splitter(tiny_model_dir, tmp_path, special_tags):
     released Qwen checkpoints have them); reasoning and content only ever grow."""
     import shutil
 
-    from qwen35_jax.server_generation import ReasoningSplitter, think_token_ids
-    from qwen35_jax.tokenizer import Tokenizer
+    from qwen35_jax.server.generation import ReasoningSplitter, think_token_ids
+    from qwen35_jax.engine.tokenizer import Tokenizer
     model = tiny_model_dir
     if not special_tags:
         model = str(tmp_path / "tok")

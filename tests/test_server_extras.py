@@ -12,7 +12,7 @@ import httpx
 from conftest import engine_args, fixture_dir
 from server_proc import ENGINE_FLAGS, ROOT, ServerProcess, server_env
 from qwen35_jax.llm import LLM
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 CASE = "text_untied_r1_g6"
 PROMPTS = [[5 + i, 17, 33 + 2 * i, 90, 4 + i] for i in range(4)]

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import engine_args, fixture_dir, reference
-from qwen35_jax.checkpoint import Checkpoint, _read_header, write_safetensors
-from qwen35_jax.config import load_config
+from qwen35_jax.model.checkpoint import Checkpoint, _read_header, write_safetensors
+from qwen35_jax.model.config import load_config
 from qwen35_jax.llm import LLM
-from qwen35_jax.sharding import Layout, make_mesh
-from qwen35_jax.state import abstract_state, init_state
-from qwen35_jax.weights import abstract_weights, load_weights
+from qwen35_jax.model.sharding import Layout, make_mesh
+from qwen35_jax.model.state import abstract_state, init_state
+from qwen35_jax.model.weights import abstract_weights, load_weights
 
 CASE = "text_untied_r1_g6"     # single-file checkpoint, Hq=12, Hkv=2, Hk=Hv=4, I=128
 
@@ -122,9 +122,9 @@ def test_loading_host_memory_is_bounded(tmp_path):
         jax.config.update("jax_num_cpu_devices", 4)
         jax.config.update("jax_platforms", "cpu")
         import jax.numpy as jnp, numpy as np
-        from qwen35_jax.config import load_config
-        from qwen35_jax.sharding import make_mesh
-        from qwen35_jax.weights import load_weights
+        from qwen35_jax.model.config import load_config
+        from qwen35_jax.model.sharding import make_mesh
+        from qwen35_jax.model.weights import load_weights
         d = {str(tmp_path)!r}
         cfg = load_config(d)
         mesh = make_mesh(4)
@@ -172,7 +172,7 @@ def test_loading_host_memory_is_bounded(tmp_path):
 def test_relayout_between_tp_sizes_equals_loading():
     """Random-weight benchmarks compare tp sizes by re-laying-out one set of weights: the result must be exactly
     what loading the checkpoint at the destination tp gives (stitching, KV replication, vocab padding)."""
-    from qwen35_jax.weights import relayout
+    from qwen35_jax.model.weights import relayout
     import jax.numpy as jnp
     cfg = load_config(fixture_dir(CASE))                  # Hkv = 2 (replicated at tp=4), vocab 250 (padded)
     m1, m4 = make_mesh(1), make_mesh(4)

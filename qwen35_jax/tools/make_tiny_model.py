@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from qwen35_jax import env
-from qwen35_jax.checkpoint import write_safetensors
+from qwen35_jax.model.checkpoint import write_safetensors
 
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -16,13 +16,13 @@ hold = "--hold" in sys.argv
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 2)
 
-from qwen35_jax import multihost  # noqa: E402
+from qwen35_jax.engine import multihost  # noqa: E402
 
 multihost.initialize(f"127.0.0.1:{port}", nproc, pid, heartbeat_timeout_seconds=5)
 import os  # noqa: E402
 
 from qwen35_jax.llm import LLM  # noqa: E402
-from qwen35_jax.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf", "text_untied_r1_g6")
 llm = LLM(MODEL, tensor_parallel_size=tp, skip_tokenizer_init=True, data_parallel_size=dp, dtype="float32",

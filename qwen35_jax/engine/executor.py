@@ -30,14 +30,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from qwen35_jax import env
-from qwen35_jax.backends import KernelConfig
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import Batch, Kernels, forward
-from qwen35_jax.sampler import (EXTRAS_MODES, MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch,
+from qwen35_jax.model.backends import KernelConfig
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.forward import Batch, Kernels, forward
+from qwen35_jax.engine.sampler import (EXTRAS_MODES, MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch,
                                 host_batch_rows, sample, sampler_mode)
-from qwen35_jax.scheduler import next_bucket
-from qwen35_jax.sharding import DP, TP, Layout
-from qwen35_jax.state import State
+from qwen35_jax.engine.scheduler import next_bucket
+from qwen35_jax.model.sharding import DP, TP, Layout
+from qwen35_jax.model.state import State
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def source_digest() -> str:
     """sha256 of the sources that define the compiled steps (this package and pallas_kernels/): any code change
     gives every cached executable a new key."""
     h = hashlib.sha256()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for pkg in ("qwen35_jax", "pallas_kernels"):
         for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, pkg))):
             dirnames.sort()

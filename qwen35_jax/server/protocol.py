@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_SEQUENCES_PER_REQUEST = 256      # n × number of prompts: bounds the work one HTTP request can queue

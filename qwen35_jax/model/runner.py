@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import Batch, Kernels, make_forward
-from qwen35_jax.sharding import Layout
-from qwen35_jax.state import State, abstract_state, init_state, state_specs
-from qwen35_jax.weights import abstract_weights, weight_specs
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.forward import Batch, Kernels, make_forward
+from qwen35_jax.model.sharding import Layout
+from qwen35_jax.model.state import State, abstract_state, init_state, state_specs
+from qwen35_jax.model.weights import abstract_weights, weight_specs
 
 log = logging.getLogger(__name__)
 

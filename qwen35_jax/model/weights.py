@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qwen35_jax.checkpoint import Checkpoint
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.sharding import Layout, named, spec
+from qwen35_jax.model.checkpoint import Checkpoint
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.sharding import Layout, named, spec
 
 log = logging.getLogger(__name__)
 Array = jax.Array

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import time
 
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

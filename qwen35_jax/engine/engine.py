@@ -26,17 +26,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qwen35_jax import env
-from qwen35_jax import executor as ex
-from qwen35_jax.backends import KernelConfig, make_kernels
-from qwen35_jax.config import ModelConfig, load_config, resolve_dtype
-from qwen35_jax.outputs import CompletionOutput, Logprob, RequestOutput
-from qwen35_jax.sampler import init_sampler_state
-from qwen35_jax.sampling_params import SamplingParams
-from qwen35_jax.scheduler import Request, Scheduler, Status
-from qwen35_jax.sharding import DP, Layout, make_mesh
-from qwen35_jax.state import abstract_state, init_state, nbytes, state_specs
-from qwen35_jax.tokenizer import Tokenizer, eos_token_ids
-from qwen35_jax.weights import abstract_weights, load_or_restore, random_weights, weight_specs
+from qwen35_jax.engine import executor as ex
+from qwen35_jax.model.backends import KernelConfig, make_kernels
+from qwen35_jax.model.config import ModelConfig, load_config, resolve_dtype
+from qwen35_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from qwen35_jax.engine.sampler import init_sampler_state
+from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.engine.scheduler import Request, Scheduler, Status
+from qwen35_jax.model.sharding import DP, Layout, make_mesh
+from qwen35_jax.model.state import abstract_state, init_state, nbytes, state_specs
+from qwen35_jax.engine.tokenizer import Tokenizer, eos_token_ids
+from qwen35_jax.model.weights import abstract_weights, load_or_restore, random_weights, weight_specs
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, we
         weights = load_or_restore(model, cfg, mesh, dtype, args.converted_weights_dir)
     leader = None
     if jax.process_count() > 1 and jax.process_index() == 0:
-        from qwen35_jax.multihost import Leader
+        from qwen35_jax.engine.multihost import Leader
         leader = Leader()
     return Engine(cfg, mesh, layout, weights, dataclasses.replace(args, kernel_config=kernel_config),
                   tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, cfg, tokenizer), observer=observer,
@@ -431,7 +431,7 @@ class Engine:
         except BaseException as e:   # the loop is dead: fail every request loudly, keep /health honest
             log.exception("engine loop failed")
             if self.leader is not None:          # a collective that lost its peer: say which peer
-                from qwen35_jax.multihost import PEER_POLL_SECONDS, PeerLost
+                from qwen35_jax.engine.multihost import PEER_POLL_SECONDS, PeerLost
                 time.sleep(2 * PEER_POLL_SECONDS)        # let the coordination service notice the departure
                 try:
                     dead = self.leader.dead_peers()

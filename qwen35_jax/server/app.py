@@ -29,10 +29,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen35_jax.metrics import register_engine_metrics
-from qwen35_jax.outputs import CompletionOutput
-from qwen35_jax.server_generation import Generation, ReasoningSplitter, think_token_ids
-from qwen35_jax.server_protocol import (MAX_SEQUENCES_PER_REQUEST, APIError, ChatCompletionRequest,
+from qwen35_jax.server.metrics import register_engine_metrics
+from qwen35_jax.engine.outputs import CompletionOutput
+from qwen35_jax.server.generation import Generation, ReasoningSplitter, think_token_ids
+from qwen35_jax.server.protocol import (MAX_SEQUENCES_PER_REQUEST, APIError, ChatCompletionRequest,
                                         CompletionRequest, bad_request, chat_messages, parse, prompts,
                                         sampling_params)
 
@@ -312,7 +312,7 @@ async def metrics(request: Request):
 @router.post("/start_profile")
 async def start_profile(request: Request):
     """Start an XLA profiler trace of whatever the engine runs next (as vLLM's endpoint)."""
-    from qwen35_jax import profile
+    from qwen35_jax.tools import profile
     try:
         out = profile.start_profile(request.app.state.config.profile_dir)
     except profile.ProfilerStateError as e:
@@ -323,7 +323,7 @@ async def start_profile(request: Request):
 @router.post("/stop_profile")
 async def stop_profile(request: Request):
     """Stop the trace; returns the session directory and device ms per block (embed, gdn, attention, ...)."""
-    from qwen35_jax import profile
+    from qwen35_jax.tools import profile
     try:
         session = await asyncio.to_thread(profile.stop_profile)
     except profile.ProfilerStateError as e:

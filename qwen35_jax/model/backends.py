@@ -15,10 +15,10 @@ import typing
 import jax
 
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
-from qwen35_jax.attention import decode_attention
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.model import Kernels
-from qwen35_jax.sharding import Layout
+from qwen35_jax.model.attention import decode_attention
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.forward import Kernels
+from qwen35_jax.model.sharding import Layout
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 

@@ -11,8 +11,8 @@ import asyncio
 import functools
 import uuid
 
-from qwen35_jax.outputs import RequestOutput
-from qwen35_jax.sampling_params import SamplingParams
+from qwen35_jax.engine.outputs import RequestOutput
+from qwen35_jax.engine.sampling_params import SamplingParams
 
 
 class Generation:

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.sharding import Layout, named, spec
-from qwen35_jax.weights import Param, _leaf
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.sharding import Layout, named, spec
+from qwen35_jax.model.weights import Param, _leaf
 
 
 @jax.tree_util.register_dataclass

@@ -3,9 +3,9 @@
 Command line (prints the table; `python bench/profile.py` takes the same arguments and also records it under
 bench/runs/ with command, commit and machine):
 
-    python -m qwen35_jax.profile --config bench/configs/qwen3.5-9b.json --batch 16 --decode-steps 8 --out DIR
-    python -m qwen35_jax.profile --model DIR [--random-weights] --batch 4 --out DIR      # a checkpoint
-    python -m qwen35_jax.profile --batch 4 --out DIR                                     # the embedded tiny model
+    python -m qwen35_jax.tools.profile --config bench/configs/qwen3.5-9b.json --batch 16 --decode-steps 8 --out DIR
+    python -m qwen35_jax.tools.profile --model DIR [--random-weights] --batch 4 --out DIR      # a checkpoint
+    python -m qwen35_jax.tools.profile --batch 4 --out DIR                                     # the embedded tiny model
 
 It builds an engine sized for the run (`batch` slots, one prefill bucket of `batch` rows x `prompt_len` tokens,
 the decode bucket of `batch` rows), runs every step once to compile and warm up, then under `jax.profiler`: one
@@ -13,7 +13,7 @@ prefill, `decode_steps` decode steps of one token per row (the engine's compiled
 sampler, exactly what serving runs), and 5 runs of a large array copy that measure the device copy bandwidth in
 the same trace. Each step is a `StepTraceAnnotation` ("prefill", "decode", "copy_bandwidth") that blocks until
 the device is done, so every device event belongs to one step. The table is parsed from the trace just written
-(`qwen35_jax.profile_trace`; each step's events are resolved to named scopes against the HLO of the executable
+(`qwen35_jax.tools.profile_trace`; each step's events are resolved to named scopes against the HLO of the executable
 that step ran): device time per step, per block type (embed, gdn, attention, mlp, norm+residual, lm_head,
 sampling), per scope and per layer, on the mesh's first device, and the decode step's roofline ratio:
 
@@ -66,7 +66,7 @@ import threading
 import time
 
 from qwen35_jax import env
-from qwen35_jax import profile_trace as pt
+from qwen35_jax.tools import profile_trace as pt
 
 # ---------------------------------------------------------------------------------------------------------------
 # On-demand traces (used by the server and by run_profile)
@@ -267,7 +267,7 @@ def load_report(session: str) -> ProfileReport:
 def _sampling_batch(rows: int, greedy: bool, step: int):
     """Per-row sampling parameters: greedy, or Qwen3.5's recommended temperature 0.7 / top_p 0.8 / top_k 20."""
     import numpy as np
-    from qwen35_jax.sampler import SamplingBatch
+    from qwen35_jax.engine.sampler import SamplingBatch
     full = lambda v, dt: np.full(rows, v, dt)
     return SamplingBatch(temperature=full(0.0 if greedy else 0.7, np.float32),
                          top_k=full(0 if greedy else 20, np.int32),
@@ -291,9 +291,9 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     import jax.numpy as jnp
     import numpy as np
 
-    from qwen35_jax.backends import KernelConfig
-    from qwen35_jax.engine import EngineArgs, build_engine
-    from qwen35_jax.sampler import sampler_mode
+    from qwen35_jax.model.backends import KernelConfig
+    from qwen35_jax.engine.engine import EngineArgs, build_engine
+    from qwen35_jax.engine.sampler import sampler_mode
     from qwen35_jax.tools.make_tiny_model import default_model_dir
 
     if batch < 1 or prompt_len < 1 or decode_steps < 1:
@@ -547,7 +547,7 @@ def format_report(r: ProfileReport, top_unattributed: int = 8) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m qwen35_jax.profile", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m qwen35_jax.tools.profile", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF model directory (default: the embedded tiny model)")
@@ -570,7 +570,7 @@ def main(argv=None):
     ap.add_argument("--top-unattributed", type=int, default=8,
                     help="list this many unattributed kernel names of prefill and of decode each (default 8)")
     args = ap.parse_args(argv)
-    from qwen35_jax.backends import KernelConfig
+    from qwen35_jax.model.backends import KernelConfig
     report = run_profile(args.model, args.config, random_weights=args.random_weights, batch=args.batch,
                          prompt_len=args.prompt_len, decode_steps=args.decode_steps, tp=args.tp, dtype=args.dtype,
                          kernel_config=KernelConfig.parse(args.kernel_config,

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from qwen35_jax import attention as attn_ops
-from qwen35_jax.config import ModelConfig
-from qwen35_jax.sharding import DP, TP, Layout
-from qwen35_jax.state import State
-from qwen35_jax.weights import Attention, GatedDeltaNet, Weights
+from qwen35_jax.model import attention as attn_ops
+from qwen35_jax.model.config import ModelConfig
+from qwen35_jax.model.sharding import DP, TP, Layout
+from qwen35_jax.model.state import State
+from qwen35_jax.model.weights import Attention, GatedDeltaNet, Weights
 
 
 @jax.tree_util.register_dataclass
@@ -35,7 +35,7 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.backends).
+    """The GDN/conv/attention operations the model runs; a backend supplies them (see qwen35_jax.model.backends).
     Contracts: pallas_kernels/gdn_reference.py, conv1d_reference.py and attention.decode_attention. Prefill rows
     starting at position 0 begin from zero state (use_state False), so a recycled slot never leaks its previous
     request's state. Decode reads the layer's packed activations in place (gdn_decode_packed, and conv_decode on

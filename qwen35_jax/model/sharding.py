@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from qwen35_jax.config import ModelConfig
+from qwen35_jax.model.config import ModelConfig
 
 TP = "tp"
 DP = "dp"
