@@ -9,7 +9,7 @@ from qwen35_jax.tools.make_tiny_model import default_model_dir
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny random model)")
+    ap.add_argument("--model", default=None, help="HF model directory or repo id (default: the embedded tiny model)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--max-tokens", type=int, default=32)

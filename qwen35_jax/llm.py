@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 class LLM:
     """A Qwen3.5 model served by the continuous-batching engine on a `tp` device mesh.
 
-    model: a HF model directory (config.json, safetensors, tokenizer). Keyword arguments are EngineArgs fields
-    (tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
+    model: a HF model directory (config.json, safetensors, tokenizer) or a Hugging Face repo id ("Qwen/Qwen3.5-9B",
+    fetched into the HF cache at `revision`). Keyword arguments are EngineArgs fields (revision,
+    tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, decode_steps, page_size,
     num_kv_pages, kernel_config, compilation_cache_dir, skip_tokenizer_init, converted_weights_dir, ...).
     devices: the mesh's devices (default: all); observer: engine hooks (e.g. metrics).
     """

@@ -1,11 +1,13 @@
 """`python -m qwen35_jax.serve`: an OpenAI-compatible HTTP server (chat, completions, models, health, metrics).
 
-    python -m qwen35_jax.serve --model /path/to/Qwen3.5-9B --max-model-len 8192 --port 8000
+    python -m qwen35_jax.serve --model Qwen/Qwen3.5-9B --max-model-len 8192 --port 8000
 
-Flags are named as vLLM's. Without --model it serves the embedded tiny random model (built on first use) with a
-small bucket set, so it starts on a laptop CPU. It binds 127.0.0.1 unless --host says otherwise; --api-key (or
-$QWEN35_API_KEY) makes /v1/* require `Authorization: Bearer <key>`. --load-format dummy serves random weights at
-the shapes of DIR/config.json (benchmarks); with --skip-tokenizer-init the server takes and returns token ids only.
+Flags are named as vLLM's. --model is a model directory or a Hugging Face repo id, fetched into the HF cache at
+--revision (HF_HOME, HF_HUB_OFFLINE=1 respected) and served under that name. Without --model it serves the embedded
+tiny random model (built on first use) with a small bucket set, so it starts on a laptop CPU. It binds 127.0.0.1
+unless --host says otherwise; --api-key (or $QWEN35_API_KEY) makes /v1/* require `Authorization: Bearer <key>`.
+--load-format dummy serves random weights at the shapes of DIR/config.json (benchmarks); with --skip-tokenizer-init
+the server takes and returns token ids only.
 See docs/server.md.
 """
 from __future__ import annotations
@@ -29,10 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m qwen35_jax.serve", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = ap.add_argument_group("model")
-    m.add_argument("--model", default=None, help="HF model directory (default: the embedded tiny random model, "
-                   f"with {TINY_DEFAULTS} unless given)")
+    m.add_argument("--model", default=None, help="HF model directory or Hugging Face repo id (default: the embedded "
+                   f"tiny random model, with {TINY_DEFAULTS} unless given)")
+    m.add_argument("--revision", default=None,
+                   help="of a repo id --model: branch, tag or commit to download (default: main)")
     m.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients pass as `model`; the first is reported (default: the --model path)")
+                   help="name(s) clients pass as `model`; the first is reported (default: --model as given)")
     m.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights at the config's shapes (only config.json is read)")
     m.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -96,7 +100,8 @@ def engine_args(args) -> EngineArgs:
               num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
               kernel_config=kernel_config, compilation_cache_dir=args.compilation_cache_dir,
               precompile=not args.no_precompile, seed=args.seed, load_format=args.load_format,
-              skip_tokenizer_init=args.skip_tokenizer_init, converted_weights_dir=args.converted_weights_dir)
+              skip_tokenizer_init=args.skip_tokenizer_init, converted_weights_dir=args.converted_weights_dir,
+              revision=args.revision)
     if args.model is None:
         kw = {k: (TINY_DEFAULTS[k] if v is None and k in TINY_DEFAULTS else v) for k, v in kw.items()}
     return EngineArgs(**{k: v for k, v in kw.items() if v is not None})      # unset: EngineArgs' default
@@ -144,9 +149,9 @@ def main(argv=None):
     registry = CollectorRegistry()
     engine = build_engine(model, engine_args(args), observer=PrometheusObserver(registry, served_model_names[0]))
     try:                 # the engine (its loop thread) is shut down however the server ends
-        defaults = load_generation_defaults(model) if args.generation_config == "auto" else {}
+        defaults = load_generation_defaults(engine.model_dir) if args.generation_config == "auto" else {}
         if defaults:
-            log.info("sampling defaults from %s/generation_config.json: %s", model, defaults)
+            log.info("sampling defaults from %s/generation_config.json: %s", engine.model_dir, defaults)
         config = ServerConfig(served_model_names=served_model_names, model_path=model,
                               api_key=args.api_key or None, max_body_bytes=args.max_request_body_bytes,
                               generation_defaults=defaults, reasoning_parser=args.reasoning_parser == "qwen3",

@@ -29,6 +29,7 @@ from qwen35_jax import env
 from qwen35_jax.engine import executor as ex
 from qwen35_jax.model.backends import KernelConfig, make_kernels
 from qwen35_jax.model.config import ModelConfig, load_config, resolve_dtype
+from qwen35_jax.model.hub import resolve_model
 from qwen35_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from qwen35_jax.engine.sampler import init_sampler_state
 from qwen35_jax.engine.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class EngineArgs:
     load_format: str = "auto"                # "dummy": random weights at the config's shapes (benchmarks)
     skip_tokenizer_init: bool = False        # no tokenizer: prompts are token ids, outputs carry no text
     converted_weights_dir: str | None = None  # orbax copy of the re-laid-out weights, saved once, then restored
+    revision: str | None = None              # of a Hugging Face repo id model: branch, tag or commit (None: main)
 
     def validate(self):
         checks = [(self.tensor_parallel_size in (1, 2, 4, 8),
@@ -107,10 +109,13 @@ def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, we
                  observer: Observer | None = None) -> Engine:
     """The one way to build an engine: config, checks, mesh, tokenizer, weights, then the engine itself.
 
-    Shapes that tp or the kernels cannot run fail here, before any weight is read or anything compiled.
+    model: a model directory or a Hugging Face repo id (fetched into the HF cache at args.revision; the engine's
+    `model_dir` is the directory read). Shapes that tp or the kernels cannot run fail here, before any weight is
+    read or anything compiled.
     devices: the devices of the mesh (default: all); weights: already-loaded weights for (model, mesh, dtype)."""
     args = args or EngineArgs()
     args.validate()
+    model = resolve_model(model, args.revision)
     cfg = load_config(model)
     layout = Layout.build(cfg, args.tensor_parallel_size)
     kernel_config = args.kernel_config.resolved()
@@ -132,7 +137,7 @@ def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, we
         leader = Leader()
     return Engine(cfg, mesh, layout, weights, dataclasses.replace(args, kernel_config=kernel_config),
                   tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, cfg, tokenizer), observer=observer,
-                  leader=leader)
+                  leader=leader, model_dir=model)
 
 
 # Engines whose loop thread was started. One atexit hook stops them all before the interpreter finalizes: a daemon
@@ -205,10 +210,12 @@ class Engine:
     """The continuous-batching engine over one model on one mesh; build it with `build_engine`."""
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, args: EngineArgs, *, tokenizer=None,
-                 eos_token_ids=(), observer: Observer | None = None, leader=None):
+                 eos_token_ids=(), observer: Observer | None = None, leader=None, model_dir: str | None = None):
         """args.kernel_config must be resolved (KernelConfig.resolved). leader: the multi-host leader
-        (multihost.Leader) on process 0 of a multi-process job, which publishes every step to the followers."""
+        (multihost.Leader) on process 0 of a multi-process job, which publishes every step to the followers.
+        model_dir: the directory the model was read from (the server reads generation_config.json there)."""
         self.cfg, self.mesh, self.layout, self.weights, self.args = cfg, mesh, layout, weights, args
+        self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.observer = observer or Observer()
