@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from conftest import XLA_CACHE, engine_args
+from conftest import engine_args
 from qwen35_jax.model.hub import resolve_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +133,7 @@ def run(job: dict, **env) -> dict:
 def test_repo_id_downloads_and_works_offline(hub, tiny_model_dir, tmp_path):
     hf_home = str(tmp_path / "hf")
     snapshot = os.path.join(hf_home, "hub", "models--test-org--tiny-qwen", "snapshots", SHA)
-    kw = engine_args(precompile=False, compilation_cache_dir=XLA_CACHE)
+    kw = engine_args(precompile=False)          # the shared test XLA cache: compiled once per run
     out = run({"repo": REPO, "local": tiny_model_dir, "engine": kw,
                "resolve": {"main": [REPO, None], "v1": [REPO, "v1"], "unknown": ["test-org/no-such-model", None],
                            "bad_revision": [REPO, "no-such-branch"]}},
