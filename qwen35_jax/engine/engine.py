@@ -506,11 +506,18 @@ class Engine:
                         self.leader.consumed(len(records))
             pending = records or None
         # Stopped with a step in flight (as after every request's last token): read it back, tokens dropped. Waiting
-        # for the step alone is not enough: its host copy (copy_to_host_async at dispatch) completes in a callback on
-        # an XLA worker thread that takes the GIL, after block_until_ready's waiter may already have returned; run
-        # during interpreter finalization, that callback aborts the process (std::terminate in tstate_ensure).
+        # for the step alone is not enough where its host copy started at dispatch (_copy_ahead): that copy completes
+        # in a callback on an XLA worker thread that takes the GIL, after block_until_ready's waiter may already have
+        # returned; run during interpreter finalization, it aborts the process (std::terminate in tstate_ensure).
         for _, _, out in pending or ():
             np.asarray(out)
+
+    def _copy_ahead(self, out):
+        """Start the host copy of a step's output behind the step, so reading it in _process costs no round trip.
+        Not on the CPU: there is no transfer to hide, and the copy's completion callback takes the GIL on an XLA
+        worker thread, which may run while the interpreter finalizes and abort the process."""
+        if self.mesh.devices.flat[0].platform != "cpu":
+            out.copy_to_host_async()
 
     def _dispatch(self, plan) -> list:
         """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records."""
@@ -519,7 +526,7 @@ class Engine:
             n, t = plan.prefill_shape
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
                 rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape)
-            out.copy_to_host_async()     # queued behind the step: reading it in _process costs no round trip
+            self._copy_ahead(out)
             for c in plan.prefill:
                 c.request.num_computed += c.length
                 if c.completes_prompt:
@@ -529,7 +536,7 @@ class Engine:
         if plan.decode:
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
                 rows, out = self.executor.run_decode(plan.decode)
-            out.copy_to_host_async()
+            self._copy_ahead(out)
             k = self.args.decode_steps
             for r in plan.decode:
                 r.num_computed += k
