@@ -14,6 +14,7 @@ two values of R; time per call = slope.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -61,7 +62,7 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke run of this script)")
     ap.add_argument("--pick", default=None, metavar="FILE",
                     help="write the variant with the least total time over the timed cells of the smallest context "
-                         "(the decode contexts the engine benchmarks run) to FILE")
+                         "(the decode contexts the engine benchmarks run) to FILE, as KernelConfig fields")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -109,7 +110,8 @@ def main():
         ctx0 = min(r["context"] for r in rows)
         total = {nm: sum(float(r[f"{nm} us"]) for r in rows if r["context"] == ctx0) for nm in ok}
         best = min(total, key=total.get)
-        open(args.pick, "w").write(best)
+        config = next(c for c in attention_sweep() if c.name == best)       # as KernelConfig fields
+        open(args.pick, "w").write(" ".join(f"decode_attention.{k}={v}" for k, v in dataclasses.asdict(config).items()))
         print(f"picked {best}: {total[best]:.1f} us over the context-{ctx0} cells (default {pa.DEFAULT.name}: "
               f"{total.get(pa.DEFAULT.name, float('nan')):.1f} us)", flush=True)
     body = (f"9B attention shapes (Hq {HQ}, Hkv {HKV}, D {D}, page {PAGE}, bf16 KV). Copy bandwidth in this run "

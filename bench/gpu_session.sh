@@ -64,8 +64,8 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run sampler 90 python3 bench/sampler.py --record $old ;;
     throughput) CUDA_VISIBLE_DEVICES=0 run throughput 380 python3 bench/throughput.py --record \
                   --compilation-cache-dir $xla/engine ;;
-    throughput_staged) QWEN35_STEP_INPUTS=staged CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 \
-                         python3 bench/throughput.py --record --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
+    throughput_staged) CUDA_VISIBLE_DEVICES=0 run throughput_staged 240 python3 bench/throughput.py --record \
+                         --kernel-config staged_inputs=true --compilation-cache-dir $xla/engine ;;   # after throughput: its XLA cache
     serving) CUDA_VISIBLE_DEVICES=0 run serving 130 python3 bench/serving.py --compare \
                --config bench/configs/qwen3.5-9b.json --num-prompts 32 --input-len 1024 --output-len 256 \
                --max-concurrency 16 --ignore-eos --result-file "$work/serving.json" --record -- \
@@ -79,16 +79,17 @@ for s in $sections; do
                --compilation-cache-dir $xla/profile --top-unattributed 25
              # trace, HLO and metadata come back too: qwen35_jax.tools.profile.load_report(session dir) re-reads them
              tar czf "$out/prof.tgz" -C /tmp prof ;;
-    profile64|profile64pick)     # the 9B step at batch 64; profile64pick with the attention variant `attention` picked
+    profile64|profile64pick)     # the 9B step at batch 64; profile64pick with the KernelConfig fields `attention` picked
              pick=$( [ $s = profile64pick ] && [ -f $work/pick.txt ] && cat $work/pick.txt )
              if [ $s = profile64pick ] && [ -z "$pick" ]; then echo "=== $s skipped (no pick)"; continue; fi
-             CUDA_VISIBLE_DEVICES=0 run $s ${PROFILE64_SHARE:-110} env ${pick:+QWEN35_DECODE_ATTENTION=$pick} \
+             CUDA_VISIBLE_DEVICES=0 run $s ${PROFILE64_SHARE:-110} \
                python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --random-weights --batch 64 \
-               --prompt-len 1024 --decode-steps 8 --out /tmp/$s --compilation-cache-dir $xla/$s \
+               --prompt-len 1024 --decode-steps 8 --out /tmp/$s --compilation-cache-dir $xla/$s --kernel-config "$pick" \
                --top-unattributed 5 ${PROFILE64_ARGS:-}      # e.g. PROFILE64_ARGS=--greedy
              (cd /tmp && tar czf "$out/$s${XLA_FLAGS:+-flags}-hlo.tgz" $(find $s -name "*.hlo.txt")) ;;   # the optimised HLO comes back
     profile64envs)   # the batch-64 profile once per entry of PROFILE64_ENVS (';'-separated; each entry is what `export`
-                     # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b" QWEN35_DECODE_MATMUL=kernel'; an empty entry: as is)
+                     # takes, e.g. 'XLA_FLAGS="--xla_a --xla_b"'; an empty entry: as is; kernel variants: PROFILE64_ARGS
+                     # with --kernel-config)
              IFS=';' read -ra envsets <<< "${PROFILE64_ENVS:-}"
              for i in "${!envsets[@]}"; do
                CUDA_VISIBLE_DEVICES=0 run profile64_e$i ${PROFILE64_SHARE:-110} bash -c "${envsets[$i]:+export ${envsets[$i]};} exec \
@@ -99,7 +100,7 @@ for s in $sections; do
                tar czf "$out/profile64_e$i.tgz" -C /tmp profile64_e$i
              done ;;
     ab)  # decode-step A/B of kernel variants in one process (bench/ab_decode.py); AB_VARIANTS: ';'-separated
-         # variants after the default, each space-separated QWEN35_*=value settings
+         # variants after the default, each space-separated KernelConfig field=value settings (bench/ab_decode.py)
          IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --variants "" "${abv[@]}" ;;
