@@ -1,10 +1,12 @@
-"""`python -m qwen35_jax`: generate from the embedded tiny model (or --model DIR) to show the whole path works."""
+"""`python -m qwen35_jax`: generate from the embedded tiny model (or --model DIR / repo id): the whole path, once."""
 import argparse
 import time
 
-from qwen35_jax.llm import LLM
-from qwen35_jax.engine.sampling_params import SamplingParams
-from qwen35_jax.tools.make_tiny_model import default_model_dir
+from qwen35_jax import LLM, SamplingParams, env
+
+
+TINY = ("the embedded tiny Qwen3.5: random weights at toy shapes with a tokenizer trained on a small corpus, to "
+        "exercise the engine (its text is noise; these are not Qwen3.5's weights)")
 
 
 def main():
@@ -15,16 +17,21 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    model = args.model or default_model_dir()
+    print(f"model: {args.model or TINY}", flush=True)
     t0 = time.perf_counter()
     # A small bucket set keeps the one-time compile short on a CPU; the persistent cache makes later starts fast.
-    llm = LLM(model=model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=1024, max_num_seqs=4,
+    llm = LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=1024, max_num_seqs=4,
               max_num_batched_tokens=256, max_prefill_rows=1)
-    print(f"loaded {model} in {time.perf_counter() - t0:.1f}s")
+    print(f"ready in {time.perf_counter() - t0:.1f}s, {llm.engine.precompile_seconds:.1f}s of it compiling or loading "
+          f"the engine's executables (the first run compiles them; later runs load them from {env.cache_root()})")
     with llm:           # stops the engine's loop thread before the interpreter exits
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        print(f"prompt: {args.prompt!r}")
+        t0 = time.perf_counter()
         out = llm.generate(args.prompt, params)[0].outputs[0]
-        print(f"completion: {out.text!r} ({len(out.token_ids)} tokens, finish_reason={out.finish_reason})")
+        dt = time.perf_counter() - t0
+        print(f"completion: {out.text!r}\n  ({len(out.token_ids)} tokens in {dt:.2f}s, {len(out.token_ids) / dt:.0f} "
+              f"tokens/s, finish_reason={out.finish_reason})")
         chat = llm.chat([{"role": "user", "content": args.prompt}], params,
                         chat_template_kwargs={"enable_thinking": False})[0].outputs[0]
         print(f"chat: {chat.text!r}")
