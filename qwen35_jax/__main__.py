@@ -4,7 +4,6 @@ import time
 
 from qwen35_jax import LLM, SamplingParams, env
 
-
 TINY = ("the embedded tiny Qwen3.5: random weights at toy shapes with a tokenizer trained on a small corpus, to "
         "exercise the engine (its text is noise; these are not Qwen3.5's weights)")
 

@@ -7,8 +7,8 @@ import numpy as np
 
 from qwen35_jax.engine.engine import EngineArgs, Observer, build_engine
 from qwen35_jax.engine.outputs import RequestOutput
-from qwen35_jax.model.runner import ModelRunner, make_batch
 from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.model.runner import ModelRunner, make_batch
 
 log = logging.getLogger(__name__)
 

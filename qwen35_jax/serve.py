@@ -19,8 +19,8 @@ import socket
 import sys
 
 from qwen35_jax import env
-from qwen35_jax.model.backends import BACKENDS, KernelConfig
 from qwen35_jax.engine.engine import EngineArgs, build_engine
+from qwen35_jax.model.backends import BACKENDS, KernelConfig
 
 log = logging.getLogger("qwen35_jax.serve")
 
@@ -136,8 +136,8 @@ def main(argv=None):
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from qwen35_jax.server.metrics import PrometheusObserver
     from qwen35_jax.server.app import ServerConfig, create_app
+    from qwen35_jax.server.metrics import PrometheusObserver
     from qwen35_jax.server.protocol import load_generation_defaults
 
     sock = _bind(args.host, args.port)       # fail on a taken port before spending minutes compiling

@@ -22,21 +22,20 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qwen35_jax import env
 from qwen35_jax.engine import executor as ex
-from qwen35_jax.model.backends import KernelConfig, make_kernels
-from qwen35_jax.model.config import ModelConfig, load_config, resolve_dtype
-from qwen35_jax.model.hub import resolve_model
 from qwen35_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from qwen35_jax.engine.sampler import init_sampler_state
 from qwen35_jax.engine.sampling_params import SamplingParams
 from qwen35_jax.engine.scheduler import Request, Scheduler, Status
+from qwen35_jax.engine.tokenizer import Tokenizer, eos_token_ids
+from qwen35_jax.model.backends import KernelConfig, make_kernels
+from qwen35_jax.model.config import ModelConfig, load_config, resolve_dtype
+from qwen35_jax.model.hub import resolve_model
 from qwen35_jax.model.sharding import DP, Layout, make_mesh
 from qwen35_jax.model.state import abstract_state, init_state, nbytes, state_specs
-from qwen35_jax.engine.tokenizer import Tokenizer, eos_token_ids
 from qwen35_jax.model.weights import abstract_weights, load_or_restore, random_weights, weight_specs
 
 log = logging.getLogger(__name__)
@@ -224,6 +223,7 @@ class Engine:
         self.dp = args.data_parallel_size
         self.max_model_len = int(args.max_model_len or min(cfg.max_position_embeddings, 8192))
         self.kernel_config = args.kernel_config
+        self._host_copy_ahead = mesh.devices.flat[0].platform != "cpu"      # see _copy_ahead
         self.kernels = make_kernels(self.kernel_config)
         log.info("kernels %s, tp=%d, dp=%d, platform %s", self.kernel_config, layout.tp, self.dp,
                  jax.default_backend())
@@ -516,7 +516,7 @@ class Engine:
         """Start the host copy of a step's output behind the step, so reading it in _process costs no round trip.
         Not on the CPU: there is no transfer to hide, and the copy's completion callback takes the GIL on an XLA
         worker thread, which may run while the interpreter finalizes and abort the process."""
-        if self.mesh.devices.flat[0].platform != "cpu":
+        if self._host_copy_ahead:
             out.copy_to_host_async()
 
     def _dispatch(self, plan) -> list:

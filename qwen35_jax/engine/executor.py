@@ -27,15 +27,24 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qwen35_jax import env
+from qwen35_jax.engine.sampler import (
+    EXTRAS_MODES,
+    MAX_LOGPROBS,
+    SAMPLER_MODES,
+    SamplerState,
+    SamplingBatch,
+    host_batch_rows,
+    sample,
+    sampler_mode,
+)
+from qwen35_jax.engine.scheduler import next_bucket
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.forward import Batch, Kernels, forward
-from qwen35_jax.engine.sampler import (EXTRAS_MODES, MAX_LOGPROBS, SAMPLER_MODES, SamplerState, SamplingBatch,
-                                host_batch_rows, sample, sampler_mode)
-from qwen35_jax.engine.scheduler import next_bucket
 from qwen35_jax.model.sharding import DP, TP, Layout
 from qwen35_jax.model.state import State
 

@@ -149,8 +149,8 @@ def follow(engine, poll_ms: int = 1000):
     leader disappears (then raise PeerLost)."""
     client = _client()
     ex = engine.executor
-    from qwen35_jax.model.forward import Batch
     from qwen35_jax.engine.sampler import host_batch
+    from qwen35_jax.model.forward import Batch
     sp = host_batch([], 1)
     treedefs = {"prefill": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp)),   # what the leader flattened
                 "decode": jax.tree.structure((0, 0, 0, sp))}

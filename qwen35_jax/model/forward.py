@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.model import attention as attn_ops
 from qwen35_jax.model.config import ModelConfig

@@ -5,7 +5,8 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.model.config import ModelConfig
 

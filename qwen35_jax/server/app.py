@@ -29,12 +29,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen35_jax.server.metrics import register_engine_metrics
 from qwen35_jax.engine.outputs import CompletionOutput
 from qwen35_jax.server.generation import Generation, ReasoningSplitter, think_token_ids
-from qwen35_jax.server.protocol import (MAX_SEQUENCES_PER_REQUEST, APIError, ChatCompletionRequest,
-                                        CompletionRequest, bad_request, chat_messages, parse, prompts,
-                                        sampling_params)
+from qwen35_jax.server.metrics import register_engine_metrics
+from qwen35_jax.server.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    chat_messages,
+    parse,
+    prompts,
+    sampling_params,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20

@@ -267,6 +267,7 @@ def load_report(session: str) -> ProfileReport:
 def _sampling_batch(rows: int, greedy: bool, step: int):
     """Per-row sampling parameters: greedy, or Qwen3.5's recommended temperature 0.7 / top_p 0.8 / top_k 20."""
     import numpy as np
+
     from qwen35_jax.engine.sampler import SamplingBatch
     full = lambda v, dt: np.full(rows, v, dt)
     return SamplingBatch(temperature=full(0.0 if greedy else 0.7, np.float32),
@@ -291,9 +292,9 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     import jax.numpy as jnp
     import numpy as np
 
-    from qwen35_jax.model.backends import KernelConfig
     from qwen35_jax.engine.engine import EngineArgs, build_engine
     from qwen35_jax.engine.sampler import sampler_mode
+    from qwen35_jax.model.backends import KernelConfig
     from qwen35_jax.tools.make_tiny_model import default_model_dir
 
     if batch < 1 or prompt_len < 1 or decode_steps < 1:
