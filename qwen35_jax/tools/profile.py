@@ -60,7 +60,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import threading
 import time
