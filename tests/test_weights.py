@@ -48,14 +48,51 @@ def test_wrong_shape_is_named(tmp_path):
         LLM(d, skip_tokenizer_init=True)
 
 
-def test_visual_and_mtp_tensors_are_skipped(tmp_path):
-    extra = {"mtp.fc.weight": np.ones((3, 3), np.float32), "model.visual.blocks.0.w": np.ones((2,), np.float32)}
-    d = _rewrite(tmp_path, lambda a: {**a, **extra})
+def test_visual_tensors_are_skipped_and_mtp_is_loaded_only_when_asked(tmp_path):
+    extra = {"model.visual.blocks.0.w": np.ones((2,), np.float32)}
+    d = _rewrite(tmp_path, lambda a: {**a, **extra, **_mtp_tensors(a)})
     ckpt = Checkpoint(d)
-    assert not any(k.startswith(("mtp", "visual", "model.visual")) for k in ckpt.tensors)
+    assert not any(k.startswith(("visual", "model.visual")) for k in ckpt.tensors)
+    assert "mtp.fc.weight" in ckpt and "mtp.layers.0.self_attn.q_proj.weight" in ckpt
     ref = reference(CASE)
     got = LLM(d, skip_tokenizer_init=True, **engine_args(precompile=False)).logits(ref["prompt_7"])
     assert np.abs(got - ref["logits_7"]).max() < 1e-3
+    cfg = load_config(d)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers = 1"):
+        abstract_weights(cfg, Layout.build(cfg, 1), mtp=True)
+
+
+def _mtp_tensors(a):
+    """An MTP head (random values, HF key names and shapes) for the fixture checkpoint's text decoder."""
+    rng = np.random.default_rng(0)
+    full = next(int(k.split(".")[2]) for k in a if ".self_attn." in k)
+    out = {k.replace(f"model.layers.{full}.", "mtp.layers.0."): rng.standard_normal(v.shape).astype(v.dtype)
+           for k, v in a.items() if k.startswith(f"model.layers.{full}.")}
+    h = a["model.norm.weight"].shape[0]
+    out |= {"mtp.fc.weight": rng.standard_normal((h, 2 * h)).astype(np.float32)}
+    out |= {f"mtp.{n}.weight": rng.standard_normal(h).astype(np.float32)
+            for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_to_checkpoint_inverts_loading(tmp_path, tp):
+    """Writing trained weights back in HF layout (tools/train_tiny) is the exact inverse of loading, at any tp
+    (stitched per-rank layouts, replicated KV heads at tp 4, vocab padding), the MTP head included."""
+    import jax.numpy as jnp
+    from qwen35_jax.model.weights import to_checkpoint
+    d = _rewrite(tmp_path, lambda a: {**a, **_mtp_tensors(a)})
+    with open(os.path.join(d, "config.json")) as f:
+        config = json.load(f)
+    (config.get("text_config") or config)["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    cfg = load_config(d)
+    ckpt = Checkpoint(d)
+    got = to_checkpoint(load_weights(d, cfg, make_mesh(tp), jnp.float32, mtp=True), cfg, tp)
+    assert sorted(got) == sorted(ckpt.tensors)
+    for key, x in got.items():
+        np.testing.assert_array_equal(x, ckpt.read(key).astype(np.float32), err_msg=key)
 
 
 @pytest.mark.parametrize("tp,field", [(8, "num_attention_heads=12"), (3, None)])

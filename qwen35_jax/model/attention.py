@@ -3,7 +3,8 @@
 Pages are [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order, 0 (the null page) past its
 end. A token at position p lives in page pages[n, p // page_size] at offset p % page_size. Attention walks the
 pages in blocks with an online softmax and a loop bound read from the data (the longest context in the batch),
-so its cost follows the real context lengths, not max_model_len.
+so its cost follows the real context lengths, not max_model_len; training walks every page of the table instead
+(a static trip count, which reverse-mode autodiff can go through).
 """
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def write_kv(k_pages, v_pages, k, v, pages, positions, lens):
     return k_pages, v_pages
 
 
-def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens):
+def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *, bounded: bool = True):
     """Causal attention of q [N, T, Hq, D] over each row's first ctx_lens[n] cached tokens (the new ones included).
-    Query head h reads KV head h // (Hq / Hkv). fp32 scores and softmax; output in q.dtype."""
+    Query head h reads KV head h // (Hq / Hkv). fp32 scores and softmax; output in q.dtype.
+    bounded: stop after the longest context's last block; False walks all of `pages` (differentiable)."""
     n, t, hq, d = q.shape
     hkv, _, page_size, _ = k_pages.shape
     g = hq // hkv
@@ -37,7 +39,7 @@ def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens):
     pages = jnp.pad(pages, ((0, 0), (0, pad)))
     block = per_block * page_size
     qg = (q.astype(jnp.float32) * d ** -0.5).reshape(n, t, hkv, g, d).astype(q.dtype)
-    num_blocks = (jnp.max(ctx_lens) + block - 1) // block
+    num_blocks = (jnp.max(ctx_lens) + block - 1) // block if bounded else pages.shape[1] // per_block
 
     def body(j, carry):
         m, l, acc = carry                                            # [N,Hkv,G,T], [N,Hkv,G,T], [N,Hkv,G,T,D]

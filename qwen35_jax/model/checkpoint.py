@@ -3,7 +3,7 @@
 safetensors' numpy backend cannot slice bf16 tensors, so this reads the (tiny, documented) header itself and
 memory-maps exactly the slice asked for: a rank that needs rows [a, b) of a tensor touches only those bytes.
 Keys are normalised to the text decoder's names (`embed_tokens.weight`, `layers.N...`, `norm.weight`,
-`lm_head.weight`); the vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are skipped.
+`lm_head.weight`, the MTP head's `mtp.*` as they are); the vision tower (`model.visual.*`) is skipped.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
           "I32": np.int32, "I64": np.int64, "U8": np.uint8, "I8": np.int8, "BOOL": np.bool_}
 PREFIXES = ("model.language_model.", "model.")
-SKIPPED = ("model.visual.", "mtp.", "visual.")
+SKIPPED = ("model.visual.", "visual.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...] = ()
     multimodal: bool = False     # checkpoint keys live under model.language_model.
+    mtp_layers: int = 0          # mtp_num_hidden_layers: decoder layers of the multi-token-prediction head
 
     @property
     def num_layers(self) -> int:
@@ -127,7 +128,7 @@ class ModelConfig:
             linear_value_head_dim=int(need("linear_value_head_dim")),
             conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(tie), max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            eos_token_ids=eos, multimodal=multimodal)
+            eos_token_ids=eos, multimodal=multimodal, mtp_layers=int(text.get("mtp_num_hidden_layers", 0)))
         cfg.validate()
         return cfg
 
@@ -154,7 +155,7 @@ class ModelConfig:
             rope_parameters=dict(rope_type="default", rope_theta=self.rope_theta,
                                  partial_rotary_factor=self.rotary_dim / self.head_dim),
             eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            dtype="bfloat16")
+            mtp_num_hidden_layers=self.mtp_layers, mtp_use_dedicated_embeddings=False, dtype="bfloat16")
 
 
 def load_config(model_dir: str) -> ModelConfig:

@@ -46,6 +46,7 @@ class Kernels:
     conv_prefill: Callable
     conv_decode: Callable
     attention_decode: Callable
+    attention_prefill: Callable = attn_ops.paged_attention    # contract: attention.paged_attention
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
     # decode batches from split_k_from rows: the row-parallel GEMMs as one batched dot over split_k ranges of K
     # (row_parallel), compiled with XLA's own K splits off (Executor._compiler_options: in_proj runs unsplit)
@@ -153,7 +154,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
             if t == 1:
                 o = kernels.attention_decode(q[:, 0], k_pages, v_pages, batch.pages, ctx)[:, None]
             else:
-                o = attn_ops.paged_attention(q, k_pages, v_pages, batch.pages, positions, ctx)
+                o = kernels.attention_prefill(q, k_pages, v_pages, batch.pages, positions, ctx)
     with jax.named_scope("attention"):
         o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
     with jax.named_scope("o_proj"):
@@ -206,11 +207,27 @@ def mlp_block(kernels: Kernels, w, x):
         return row_parallel(kernels, h, w.down)
 
 
-def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
-            all_logits: bool):
-    """Per-rank forward. Returns (fp32 logits over this rank's vocab shard, new state).
-    Logits are [N, T, V/tp] when all_logits, else [N, V/tp] at each row's last real token."""
-    n, t = batch.tokens.shape
+def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, x, cache, batch: Batch,
+                  positions):
+    """One pre-norm layer (mixer, then MLP, each added to the residual). cache: (k_pages, v_pages) of a
+    full-attention layer, (conv, recurrent) of a GDN layer; returns (x, new cache)."""
+    h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
+    if kind == "full_attention":
+        with jax.named_scope("attention"):
+            h, *cache = attention_block(cfg, layout, kernels, layer.mixer, h, *cache, batch, positions)
+    else:
+        with jax.named_scope("gdn"):
+            h, *cache = gdn_block(cfg, layout, kernels, layer.mixer, h, *cache, batch)
+    x = x + h
+    with jax.named_scope("mlp"):
+        x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
+    return x, tuple(cache)
+
+
+def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch):
+    """Embedding and every decoder layer: (hidden states after the final norm [N, T, H], new state). The MTP head
+    starts from these hidden states."""
+    t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     with jax.named_scope("embed"):
         x = embed(cfg, weights.embed, batch.tokens)
@@ -218,29 +235,56 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
-            h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
             if kind == "full_attention":
-                with jax.named_scope("attention"):
-                    h, kp[ai], vp[ai] = attention_block(cfg, layout, kernels, layer.mixer, h, kp[ai], vp[ai], batch,
-                                                          positions)
+                x, (kp[ai], vp[ai]) = decoder_layer(cfg, layout, kernels, kind, layer, x, (kp[ai], vp[ai]), batch,
+                                                    positions)
                 ai += 1
             else:
-                with jax.named_scope("gdn"):
-                    h, conv[gi], rec[gi] = gdn_block(cfg, layout, kernels, layer.mixer, h, conv[gi], rec[gi], batch)
+                x, (conv[gi], rec[gi]) = decoder_layer(cfg, layout, kernels, kind, layer, x, (conv[gi], rec[gi]),
+                                                       batch, positions)
                 gi += 1
-            x = x + h
-            with jax.named_scope("mlp"):
-                x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
-    with jax.named_scope("lm_head"):
+    with jax.named_scope("lm_head"):         # the final norm is profiled with the head, as before the split
         x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
-        if not all_logits:
-            x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    return x, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
+
+
+def lm_head(cfg: ModelConfig, weights: Weights, x):
+    """fp32 logits over this rank's vocab shard; vocab padding (rows added so tp divides the vocab) is -inf, so it
+    is never sampled."""
+    with jax.named_scope("lm_head"):
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T
         logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-        # Vocab padding (rows added so tp divides the vocab) must never be sampled.
         col = jax.lax.axis_index(TP) * head.shape[1] + jnp.arange(head.shape[1])
-        logits = jnp.where(col < cfg.vocab_size, logits, -jnp.inf)
-    return logits, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
+        return jnp.where(col < cfg.vocab_size, logits, -jnp.inf)
+
+
+def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hidden, next_tokens, k_pages, v_pages,
+        batch: Batch):
+    """Qwen3.5's multi-token-prediction head: from the hidden state at position p (`decoder`'s output) and the
+    token at p + 1 (next_tokens), logits for the token at p + 2. fc(concat[norm_e(embed(next)), norm_h(hidden)]),
+    one full-attention decoder layer with its own K/V pages (at the positions of `batch`), mtp.norm, the shared
+    head. Returns (logits [N, T, V/tp], k_pages, v_pages)."""
+    w = weights.mtp
+    t = batch.tokens.shape[1]
+    positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    with jax.named_scope("mtp"):
+        e = rms_norm_1p(embed(cfg, weights.embed, next_tokens), w.pre_fc_norm_embedding, cfg.rms_norm_eps)
+        h = rms_norm_1p(hidden, w.pre_fc_norm_hidden, cfg.rms_norm_eps)
+        x = project(jnp.concatenate([e, h], axis=-1), w.fc)
+        x, (k_pages, v_pages) = decoder_layer(cfg, layout, kernels, "full_attention", w.layer, x, (k_pages, v_pages),
+                                              batch, positions)
+        x = rms_norm_1p(x, w.norm, cfg.rms_norm_eps)
+    return lm_head(cfg, weights, x), k_pages, v_pages
+
+
+def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
+            all_logits: bool):
+    """Per-rank forward. Returns (fp32 logits over this rank's vocab shard, new state).
+    Logits are [N, T, V/tp] when all_logits, else [N, V/tp] at each row's last real token."""
+    x, state = decoder(cfg, layout, kernels, weights, state, batch)
+    if not all_logits:
+        x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
+    return lm_head(cfg, weights, x), state
 
 
 BATCH_SPEC = Batch(tokens=P(DP), start=P(DP), lens=P(DP), slots=P(DP), pages=P(DP))

@@ -95,11 +95,23 @@ class Layer:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class MTP:
+    """The multi-token-prediction head (checkpoint keys `mtp.*`; forward.mtp): shares the embedding and lm_head."""
+    fc: Any                      # [2H, H] replicated: rows [embedding half | hidden half]
+    pre_fc_norm_embedding: Any   # [H] (1+w)
+    pre_fc_norm_hidden: Any      # [H] (1+w)
+    layer: Any                   # a full-attention Layer
+    norm: Any                    # [H] (1+w)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Weights:
     embed: Any               # [V', H] vocab-sharded
     layers: list
     final_norm: Any          # [H]
     lm_head: Any = None      # [H, V'] vocab-sharded; None when tied to the embedding
+    mtp: Any = None          # MTP, when asked for (abstract_weights(mtp=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,7 +135,8 @@ def _vector(key, n, axis, init, dtype=jnp.float32):
     return Param((n,), dtype, (axis,), (Run(key, 0, n),), expect=((key, (n,)),), init=init)
 
 
-def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> Weights:
+def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, mtp: bool = False) -> Weights:
+    """The model's weights; mtp adds the multi-token-prediction head (the config must declare one)."""
     h, tp = cfg.hidden_size, layout.tp
     norm = lambda key, n=h: _vector(key, n, None, "zeros")
 
@@ -171,12 +184,21 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> We
                              norm=_vector(f"{p}.norm.weight", cfg.linear_value_head_dim, None, "ones"),
                              out_proj=_row_parallel(f"{p}.out_proj.weight", vd, h, "gdn_heads", dtype))
 
-    layers = []
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"layers.{i}"
+    def layer(p, kind):
         mixer = attention(f"{p}.self_attn") if kind == "full_attention" else gdn(f"{p}.linear_attn")
-        layers.append(Layer(input_norm=norm(f"{p}.input_layernorm.weight"),
-                            post_norm=norm(f"{p}.post_attention_layernorm.weight"), mixer=mixer, mlp=mlp(f"{p}.mlp")))
+        return Layer(input_norm=norm(f"{p}.input_layernorm.weight"),
+                     post_norm=norm(f"{p}.post_attention_layernorm.weight"), mixer=mixer, mlp=mlp(f"{p}.mlp"))
+
+    layers = [layer(f"layers.{i}", kind) for i, kind in enumerate(cfg.layer_types)]
+    mtp_head = None
+    if mtp:
+        if cfg.mtp_layers != 1:
+            raise ValueError(f"the MTP head needs mtp_num_hidden_layers = 1 in config.json, got {cfg.mtp_layers}")
+        fc = _linear([Run("mtp.fc.weight", 0, h)], 2 * h, "embed", dtype, [("mtp.fc.weight", (h, 2 * h))],
+                     in_axis=None)
+        mtp_head = MTP(fc=fc, pre_fc_norm_embedding=norm("mtp.pre_fc_norm_embedding.weight"),
+                       pre_fc_norm_hidden=norm("mtp.pre_fc_norm_hidden.weight"),
+                       layer=layer("mtp.layers.0", "full_attention"), norm=norm("mtp.norm.weight"))
     v, vp = cfg.vocab_size, layout.vocab_padded
     vocab_runs = (Run("embed_tokens.weight", 0, v),) + ((Run(None, 0, vp - v),) if vp > v else ())
     embed = Param((vp, h), dtype, ("vocab", "embed"), vocab_runs, hf_axis=0, expect=(("embed_tokens.weight", (v, h)),))
@@ -185,7 +207,7 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16) -> We
         head_runs = (Run("lm_head.weight", 0, v),) + vocab_runs[1:]
         lm_head = Param((h, vp), dtype, ("embed", "vocab"), head_runs, hf_axis=0, transpose=True,
                         expect=(("lm_head.weight", (v, h)),))
-    return Weights(embed=embed, layers=layers, final_norm=norm("norm.weight"), lm_head=lm_head)
+    return Weights(embed=embed, layers=layers, final_norm=norm("norm.weight"), lm_head=lm_head, mtp=mtp_head)
 
 
 def weight_specs(abstract: Weights):
@@ -250,10 +272,11 @@ def load_param(ckpt: Checkpoint, p: Param, sharding) -> Array:
     return jax.make_array_from_single_device_arrays(p.shape, sharding, shards)
 
 
-def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, progress: bool = False) -> Weights:
-    """Checkpoint -> sharded device arrays, each device reading only its own slices."""
+def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, progress: bool = False,
+                 mtp: bool = False) -> Weights:
+    """Checkpoint -> sharded device arrays, each device reading only its own slices (mtp: with the MTP head)."""
     layout = Layout.build(cfg, mesh.shape["tp"])
-    abstract = abstract_weights(cfg, layout, dtype)
+    abstract = abstract_weights(cfg, layout, dtype, mtp)
     ckpt = Checkpoint(model_dir)
     validate(ckpt, abstract)
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_leaf)
@@ -266,11 +289,13 @@ def load_weights(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat1
     return jax.tree.unflatten(treedef, arrays)
 
 
-def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int = 0, scale: float = 0.02) -> Weights:
-    """Random weights made directly on the devices, sharded (for benchmarks at real shapes). One compiled
-    initialiser per distinct (shape, dtype, init, sharding), so the dozens of identical layers share it."""
+def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int = 0, scale: float = 0.02,
+                   mtp: bool = False) -> Weights:
+    """Random weights made directly on the devices, sharded (for benchmarks at real shapes, and the initial
+    weights of tools/train_tiny). One compiled initialiser per distinct (shape, dtype, init, sharding), so the
+    dozens of identical layers share it."""
     layout = Layout.build(cfg, mesh.shape["tp"])
-    abstract = abstract_weights(cfg, layout, dtype)
+    abstract = abstract_weights(cfg, layout, dtype, mtp)
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_leaf)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     makers = {}
@@ -290,6 +315,29 @@ def random_weights(cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, seed: int =
         return makers[sig]
 
     return jax.tree.unflatten(treedef, [maker(p)(k) for p, k in zip(leaves, keys)])
+
+
+def to_checkpoint(weights: Weights, cfg: ModelConfig, tp: int = 1) -> dict[str, np.ndarray]:
+    """The inverse of loading: every checkpoint tensor (text-decoder key names, checkpoint orientation, the
+    weights' dtype) rebuilt from weights laid out for `tp`. Used to write trained models in HF layout."""
+    abstract = abstract_weights(cfg, Layout.build(cfg, tp), weights.embed.dtype, mtp=weights.mtp is not None)
+    out: dict[str, np.ndarray] = {}
+    for p, x in zip(jax.tree.leaves(abstract, is_leaf=_leaf), jax.tree.leaves(weights)):
+        x = np.asarray(jax.device_get(x))
+        x = x.T if p.transpose else x                # checkpoint orientation; the stitched axis is p.hf_axis
+        shapes, pos = dict(p.expect), 0
+        for run in p.runs:
+            if run.key is not None:                  # None: vocab padding, not in the checkpoint
+                part = np.take(x, np.arange(pos, pos + run.length), axis=p.hf_axis)
+                dst = out.setdefault(run.key, np.zeros(shapes[run.key], x.dtype))
+                index = [slice(None)] * part.ndim
+                index[p.hf_axis] = slice(run.start, run.start + run.length)
+                if dst.ndim == 3:                    # conv1d [C, 1, K]
+                    dst[tuple(index[:1]) + (0,)] = part
+                else:
+                    dst[tuple(index)] = part
+            pos += run.length
+    return out
 
 
 def _stitched_sources(p: Param) -> list[tuple[str | None, int]]:
