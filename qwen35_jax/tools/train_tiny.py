@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -34,7 +35,6 @@ TEXT_CONFIG = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
                          mrope_section=[3, 3, 2], mrope_interleaved=True),
     mamba_ssm_dtype="float32", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
-VOCAB_SIZE = 4096
 FP32_KEYS = ("linear_attn.A_log", "linear_attn.norm.weight")     # stored F32, as in the released checkpoints
 DESCRIPTION = ("a small Qwen3.5-architecture model (9M parameters) trained by this project on the Python "
                "documentation to exercise the engine; not Qwen3.5's weights")
@@ -52,6 +52,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_windows: int = 64         # held-out windows in the periodic evaluations (all of them at the end)
     page_size: int = 64
+    vocab_size: int = 4096         # tokenizer and embedding rows
     seed: int = 0
 
 
@@ -141,21 +142,17 @@ def _ce(logits, targets):
     return nll.mean(), (jnp.argmax(logits, -1) == targets).mean()
 
 
-def evaluate(cfg, weights, windows: np.ndarray, page_size: int = 64, batch: int = 16) -> dict:
-    """Held-out metrics of `weights` over windows [n, W]: mean negative log-likelihood per scored token (tokens
-    1..W-1 of each window) and its perplexity, top-1 accuracy of the main head, and the MTP head's top-1 accuracy
-    (the token at p + 2 given the true token at p + 1, for p = 0..W-3)."""
+@functools.lru_cache(maxsize=None)
+def _eval_step(cfg, page_size: int):
+    """(nll sum, top-1 hits, MTP top-1 hits) of a batch of windows [B, W], jitted once per model shape."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     from qwen35_jax.model.sharding import make_mesh
-    if windows.shape[1] % page_size:
-        raise ValueError(f"window length {windows.shape[1]} is not a multiple of the page size {page_size}")
-    mesh = make_mesh(1)
     _, heads = _model(cfg, page_size)
 
-    def body(weights, w):                      # w [B, W]; two padding tokens make heads() run W positions
+    def body(weights, w):                      # two padding tokens make heads() run all W positions
         t = w.shape[1]
         logits, mtp_logits = heads(weights, jnp.pad(w, ((0, 0), (0, 2))))
         logp = jax.nn.log_softmax(logits[:, :t - 1], -1)
@@ -164,12 +161,21 @@ def evaluate(cfg, weights, windows: np.ndarray, page_size: int = 64, batch: int 
         mtp_top1 = (jnp.argmax(mtp_logits[:, :t - 2], -1) == w[:, 2:]).sum()
         return nll, top1, mtp_top1
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))
-    sums = np.zeros(3)
-    for i in range(0, len(windows), batch):
-        w = windows[i:i + batch]
-        sums += np.array([float(x) for x in fn(weights, jnp.asarray(w))])
+    return jax.jit(jax.shard_map(body, mesh=make_mesh(1), in_specs=(P(), P()), out_specs=P(), check_vma=False))
+
+
+def evaluate(cfg, weights, windows: np.ndarray, page_size: int = 64, batch: int = 16) -> dict:
+    """Held-out metrics of `weights` over windows [n, W]: mean negative log-likelihood per scored token (tokens
+    1..W-1 of each window) and its perplexity, top-1 accuracy of the main head, and the MTP head's top-1 accuracy
+    (the token at p + 2 given the true token at p + 1, for p = 0..W-3)."""
+    import jax.numpy as jnp
     n, w = windows.shape
+    if w % page_size:
+        raise ValueError(f"window length {w} is not a multiple of the page size {page_size}")
+    fn = _eval_step(cfg, page_size)
+    sums = np.zeros(3)
+    for i in range(0, n, batch):
+        sums += np.array([float(x) for x in fn(weights, jnp.asarray(windows[i:i + batch]))])
     nll = sums[0] / (n * (w - 1))
     return dict(windows=int(n), window_tokens=int(w), nll=nll, perplexity=float(np.exp(nll)),
                 top1=sums[1] / (n * (w - 1)), mtp_top1=sums[2] / (n * (w - 2)))
@@ -179,8 +185,9 @@ def evaluate(cfg, weights, windows: np.ndarray, page_size: int = 64, batch: int 
 # Training
 
 
-def train(corpus: str, out_dir: str, tc: TrainConfig, log=print) -> dict:
-    """Tokenizer, model, checkpoint: everything in out_dir (written to a temporary directory first)."""
+def train(corpus: str, out_dir: str, tc: TrainConfig, log=print, text_config: dict | None = None) -> dict:
+    """Tokenizer, model, checkpoint: everything in out_dir (written to a temporary directory first).
+    text_config: the model's shape (default TEXT_CONFIG)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -197,7 +204,7 @@ def train(corpus: str, out_dir: str, tc: TrainConfig, log=print) -> dict:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".train-")
     train_docs = read_documents(os.path.join(corpus, "train.jsonl"))
-    tok = train_tokenizer(train_docs, VOCAB_SIZE)
+    tok = train_tokenizer(train_docs, tc.vocab_size)
     write_tokenizer_files(tok, tmp, model_max_length=TEXT_CONFIG["max_position_embeddings"])
     from transformers import AutoTokenizer
     hf_tok = AutoTokenizer.from_pretrained(tmp)
@@ -208,7 +215,8 @@ def train(corpus: str, out_dir: str, tc: TrainConfig, log=print) -> dict:
     log(f"tokenizer: {tok.get_vocab_size()} tokens; train stream {len(stream):,} tokens ({len(chats)} chat "
         f"examples), held-out {windows.size:,} tokens in {len(windows)} windows of {tc.seq_len}")
 
-    text = dict(TEXT_CONFIG, vocab_size=VOCAB_SIZE, eos_token_id=eos, bos_token_id=None, pad_token_id=None)
+    text = dict(text_config or TEXT_CONFIG, vocab_size=tc.vocab_size, eos_token_id=eos, bos_token_id=None,
+                pad_token_id=None)
     cfg = ModelConfig.from_hf(dict(text, model_type="qwen3_5_text"))
     mesh = make_mesh(1)
     params = random_weights(cfg, mesh, jnp.float32, seed=tc.seed, mtp=True)
@@ -303,8 +311,8 @@ def model_card(r: dict) -> str:
 and the MTP head's top-1 accuracy for speculative decoding.
 
 - Architecture: Qwen3.5 (`qwen3_5`), hidden 256, 8 layers (3 Gated DeltaNet : 1 gated full attention), GQA 4/2,
-  GDN 4 key / 8 value heads, tied embedding, vocabulary {VOCAB_SIZE}, one MTP layer (`mtp.*`); {r['parameters']:,}
-  parameters (MTP included).
+  GDN 4 key / 8 value heads, tied embedding, vocabulary {r['train_config']['vocab_size']}, one MTP layer
+  (`mtp.*`); {r['parameters']:,} parameters (MTP included).
 - Data: the Python {c.get('version', '')} documentation from Debian's `{c.get('package', 'python3-doc')}` package,
   cleaned to prose by `qwen35_jax/tools/pydoc_corpus.py`; held-out split in `heldout.jsonl`. The documentation is
   under the PSF License Version 2 (its code examples Zero-Clause BSD).
