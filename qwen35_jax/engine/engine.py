@@ -182,6 +182,7 @@ class RequestGroup:
     texts: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     cum_logprob: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None     # filled chunk by chunk from the first sequence's prefill
 
     @property
     def finished(self) -> bool:
@@ -473,6 +474,8 @@ class Engine:
                 # as vLLM: a cumulative logprob only for requests that ask for logprobs (others run the lean
                 # sampler, which computes none)
                 group.cum_logprob = [0.0] * len(group.seqs) if group.seqs[0].params.logprobs is not None else []
+                if group.seqs[0].params.prompt_logprobs is not None:
+                    group.prompt_logprobs = [None]       # nothing precedes the first prompt token
                 group.detok = [self._decoder(s.params) for s in group.seqs]
                 for s in group.seqs:
                     self.scheduler.add(s)
@@ -524,15 +527,17 @@ class Engine:
         records = []
         if plan.prefill:
             n, t = plan.prefill_shape
+            # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
+            lp = any(c.request.params.prompt_logprobs is not None and c.request.index == 0 for c in plan.prefill)
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
-                rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape)
+                rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape, prompt_logprobs=lp)
             self._copy_ahead(out)
             for c in plan.prefill:
                 c.request.num_computed += c.length
                 if c.completes_prompt:
                     c.request.num_sampled += 1
                 self.stats.prompt_tokens += c.length
-            records.append(("prefill", rows, out))
+            records.append(("prompt_logprobs" if lp else "prefill", rows, out))
         if plan.decode:
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
                 rows, out = self.executor.run_decode(plan.decode)
@@ -552,10 +557,14 @@ class Engine:
         self.stats.wait_seconds += t1 - t0
         touched = set()
         for kind, rows, out in fetched:
-            if kind == "prefill":
+            if kind == "prompt_logprobs":
+                for i, row in enumerate(rows):
+                    if row is not None:
+                        self._add_prompt_logprobs(row[2], out, i)
+            if kind in ("prefill", "prompt_logprobs"):
                 for i, row in enumerate(rows):
                     if row is not None and row[1] and not row[0].finished:
-                        self._append(row[0], out, (i,))
+                        self._append(row[0], out, (i,) if kind == "prefill" else (i, 0))
                         touched.add(row[0].request_id)
             else:
                 for i, req in enumerate(rows):
@@ -594,12 +603,7 @@ class Engine:
         p = req.params
         i = req.index
         if group.logprobs[i] is not None:
-            entry = {token: Logprob(float(out.logprob[idx]), int(out.rank[idx]), self._token_text(token))}
-            for rank in range(p.logprobs):
-                t = int(out.top_ids[idx][rank])
-                if t not in entry:
-                    entry[t] = Logprob(float(out.top_logprobs[idx][rank]), rank + 1, self._token_text(t))
-            group.logprobs[i].append(entry)
+            group.logprobs[i].append(self._logprob_entry(out, idx, p.logprobs))
         if group.cum_logprob:
             group.cum_logprob[i] += float(out.logprob[idx])
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
@@ -621,6 +625,27 @@ class Engine:
                 return
         if len(req.output_ids) >= req.max_tokens:
             self._finish(req, "length")
+
+    def _logprob_entry(self, out, idx, k: int) -> dict[int, Logprob]:
+        """The token at out's index idx with its logprob and rank, then the top k alternatives (vLLM's layout)."""
+        token = int(out.tokens[idx])
+        entry = {token: Logprob(float(out.logprob[idx]), int(out.rank[idx]), self._token_text(token))}
+        for rank in range(k):
+            t = int(out.top_ids[idx][rank])
+            if t not in entry:
+                entry[t] = Logprob(float(out.top_logprobs[idx][rank]), rank + 1, self._token_text(t))
+        return entry
+
+    def _add_prompt_logprobs(self, chunk, out, i: int):
+        """Row i of a prompt-logprobs prefill (`out`: fetched): the entries of the prompt tokens after this chunk's
+        positions, appended to its request's (chunks come back in prompt order)."""
+        req = chunk.request
+        group = self._groups.get(req.request_id)
+        if group is None or group.prompt_logprobs is None or req.index != 0:
+            return
+        k = req.params.prompt_logprobs
+        for pos in range(min(chunk.length, req.prompt_len - 1 - chunk.start)):
+            group.prompt_logprobs.append(self._logprob_entry(out, (i, 1 + pos), k))
 
     def _token_text(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.token_to_text(token)
@@ -644,8 +669,11 @@ class Engine:
                                          logprobs=list(group.logprobs[i]) if group.logprobs and
                                          group.logprobs[i] is not None else None,
                                          cumulative_logprob=group.cum_logprob[i] if group.cum_logprob else None))
+        plp = group.prompt_logprobs
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_ids,
-                             outputs=outs, finished=group.finished, metrics=_metrics(group))
+                             outputs=outs, finished=group.finished, metrics=_metrics(group),
+                             prompt_logprobs=list(plp) if plp is not None and len(plp) == len(group.prompt_ids)
+                             else None)
 
     def _emit(self, group: RequestGroup):
         out = self._output(group)

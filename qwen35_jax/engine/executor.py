@@ -10,6 +10,11 @@ again (the persistent compilation cache keys on the lowered module, so it saves 
 lowering each bucket would remain, in Python under the GIL). A decode executable runs `decode_steps` model
 steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
 lives on the device, so the host can dispatch step i+1 before it has read step i's tokens.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) need every position's logits, which the prefill buckets do not
+compute: a prefill batch holding a row that asks for them runs a variant of its bucket (key ("prompt_logprobs", n,
+t), `prefill_step` with targets). These variants are compiled on first use, never in precompile(): start-up time and
+the precompiled executables stay as they are, and the first such batch of each shape waits for its compile.
 """
 from __future__ import annotations
 
@@ -40,11 +45,12 @@ from qwen35_jax.engine.sampler import (
     host_batch_rows,
     sample,
     sampler_mode,
+    token_logprobs,
 )
 from qwen35_jax.engine.scheduler import next_bucket
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.model.config import ModelConfig
-from qwen35_jax.model.forward import Batch, Kernels, forward
+from qwen35_jax.model.forward import Batch, Kernels, decoder, forward, last_real, lm_head
 from qwen35_jax.model.sharding import DP, TP, Layout
 from qwen35_jax.model.state import State
 
@@ -56,7 +62,7 @@ log = logging.getLogger(__name__)
 class StepOutput:
     """A step's samples. On the device they travel packed (`_pack_out`); `fetch` unpacks them on the host, where
     the logprob fields are None for steps that ran the lean sampler (no row asked for them)."""
-    tokens: jax.Array          # [K, B] (decode) or [N] (prefill)
+    tokens: jax.Array          # [K, B] (decode), [N] (prefill) or [N, 1 + T] (prompt logprobs: `prefill_step`)
     logprob: jax.Array         # log p of each sampled token under the raw model distribution
     rank: jax.Array            # its rank (1 = most likely)
     top_logprobs: jax.Array    # [..., MAX_LOGPROBS]
@@ -121,9 +127,13 @@ def unpack_rows(x, layout):
 
 
 def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, batch: Batch, finishing,
-                 sp: SamplingBatch):
+                 sp: SamplingBatch, targets=None):
     """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
-    prompt completes here sample their first token."""
+    prompt completes here sample their first token. Returns the packed [N, W] output (`_pack_out`).
+
+    targets [N, T] (the prompt-logprobs variant): each position's next prompt token. The output is then
+    [N, 1 + T, W]: row 0 as above, row 1 + p the logprob, rank and top alternatives of targets[:, p] under the raw
+    (full-vocabulary, unpenalized) distribution at position p (`token_logprobs`)."""
     with jax.named_scope("sampling"):
         fresh = jnp.where(batch.start == 0, batch.slots, 0)
         mask = sstate.prompt_mask.at[fresh].set(False)
@@ -131,10 +141,24 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
         real = jnp.arange(t)[None, :] < batch.lens[:, None]
         mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
         sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
-    logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
+    if targets is None:
+        logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
+    else:       # as forward(all_logits=False) for the samples, plus the head at every position
+        x, state = decoder(cfg, layout, kernels, weights, state, batch)
+        logits = lm_head(cfg, weights, last_real(x, batch.lens))
+        every = _full_logits(lm_head(cfg, weights, x))
     with jax.named_scope("sampling"):
         sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing)
-    return state, sstate, _pack_out(_gather_rows(out, 0), extras=True)
+    packed = _pack_out(_gather_rows(out, 0), extras=True)
+    if targets is None:
+        return state, sstate, packed
+    with jax.named_scope("prompt_logprobs"):
+        n, t, v = every.shape
+        lp = token_logprobs(every.reshape(n * t, v), targets.reshape(n * t))
+        lp = jax.tree.map(lambda a: a.reshape(n, t, *a.shape[1:]), lp)
+        prompt = StepOutput(targets, lp["logprob"], lp["rank"], lp["top_logprobs"], lp["top_ids"])
+        prompt = _pack_out(_gather_rows(prompt, 0), extras=True)
+    return state, sstate, jnp.concatenate([packed[:, None], prompt], axis=1)
 
 
 def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: SamplerState, slots, positions,
@@ -302,6 +326,7 @@ class Executor:
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.exe_cache = exe_cache if jax.process_count() == 1 else None
         self.lazy = lazy
+        self._logged_prompt_logprobs = False
         self.multiprocess = jax.process_count() > 1
         self.on_dispatch = on_dispatch
 
@@ -315,7 +340,8 @@ class Executor:
             return (z(b), z(b), z(b, self.pages_per_seq), host_batch_rows([None] * b))
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
-        return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n))
+        targets = (z(n, t),) if kind == "prompt_logprobs" else ()
+        return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n), *targets)
 
     @functools.lru_cache(maxsize=None)
     def _packing(self, key) -> tuple[tuple, tuple]:
@@ -333,7 +359,8 @@ class Executor:
         return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows))
 
     def keys(self):
-        """Decode buckets come once per sampler mode (sampler.sampler_mode)."""
+        """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode). The
+        prompt-logprobs variants of the prefill buckets are not among them (compiled on first use)."""
         return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
                 + [("prefill", n, t) for n, t in self.prefill_buckets])
 
@@ -381,7 +408,7 @@ class Executor:
         folds the residual adds into cuBLAS's epilogue). A decode bucket whose row-parallel GEMMs the model splits
         over K itself (Kernels.split_k): XLA's own K splits off, so that it splits no other GEMM (in_proj)."""
         k, own = self.kernels, dict(self.kernel_config.xla_options)
-        if key[0] == "prefill":
+        if key[0] in ("prefill", "prompt_logprobs"):
             return {"xla_gpu_enable_triton_gemm": False, **own}
         if key[0] == "decode" and k.split_k > 1 and key[1] >= k.split_k_from:
             return {"xla_gpu_experimental_force_split_k": 1, **own}
@@ -408,7 +435,13 @@ class Executor:
     def _exe(self, key):
         exe = self.compiled.get(key)
         if exe is None:
-            if not self.lazy:
+            if key[0] == "prompt_logprobs":
+                if not self._logged_prompt_logprobs:
+                    log.info("compiling the prompt-logprobs variant of prefill bucket %s on first use (these "
+                             "variants are not precompiled: the first batch of each shape waits for its compile)",
+                             key[1:])
+                    self._logged_prompt_logprobs = True
+            elif not self.lazy:
                 raise RuntimeError(f"no compiled executable for bucket {key}; run precompile() first")
             exe = self.compiled[key] = self._compile(key)
         return exe
@@ -421,13 +454,15 @@ class Executor:
             return tree
         return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.rows, lambda i: x[i]), tree)
 
-    def run_prefill(self, chunks, shape) -> tuple[list, jax.Array]:
+    def run_prefill(self, chunks, shape, prompt_logprobs: bool = False) -> tuple[list, jax.Array]:
         """Lay out the scheduler's prompt chunks as one prefill bucket of `shape` = (rows per replica, tokens per
         row) (replica d's rows at [d * rows, (d + 1) * rows)) and dispatch it. Returns the rows ((request,
-        completes its prompt) or None) and the packed output."""
+        completes its prompt, chunk) or None) and the packed output. prompt_logprobs: run the bucket's
+        prompt-logprobs variant, every position's target being the prompt token after it (`prefill_step`)."""
         n, t = shape
         total = self.dp * n
         tokens = np.zeros((total, t), np.int32)
+        targets = np.zeros((total, t), np.int32) if prompt_logprobs else None
         start, lens, slots = (np.zeros(total, np.int32) for _ in range(3))
         pages = np.zeros((total, self.pages_per_seq), np.int32)
         finishing = np.zeros(total, np.bool_)
@@ -438,12 +473,15 @@ class Executor:
             i = r.replica * n + used[r.replica]
             used[r.replica] += 1
             tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
+            if targets is not None:     # none after the prompt's last token
+                nxt = r.prompt_ids[c.start + 1:c.start + c.length + 1]
+                targets[i, :len(nxt)] = nxt
             start[i], lens[i], slots[i] = c.start, c.length, r.slot
             pages[i, :len(r.pages)] = r.pages
             finishing[i] = c.completes_prompt
-            rows[i] = (r, bool(finishing[i]))
+            rows[i] = (r, bool(finishing[i]), c)
         sp = host_batch_rows([x[0] if x else None for x in rows])
-        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp)
+        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets)
 
     def run_decode(self, requests) -> tuple[list, jax.Array]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
@@ -464,13 +502,17 @@ class Executor:
             rows[i] = r
         return rows, self.decode(b, slots, positions, pages, host_batch_rows(rows))
 
-    def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch) -> jax.Array:
-        """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. Returns the step's packed
-        output (read it with `fetch`)."""
+    def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,
+                targets=None) -> jax.Array:
+        """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. targets [rows, tokens]: run the
+        prompt-logprobs variant (`prefill_step`). Returns the step's packed output (read it with `fetch`)."""
         inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
+        kind = "prefill" if targets is None else "prompt_logprobs"
+        if targets is not None:
+            inputs += (targets,)
         if self.on_dispatch is not None:
-            self.on_dispatch("prefill", shape, inputs)
-        return self._run(("prefill", *shape), inputs)
+            self.on_dispatch(kind, shape, inputs)
+        return self._run((kind, *shape), inputs)
 
     def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> jax.Array:
         """bucket = rows per replica; arrays hold dp * bucket rows. Returns the step's packed output (`fetch`)."""
@@ -507,7 +549,9 @@ class Executor:
 
 
 def fetch(out: jax.Array) -> StepOutput:
-    """A step's packed output (`_pack_out`) -> numpy StepOutput; logprob fields None where the step had none."""
+    """A step's packed output (`_pack_out`) -> numpy StepOutput; logprob fields None where the step had none. A
+    prompt-logprobs prefill's [N, 1 + T, W] output gives [N, 1 + T] fields: [:, 0] the samples, [:, 1:] the
+    prompt positions (tokens: the targets)."""
     a = np.asarray(out)
     if a.shape[-1] == 1:
         return StepOutput(a[..., 0], None, None, None, None)

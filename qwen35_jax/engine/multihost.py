@@ -153,6 +153,7 @@ def follow(engine, poll_ms: int = 1000):
     from qwen35_jax.model.forward import Batch
     sp = host_batch([], 1)
     treedefs = {"prefill": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp)),   # what the leader flattened
+                "prompt_logprobs": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp, 0)),
                 "decode": jax.tree.structure((0, 0, 0, sp))}
     step, pending = 0, []
     while True:
@@ -169,9 +170,10 @@ def follow(engine, poll_ms: int = 1000):
             jax.block_until_ready(pending)
             jax.distributed.shutdown()            # leave the job before the leader (which hosts the service) does
             return
-        if kind == "prefill":
-            batch, finishing, sp = inputs
-            out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp)
+        if kind in ("prefill", "prompt_logprobs"):
+            batch, finishing, sp, *targets = inputs
+            out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp,
+                             *targets)
         else:
             out = ex.decode(key[0], *inputs)
         pending.append(out)

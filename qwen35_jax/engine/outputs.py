@@ -34,3 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict | None = None          # monotonic timestamps: arrival, first scheduled, first and last token
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before it
+    # and the top alternatives; set once the whole prompt is done, None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -222,9 +222,17 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = Tru
     if not extras:
         return tokens, {"logprob": jnp.zeros((b,), jnp.float32), "rank": jnp.zeros((b,), jnp.int32),
                         "top_logprobs": jnp.zeros((b, n), jnp.float32), "top_ids": jnp.zeros((b, n), jnp.int32)}
+    return tokens, token_logprobs(logits, tokens)
+
+
+def token_logprobs(logits, tokens) -> dict:
+    """Under the raw distribution of logits [B, V] (log-softmax, padding columns -inf): the logprob and rank
+    (1 = most likely) of tokens [B], and the top min(MAX_LOGPROBS, V) (logprob, id) pairs, descending. The
+    sampler's logprobs and the prompt logprobs (executor.prefill_step) both come from here."""
+    n = min(MAX_LOGPROBS, logits.shape[-1])
     m_raw = jnp.max(logits, axis=-1, keepdims=True)
     lse = m_raw + jnp.log(jnp.sum(jnp.exp(logits - m_raw), axis=-1, keepdims=True))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
     top_v, top_i = top_k_desc(logits, n)
-    return tokens, {"logprob": (chosen - lse)[:, 0], "rank": 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32),
-                    "top_logprobs": top_v - lse, "top_ids": top_i.astype(jnp.int32)}
+    return {"logprob": (chosen - lse)[:, 0], "rank": 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32),
+            "top_logprobs": top_v - lse, "top_ids": top_i.astype(jnp.int32)}

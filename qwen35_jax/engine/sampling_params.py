@@ -20,6 +20,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None         # number of top alternatives to return per token (0: the sampled token only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (0: the prompt token only)
     min_tokens: int = 0
     skip_special_tokens: bool = True
 
@@ -44,6 +45,9 @@ class SamplingParams:
             (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and
+                                              0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0,
              f"min_tokens must be >= 0, got {self.min_tokens!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),

@@ -283,8 +283,13 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     Logits are [N, T, V/tp] when all_logits, else [N, V/tp] at each row's last real token."""
     x, state = decoder(cfg, layout, kernels, weights, state, batch)
     if not all_logits:
-        x = jnp.take_along_axis(x, jnp.maximum(batch.lens - 1, 0)[:, None, None], axis=1)[:, 0]
+        x = last_real(x, batch.lens)
     return lm_head(cfg, weights, x), state
+
+
+def last_real(x, lens):
+    """x [N, T, ...] -> [N, ...] at each row's last real position (lens - 1)."""
+    return jnp.take_along_axis(x, jnp.maximum(lens - 1, 0)[:, None, None], axis=1)[:, 0]
 
 
 BATCH_SPEC = Batch(tokens=P(DP), start=P(DP), lens=P(DP), slots=P(DP), pages=P(DP))
