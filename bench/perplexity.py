@@ -40,7 +40,7 @@ def main():
     from qwen35_jax.model.sharding import make_mesh
     from qwen35_jax.model.weights import load_weights
     from qwen35_jax.tools import train_tiny
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
 
     model = args.model or default_model_dir()
     with open(os.path.join(model, "training_log.json")) as f:

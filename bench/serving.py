@@ -307,7 +307,7 @@ def run_engine(serve_args: list[str], prompts, warm, args) -> dict:
     from qwen35_jax.engine.sampling_params import SamplingParams
     from qwen35_jax.engine.engine import build_engine
     from qwen35_jax.serve import build_parser, engine_args
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
     cli = build_parser().parse_args(serve_args)
     engine = build_engine(cli.model or default_model_dir(), engine_args(cli))
     params = SamplingParams(max_tokens=args.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)

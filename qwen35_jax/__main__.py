@@ -1,22 +1,20 @@
-"""`python -m qwen35_jax`: generate from the embedded tiny model (or --model DIR / repo id): the whole path, once."""
+"""`python -m qwen35_jax`: generate from the default model (or --model DIR / repo id): the whole path, once."""
 import argparse
 import time
 
 from qwen35_jax import LLM, SamplingParams, env
-
-TINY = ("the embedded tiny Qwen3.5: random weights at toy shapes with a tokenizer trained on a small corpus, to "
-        "exercise the engine (its text is noise; these are not Qwen3.5's weights)")
+from qwen35_jax.model.hub import DEFAULT_DESCRIPTION
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=None, help="HF model directory or repo id (default: the embedded tiny model)")
+    ap.add_argument("--model", default=None, help="HF model directory or repo id (default: the shipped default model)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--prompt", default="The capital of France is")
+    ap.add_argument("--prompt", default="The for statement in Python")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args()
-    print(f"model: {args.model or TINY}", flush=True)
+    print(f"model: {args.model or DEFAULT_DESCRIPTION}", flush=True)
     t0 = time.perf_counter()
     # A small bucket set keeps the one-time compile short on a CPU; the persistent cache makes later starts fast.
     llm = LLM(model=args.model, tensor_parallel_size=args.tensor_parallel_size, max_model_len=1024, max_num_seqs=4,

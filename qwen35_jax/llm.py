@@ -17,8 +17,8 @@ class LLM:
     """A Qwen3.5 model served by the continuous-batching engine on a `tp` device mesh.
 
     model: a HF model directory (config.json, safetensors, tokenizer) or a Hugging Face repo id ("Qwen/Qwen3.5-9B",
-    fetched into the HF cache at `revision`); None: the embedded tiny model (tools/make_tiny_model.py: random
-    weights at toy shapes, built on first use, for trying the engine anywhere). Keyword arguments are EngineArgs
+    fetched into the HF cache at `revision`); None: the default model (model.hub.default_model_dir: a small model
+    trained by tools/train_tiny on the Python docs, shipped in the package). Keyword arguments are EngineArgs
     fields (revision, tensor_parallel_size, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, decode_steps,
     page_size, num_kv_pages, kernel_config, compilation_cache_dir, skip_tokenizer_init, converted_weights_dir, ...).
     devices: the mesh's devices (default: all); observer: engine hooks (e.g. metrics).
@@ -26,7 +26,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, devices=None, observer: Observer | None = None, **engine_args):
         if model is None:
-            from qwen35_jax.tools.make_tiny_model import default_model_dir
+            from qwen35_jax.model.hub import default_model_dir
             model = default_model_dir()
         self.engine = build_engine(model, EngineArgs(**engine_args), devices=devices, observer=observer)
         self.tokenizer = self.engine.tokenizer

@@ -120,7 +120,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from qwen35_jax.engine import multihost
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
     if multihost.initialize(args.coordinator_address, args.num_processes, args.process_id):
         import jax
         if jax.process_index() != 0:        # followers: same engine, replaying process 0's steps; no HTTP

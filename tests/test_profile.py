@@ -310,7 +310,7 @@ def test_profile_steps_and_roofline(report):
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.sharding import Layout
     from qwen35_jax.model.state import bytes_per_slot
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
     from qwen35_jax.model.weights import abstract_weights, nbytes
 
     assert len(report.decode) == 2 and len(report.copies) == qp.COPY_RUNS
@@ -369,7 +369,7 @@ def test_summarize_engine_trace(tmp_path):
     from conftest import engine_args
     from qwen35_jax.llm import LLM
     from qwen35_jax.engine.sampling_params import SamplingParams
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
 
     llm = LLM(default_model_dir(), skip_tokenizer_init=True,
               **engine_args(max_num_seqs=2, max_num_batched_tokens=32, min_prefill_tokens=32, max_prefill_rows=1,

@@ -20,6 +20,21 @@ ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "mod
 REPO_ID = re.compile(r"(?:[\w\-.]{1,96}/)?[\w\-.]{1,96}")
 
 
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(PACKAGE, "assets", "tiny-qwen3.5-pydoc")
+DEFAULT_DESCRIPTION = ("tiny-qwen3.5-pydoc, a small Qwen3.5-architecture model (9M parameters) trained by this project "
+                       "on the Python documentation to exercise the engine; not Qwen3.5's weights")
+
+
+def default_model_dir() -> str:
+    """The default model (LLM(), `python -m qwen35_jax`, `serve` without --model): the checkpoint tools/train_tiny
+    wrote, shipped in the package (qwen35_jax/assets/)."""
+    if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
+        raise FileNotFoundError(f"the default model is missing from {DEFAULT_MODEL} (an incomplete install?); pass a "
+                                "model directory or a Hugging Face repo id")
+    return DEFAULT_MODEL
+
+
 def resolve_model(model: str, revision: str | None = None) -> str:
     """The local directory of `model`: an existing directory as is (revision ignored), else a repo id downloaded
     (at `revision`: a branch, tag or commit; default main) into the HF cache, whose snapshot directory is returned.

@@ -294,7 +294,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     from qwen35_jax.engine.engine import EngineArgs, build_engine
     from qwen35_jax.engine.sampler import sampler_mode
     from qwen35_jax.model.backends import KernelConfig
-    from qwen35_jax.tools.make_tiny_model import default_model_dir
+    from qwen35_jax.model.hub import default_model_dir
 
     if batch < 1 or prompt_len < 1 or decode_steps < 1:
         raise ValueError("batch, prompt_len and decode_steps must be >= 1")
