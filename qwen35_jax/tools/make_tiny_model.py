@@ -3,7 +3,7 @@
     python -m qwen35_jax.tools.make_tiny_model DIR [--seed 0]
 
 The result needs no download: a byte-level BPE tokenizer trained with `tokenizers` on the text shipped beside this
-file (Qwen3.5's pre-tokenizer regex, its special tokens, ChatML chat template with `enable_thinking`), a
+file (tokenizer_builder.py: Qwen3.5's pre-tokenizer regex, added tokens and chat template), a
 `qwen3_5` config.json with a nested text_config, bf16 safetensors under `model.language_model.` (A_log and the
 gated-norm weight in F32, as released checkpoints store them), and a generation_config.json with the eos ids.
 """
@@ -19,28 +19,10 @@ import numpy as np
 
 from qwen35_jax import env
 from qwen35_jax.model.checkpoint import write_safetensors
+from qwen35_jax.tools import tokenizer_builder
 
 CORPUS = os.path.join(os.path.dirname(__file__), "tiny_corpus.txt")
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]     # added, not special, as in Qwen's tokenizer
-PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-CHAT_TEMPLATE = """{%- for message in messages %}
-{%- set content = message['content'] if message['content'] is string
-    else message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}
-{%- if message['role'] == 'assistant' and '</think>' in content %}
-{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-{%- endif %}
-{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-{{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}
-{{- '<think>\\n\\n</think>\\n\\n' }}
-{%- else %}
-{{- '<think>\\n' }}
-{%- endif %}
-{%- endif %}"""
+VOCAB_SIZE = 1024
 
 TEXT_CONFIG = dict(
     model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=8,
@@ -54,20 +36,10 @@ TEXT_CONFIG = dict(
     mamba_ssm_dtype="float32")
 
 
-def train_tokenizer(vocab_size: int = 1024):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL) - len(ADDED), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train([CORPUS], trainer)
-    tok.add_special_tokens(SPECIAL)
-    tok.add_tokens(ADDED)
-    return tok
+def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """The tiny model's tokenizer: tokenizer_builder's, trained on the text shipped beside this file."""
+    with open(CORPUS, encoding="utf-8") as f:
+        return tokenizer_builder.train_tokenizer(f, vocab_size)
 
 
 def _random_weights(text: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -107,10 +79,8 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tiny-")
-    tok = train_tokenizer()
-    tok.save(os.path.join(tmp, "tokenizer.json"))
-    ids = {s: tok.token_to_id(s) for s in SPECIAL}
-    text = dict(TEXT_CONFIG, vocab_size=-(-tok.get_vocab_size() // 64) * 64,
+    ids = tokenizer_builder.write_tokenizer_files(train_tokenizer(), tmp, model_max_length=32768)
+    text = dict(TEXT_CONFIG, vocab_size=-(-VOCAB_SIZE // 64) * 64,
                 eos_token_id=ids["<|endoftext|>"], bos_token_id=None, pad_token_id=None)
     config = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5", text_config=text,
                   vision_config=dict(model_type="qwen3_5_vision", depth=1, hidden_size=32, intermediate_size=64,
@@ -122,10 +92,6 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
         "generation_config.json": dict(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                                        pad_token_id=ids["<|endoftext|>"], do_sample=True, temperature=0.7,
                                        top_p=0.8, top_k=20),
-        "tokenizer_config.json": dict(tokenizer_class="PreTrainedTokenizerFast", eos_token="<|im_end|>",
-                                      pad_token="<|endoftext|>", unk_token=None, bos_token=None,
-                                      model_max_length=32768, chat_template=CHAT_TEMPLATE,
-                                      add_bos_token=False, clean_up_tokenization_spaces=False),
     }
     for name, obj in files.items():
         with open(os.path.join(tmp, name), "w") as f:
