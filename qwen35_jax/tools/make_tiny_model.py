@@ -17,7 +17,6 @@ import tempfile
 import ml_dtypes
 import numpy as np
 
-from qwen35_jax import env
 from qwen35_jax.model.checkpoint import write_safetensors
 from qwen35_jax.tools import tokenizer_builder
 
@@ -102,17 +101,6 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
         raise FileExistsError(f"{out_dir} already exists")
     os.replace(tmp, out_dir)
     return out_dir
-
-
-def default_model_dir() -> str:
-    """The embedded default model, built on first use into the cache root."""
-    path = os.path.join(env.cache_root(), "tiny-qwen3.5")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        try:
-            make_tiny_model(path)
-        except FileExistsError:    # built concurrently by another process
-            pass
-    return path
 
 
 def main():
