@@ -44,12 +44,12 @@ DESCRIPTION = ("a small Qwen3.5-architecture model (9M parameters) trained by th
 class TrainConfig:
     seq_len: int = 512
     batch: int = 32
-    steps: int = 3000
+    steps: int = 800
     lr: float = 3e-3
-    warmup: int = 200
+    warmup: int = 100
     weight_decay: float = 0.1
     mtp_weight: float = 0.3        # loss = main + mtp_weight * MTP (both mean cross-entropy per token)
-    eval_every: int = 250
+    eval_every: int = 100
     eval_windows: int = 64         # held-out windows in the periodic evaluations (all of them at the end)
     page_size: int = 64
     vocab_size: int = 4096         # tokenizer and embedding rows
