@@ -16,9 +16,9 @@ RUNS = 20
 
 
 def test_main_exits_cleanly(tmp_path):
-    """RUNS runs of the whole main job (build/load the tiny model, precompile, generate, chat) in a row: every one
-    exits 0 with no C++ terminate in its stderr. The first run builds the tiny model and compiles into a cache root
-    of its own; the later runs load the serialized executables from it (about 3 s each on 2 idle cores). Not the
+    """RUNS runs of the whole main job (load the default model, precompile, generate, chat) in a row: every one
+    exits 0 with no C++ terminate in its stderr. The first run compiles into a cache root of its own; the later
+    runs load the serialized executables from it (about 3 s each on 2 idle cores). Not the
     suite's shared XLA cache: there a source change makes the executable cache miss while JAX's persistent cache
     hits, and such executables are never re-stored, so every run would lower all 16 buckets again (about 10 s)."""
     cache = tmp_path / "cache"

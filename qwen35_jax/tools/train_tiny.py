@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import textwrap
 import time
 
 import numpy as np
@@ -293,6 +294,8 @@ def train(corpus: str, out_dir: str, tc: TrainConfig, log=print, text_config: di
     with open(os.path.join(tmp, "training_log.json"), "w") as f:
         json.dump(record, f, indent=1)
     shutil.copy(os.path.join(corpus, "heldout.jsonl"), os.path.join(tmp, "heldout.jsonl"))
+    if os.path.exists(os.path.join(corpus, "copyright")):          # the documentation's licence (PSF-2.0)
+        shutil.copy(os.path.join(corpus, "copyright"), os.path.join(tmp, "LICENSE-python-docs"))
     with open(os.path.join(tmp, "README.md"), "w") as f:
         f.write(model_card(record))
     if os.path.exists(out_dir):
@@ -302,27 +305,29 @@ def train(corpus: str, out_dir: str, tc: TrainConfig, log=print, text_config: di
 
 
 def model_card(r: dict) -> str:
-    h = r["heldout"]
-    c = r["corpus"]
-    return f"""# tiny-qwen3.5-pydoc
-
-{DESCRIPTION[0].upper() + DESCRIPTION[1:]}. It is the default model of qwen35_jax (`python -m qwen35_jax`,
-`LLM()`, `serve` without `--model`) and the instrument its tests and benchmarks measure with: held-out perplexity,
-and the MTP head's top-1 accuracy for speculative decoding.
-
-- Architecture: Qwen3.5 (`qwen3_5`), hidden 256, 8 layers (3 Gated DeltaNet : 1 gated full attention), GQA 4/2,
-  GDN 4 key / 8 value heads, tied embedding, vocabulary {r['train_config']['vocab_size']}, one MTP layer
-  (`mtp.*`); {r['parameters']:,} parameters (MTP included).
-- Data: the Python {c.get('version', '')} documentation from Debian's `{c.get('package', 'python3-doc')}` package,
-  cleaned to prose by `qwen35_jax/tools/pydoc_corpus.py`; held-out split in `heldout.jsonl`. The documentation is
-  under the PSF License Version 2 (its code examples Zero-Clause BSD).
-- Training: `python -m qwen35_jax.tools.train_tiny CORPUS OUT` (seed {r['train_config']['seed']}),
-  {r['train_config']['steps']} steps of {r['train_config']['batch']} x {r['train_config']['seq_len']} tokens,
-  {r['train_seconds']} s on {r['device']}; loss curve in `training_log.json`. Trained on windows of
-  {r['train_config']['seq_len']} tokens: longer contexts run, but the model has not learned to use them.
-- Held-out ({h['windows']} windows of {h['window_tokens']} tokens, this checkpoint in fp32): perplexity
-  {h['perplexity']:.3f}, top-1 {h['top1']:.3f}; MTP head top-1 (token t + 2 given the true t + 1) {h['mtp_top1']:.3f}.
-"""
+    h, c, tc = r["heldout"], r["corpus"], r["train_config"]
+    fill = lambda text, bullet=True: textwrap.fill(text, 116, initial_indent="- " if bullet else "",
+                                                   subsequent_indent="  " if bullet else "")
+    parts = [
+        fill(f"{DESCRIPTION[0].upper() + DESCRIPTION[1:]}. It is the default model of qwen35_jax (`python -m "
+             "qwen35_jax`, `LLM()`, `serve` without `--model`) and the instrument its tests and benchmarks measure "
+             "with: held-out perplexity, and the MTP head's top-1 accuracy for speculative decoding.", bullet=False),
+        fill(f"Architecture: Qwen3.5 (`qwen3_5`), hidden 256, 8 layers (3 Gated DeltaNet : 1 gated full attention), "
+             f"GQA 4/2, GDN 4 key / 8 value heads, tied embedding, vocabulary {tc['vocab_size']}, one MTP layer "
+             f"(`mtp.*`); {r['parameters']:,} parameters (MTP included)."),
+        fill(f"Data: the Python documentation ({c.get('version', '')}) from Debian's `{c.get('package', '')}` "
+             "package, cleaned to prose by `qwen35_jax/tools/pydoc_corpus.py`, plus conversations made from its "
+             "headings and paragraphs; held-out split in `heldout.jsonl`. The documentation is under the PSF License "
+             "Version 2 (its code examples Zero-Clause BSD): `LICENSE-python-docs`."),
+        fill(f"Training: `python -m qwen35_jax.tools.train_tiny CORPUS OUT` (seed {tc['seed']}), {tc['steps']} steps "
+             f"of {tc['batch']} x {tc['seq_len']} tokens, {r['train_seconds']} s on {r['device']}; loss curve in "
+             f"`training_log.json`. Trained on windows of {tc['seq_len']} tokens: longer contexts run, but the model "
+             "has not learned to use them."),
+        fill(f"Held-out ({h['windows']} windows of {h['window_tokens']} tokens, this checkpoint in fp32): "
+             f"perplexity {h['perplexity']:.3f}, top-1 {h['top1']:.3f}; MTP head top-1 (token t + 2 given the true "
+             f"t + 1) {h['mtp_top1']:.3f}."),
+    ]
+    return "# tiny-qwen3.5-pydoc\n\n" + parts[0] + "\n\n" + "\n".join(parts[1:]) + "\n"
 
 
 def main():
