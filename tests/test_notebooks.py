@@ -58,7 +58,7 @@ def test_quickstart(tmp_path, monkeypatch):
     mesh = next(c for c in code if "print(llm.mesh)" in c.source)
     shards = outputs_text(mesh)
     assert "'tp': 2" in shards and "cpu:1" in shards and "P('vocab'" not in shards
-    assert "    cpu:0    [0:512, :]" in shards and "    cpu:1    [512:1024, :]" in shards     # the vocab-split embed
+    assert "    cpu:0    [0:2048, :]" in shards and "    cpu:1    [2048:4096, :]" in shards     # the vocab-split embed
 
 
 def test_profiling(tmp_path, monkeypatch):

@@ -64,3 +64,30 @@ def test_training_is_reproducible_and_the_checkpoint_reads_back(corpus, tmp_path
     ev = tt.evaluate(load_config(d), load_weights(d, cfg, make_mesh(1), jnp.float32, mtp=True), windows)
     assert ev["nll"] == pytest.approx(a["heldout"]["nll"], rel=1e-6)
     assert 0 <= ev["mtp_top1"] <= 1 and np.isfinite(ev["perplexity"])
+
+
+def test_engine_perplexity_equals_the_training_evaluation():
+    """The instrument: held-out perplexity through the engine (prompt logprobs) is the training script's evaluation
+    of the shipped model (bench/perplexity.py does this over the whole held-out set)."""
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    from conftest import engine_args
+    from qwen35_jax import LLM, SamplingParams
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.hub import default_model_dir
+    from qwen35_jax.model.sharding import make_mesh
+    from qwen35_jax.model.weights import load_weights
+    from qwen35_jax.tools import train_tiny as tt
+
+    d = default_model_dir()
+    tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    windows = tt.heldout_windows(tok, os.path.join(d, "heldout.jsonl"), 512, tok.token_to_id("<|endoftext|>"))[:2]
+    cfg = load_config(d)
+    ref = tt.evaluate(cfg, load_weights(d, cfg, make_mesh(1), jnp.float32, mtp=True), windows)
+    with LLM(d, **engine_args(max_model_len=1024, max_num_batched_tokens=256, precompile=False)) as llm:
+        outs = llm.generate([{"prompt_token_ids": w.tolist()} for w in windows],
+                            SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    nll = -sum(o.prompt_logprobs[i][int(w[i])].logprob for w, o in zip(windows, outs) for i in range(1, 512))
+    assert nll / (2 * 511) == pytest.approx(ref["nll"], rel=1e-4)
+    assert ref["perplexity"] < 200 and ref["mtp_top1"] > 0.2           # a trained model, not noise
