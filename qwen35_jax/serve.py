@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--revision", default=None,
                    help="of a repo id --model: branch, tag or commit to download (default: main)")
     m.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients pass as `model`; the first is reported (default: --model as given)")
+                   help="name(s) clients pass as `model`; the first is reported (default: --model as given; "
+                        "tiny-qwen3.5-pydoc for the default model)")
     m.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights at the config's shapes (only config.json is read)")
     m.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -145,7 +146,7 @@ def main(argv=None):
         from qwen35_jax.tools.profile import start_profiler_server
         start_profiler_server(args.profiler_port)
     model = args.model or default_model_dir()
-    served_model_names = args.served_model_name or [model]
+    served_model_names = args.served_model_name or [args.model or os.path.basename(model)]   # the default: its name
     registry = CollectorRegistry()
     engine = build_engine(model, engine_args(args), observer=PrometheusObserver(registry, served_model_names[0]))
     try:                 # the engine (its loop thread) is shut down however the server ends
