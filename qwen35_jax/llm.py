@@ -56,16 +56,23 @@ class LLM:
             yield out
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, chat_template_kwargs: dict | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {role, content}) or a list of conversations."""
+             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of conversations.
+
+        tools: OpenAI function tools, rendered into the prompt by the chat template; history messages may carry
+        assistant tool_calls (arguments as a JSON string or an object) and tool results. As vLLM's LLM.chat, the
+        outputs are raw text: `qwen35_jax.server.tool_calls.parse_tool_calls(text, tools)` extracts the calls."""
         if self.tokenizer is None:
             raise ValueError("this LLM was built with skip_tokenizer_init=True")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs or any(not c for c in convs):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
+        from qwen35_jax.server.tool_calls import check_tools, history_arguments_as_objects
+        extra = {"tools": check_tools(tools)} if tools else {}
         prompts = []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(conv, **(chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(history_arguments_as_objects(conv), **extra,
+                                                      **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -249,9 +249,12 @@ BAD = [
     (CH, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content"),
-    (CH, {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "messages.0.tool_call_id"),
-    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CH, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.tool_call_id"),
+    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, 400, "tools.0.function.name"),
     (CH, {"messages": MSG, "tool_choice": "auto"}, 400, "tool_choice"),
+    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     400, "tool_choice"),
+    (C, {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CH, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
@@ -282,9 +285,10 @@ def test_bad_input_table(server):
 def test_bad_input_through_client(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="Hi", temperature=-2)
-    with pytest.raises(openai.BadRequestError, match="tool calling is not supported"):
+    with pytest.raises(openai.BadRequestError, match="requires constrained decoding"):
         client.chat.completions.create(model=MODEL, messages=MSG, tools=[{"type": "function",
-                                                                          "function": {"name": "f"}}])
+                                                                          "function": {"name": "f"}}],
+                                       tool_choice="required")
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):

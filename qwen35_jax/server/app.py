@@ -39,10 +39,12 @@ from qwen35_jax.server.protocol import (
     CompletionRequest,
     bad_request,
     chat_messages,
+    chat_tools,
     parse,
     prompts,
     sampling_params,
 )
+from qwen35_jax.server.tool_calls import ToolCallStreamer, parse_tool_calls
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -221,8 +223,8 @@ async def stream_events(gen: Generation, head: dict, prompt_lens: list[int], inc
     sequence that moved, an error event for one that failed, then the usage chunk (if asked) and [DONE].
 
     `chunk(prompt index, sequence, tokens already sent)` gives the API's leading choice fields (index, text or
-    delta, logprobs), or None when the sequence has nothing new; finish_reason, stop_reason and token_ids are
-    added here."""
+    delta, logprobs), or None when the sequence has nothing new; finish_reason (unless the choice has one),
+    stop_reason and token_ids are added here."""
     extra = {"usage": None} if include_usage else {}
     if opening:
         yield "".join(event({**head, "choices": [c]} | extra) for c in opening)
@@ -242,7 +244,7 @@ async def stream_events(gen: Generation, head: dict, prompt_lens: list[int], inc
                 choice = chunk(i, c, start)
                 if choice is None:
                     continue
-                choice["finish_reason"] = c.finish_reason
+                choice.setdefault("finish_reason", c.finish_reason)     # chat sets "tool_calls" itself
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
                     done.add(key)
@@ -416,6 +418,7 @@ async def chat_completions(request: Request, body: JSONBody):
     if tokenizer is None:
         raise bad_request("chat needs a tokenizer (the server runs with --skip-tokenizer-init)")
     messages = chat_messages(req.messages)
+    tools, parse_calls, parallel = chat_tools(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -432,7 +435,7 @@ async def chat_completions(request: Request, body: JSONBody):
                               + (f" (it reads {sorted(template_vars - RESERVED_TEMPLATE_KWARGS)})"
                                  if template_vars is not None else ""), param=f"chat_template_kwargs.{key}")
     try:
-        text = tokenizer.apply_chat_template(messages, **template_kwargs)
+        text = tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}), **template_kwargs)
     except Exception as e:      # jinja errors (raise_exception in a template), clashing keyword arguments
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
     ids = tokenizer.encode(text)
@@ -450,10 +453,16 @@ async def chat_completions(request: Request, body: JSONBody):
     if not req.stream:
         def choice(i: int, c: CompletionOutput) -> dict:
             reasoning, content = splitters[c.index].split(c.text, c.token_ids)
-            out = {"index": c.index,
-                   "message": {"role": "assistant", "content": content, "reasoning_content": reasoning},
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+            calls = []
+            if parse_calls:
+                message["content"], calls = parse_tool_calls(content, tools, parallel)
+                if calls:
+                    message["tool_calls"] = calls
+            out = {"index": c.index, "message": message,
                    "logprobs": chat_logprobs(c, 0, k) if req.logprobs else None,
-                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   "finish_reason": "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason,
+                   "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 out["token_ids"] = c.token_ids
             return out
@@ -465,6 +474,8 @@ async def chat_completions(request: Request, body: JSONBody):
 
     head["object"] = "chat.completion.chunk"
     chars = [[0, 0] for _ in range(req.n)]      # reasoning, content characters sent
+    streamers = [ToolCallStreamer(tools, parallel) if parse_calls else None for _ in range(req.n)]
+    n_calls = [0] * req.n
 
     def chunk(i: int, c: CompletionOutput, start: int) -> dict | None:
         st = chars[c.index]
@@ -473,13 +484,23 @@ async def chat_completions(request: Request, body: JSONBody):
         if reasoning is not None and len(reasoning) > st[0]:
             delta["reasoning_content"] = reasoning[st[0]:]
             st[0] = len(reasoning)
-        if len(content) > st[1]:
+        if streamers[c.index] is not None:       # content is what the tool-call parser has decided is content
+            new, calls = streamers[c.index].feed(content, final=c.finish_reason is not None)
+            if new:
+                delta["content"] = new
+            if calls:
+                delta["tool_calls"] = [{"index": n_calls[c.index] + j, **call} for j, call in enumerate(calls)]
+                n_calls[c.index] += len(calls)
+        elif len(content) > st[1]:
             delta["content"] = content[st[1]:]
             st[1] = len(content)
         if not delta and len(c.token_ids) == start and c.finish_reason is None:
             return None
-        return {"index": c.index, "delta": delta or {"content": ""},
-                "logprobs": chat_logprobs(c, start, k) if req.logprobs else None}
+        out = {"index": c.index, "delta": delta or {"content": ""},
+               "logprobs": chat_logprobs(c, start, k) if req.logprobs else None}
+        if n_calls[c.index] and c.finish_reason == "stop":
+            out["finish_reason"] = "tool_calls"
+        return out
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -1,7 +1,7 @@
 """OpenAI request schemas for the server, and their translation into SamplingParams.
 
-Policy: every field a request may carry is declared here. A field we know but do not implement (tools,
-response_format, logit_bias, ...) is refused with a 400 naming it unless its value asks for nothing (null, false,
+Policy: every field a request may carry is declared here. A field we know but do not implement (response_format,
+logit_bias, tools outside chat, ...) is refused with a 400 naming it unless its value asks for nothing (null, false,
 empty, or the neutral choice such as tool_choice "none"); any other field is refused as unknown. Types are checked
 strictly (no "5" for 5, no true for 1, no NaN), values by SamplingParams, so nothing is silently ignored or coerced.
 """
@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.server.tool_calls import ToolRequestError, check_tool_choice, check_tools, message_tool_fields
 
 MAX_STOP_STRINGS = 16
 MAX_SEQUENCES_PER_REQUEST = 256      # n × number of prompts: bounds the work one HTTP request can queue
@@ -79,6 +80,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None                      # checked in tool_calls.check_tools
+    tool_choice: Any = None                # "auto" | "none" (tool_calls.check_tool_choice)
+    parallel_tool_calls: bool | None = None
 
 
 # Known OpenAI/vLLM fields this server does not implement, with the value(s) that request nothing.
@@ -97,9 +101,11 @@ def _neutral(key: str, value, body: dict) -> bool:
 
 
 UNSUPPORTED = {
-    "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported", "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "tools": "tool calling is only supported on /v1/chat/completions",
+    "tool_choice": "tool calling is only supported on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is only supported on /v1/chat/completions",
+    "functions": "legacy function calling is not supported (use tools)",
+    "function_call": "legacy function calling is not supported (use tool_choice)",
     "response_format": "structured output (response_format other than text) is not supported",
     "guided_json": "guided decoding is not supported", "guided_regex": "guided decoding is not supported",
     "guided_choice": "guided decoding is not supported", "guided_grammar": "guided decoding is not supported",
@@ -121,7 +127,7 @@ UNSUPPORTED = {
 def parse(model: type[_Strict], body: dict):
     """Validate a decoded JSON body; any problem becomes a 400 naming the offending parameter."""
     for key, value in body.items():
-        if key in UNSUPPORTED and not _neutral(key, value, body):
+        if key in UNSUPPORTED and key not in model.model_fields and not _neutral(key, value, body):
             raise bad_request(f"{key}: {UNSUPPORTED[key]}", param=key, code="unsupported_parameter")
     body = {k: v for k, v in body.items() if not (k in UNSUPPORTED and k not in model.model_fields)}
     try:
@@ -139,6 +145,17 @@ def parse(model: type[_Strict], body: dict):
 def _short(value) -> str:
     s = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
+
+
+def chat_tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool, bool]:
+    """(tools to render or None, whether the completion is parsed for calls, parallel calls allowed)."""
+    try:
+        tools = check_tools(req.tools) if req.tools not in (None, []) else None
+        parse_calls = check_tool_choice(req.tool_choice, tools is not None)
+    except ToolRequestError as e:
+        raise bad_request(str(e), param=e.param, code="unsupported_parameter" if "not supported" in str(e)
+                          else None) from None
+    return tools, parse_calls, req.parallel_tool_calls is not False
 
 
 def stop_list(stop) -> list[str]:
@@ -173,23 +190,30 @@ def prompts(prompt) -> list[str | list[int]]:
 
 
 def chat_messages(messages: list[dict]) -> list[dict]:
-    """Check roles and content; text content parts are joined (the templates take a string)."""
+    """Check roles and content; text content parts are joined (the templates take a string). Tool fields
+    (an assistant's tool_calls, a tool message's tool_call_id) are checked by tool_calls.message_tool_fields."""
     if not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages.{i}"
-        extra = set(m) - {"role", "content", "reasoning_content"}
+        extra = set(m) - {"role", "content", "reasoning_content", "tool_calls", "tool_call_id"}
         if extra:
             key = sorted(extra)[0]
-            why = "tool calling is not supported" if key in ("tool_calls", "tool_call_id", "function_call") \
+            why = "legacy function calling is not supported (use tool_calls)" if key == "function_call" \
                 else "unknown message field"
             raise bad_request(f"{where}.{key}: {why}", param=f"{where}.{key}")
         role = m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise bad_request(f"{where}.role must be 'system', 'user' or 'assistant', got {_short(role)}",
+        if role not in ("system", "user", "assistant", "tool"):
+            raise bad_request(f"{where}.role must be 'system', 'user', 'assistant' or 'tool', got {_short(role)}",
                               param=f"{where}.role")
+        try:
+            tool_fields = message_tool_fields(m, role, where)
+        except ToolRequestError as e:
+            raise bad_request(str(e), param=e.param) from None
         content = m.get("content")
+        if content is None and "tool_calls" in tool_fields:
+            content = ""
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -207,7 +231,7 @@ def chat_messages(messages: list[dict]) -> list[dict]:
                 raise bad_request(f"{where}.reasoning_content must be a string on an assistant message",
                                   param=f"{where}.reasoning_content")
             msg["reasoning_content"] = m["reasoning_content"]
-        out.append(msg)
+        out.append(msg | tool_fields)
     return out
 
 
