@@ -257,6 +257,10 @@ def test_llm_chat_renders_tools(tiny_model_dir):
     assert seen[0]["prompt"] == llm.tokenizer.apply_chat_template(chat_messages(ROUND_TRIP), tools=TOOLS)
     with pytest.raises(ValueError, match="tools.0.type"):
         llm.chat(ROUND_TRIP, tools=[{"type": "web"}])
+    bad = [*ROUND_TRIP[:2], {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "now", "arguments": "{oops"}}]}]
+    with pytest.raises(ValueError, match="messages.2.tool_calls.0.function.arguments"):
+        llm.chat(bad, tools=TOOLS)
 
 
 # -- the server, end to end ------------------------------------------------------------------------------------------

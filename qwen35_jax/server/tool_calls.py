@@ -121,7 +121,7 @@ def _history_call(call, where: str) -> dict:
             "function": {"name": fn["name"], "arguments": arguments_object(fn.get("arguments"), where)}}
 
 
-def arguments_object(arguments, where: str = "arguments") -> dict:
+def arguments_object(arguments, where: str) -> dict:
     """A call's arguments as the template needs them: an object (OpenAI sends a JSON string)."""
     if isinstance(arguments, str):
         try:
@@ -136,11 +136,13 @@ def arguments_object(arguments, where: str = "arguments") -> dict:
 def history_arguments_as_objects(messages: list[dict]) -> list[dict]:
     """Copies of the messages whose assistant tool-call arguments, when JSON strings, are objects (for LLM.chat)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("tool_calls"):
             m = {**m, "tool_calls": [
-                {**c, "function": {**c["function"], "arguments": arguments_object(c["function"].get("arguments"))}}
-                if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in m["tool_calls"]]}
+                {**c, "function": {**c["function"], "arguments": arguments_object(
+                    c["function"].get("arguments"), f"messages.{i}.tool_calls.{j}")}}
+                if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                for j, c in enumerate(m["tool_calls"])]}
         out.append(m)
     return out
 
