@@ -256,7 +256,8 @@ LM_EVAL_SCRIPT = textwrap.dedent("""
 
 def hf_python_with_lm_eval():
     py = os.environ.get("QWEN35_HF_PYTHON")
-    if not py or subprocess.run([py, "-c", "import lm_eval"], capture_output=True).returncode != 0:
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('lm_eval') is None)"
+    if not py or subprocess.run([py, "-c", probe], capture_output=True).returncode != 0:
         return None
     return py
 
