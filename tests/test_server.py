@@ -235,7 +235,7 @@ BAD = [
     (C, {}, 400, "prompt"),
     (C, {"prompt": [1] * 250, "max_tokens": 10}, 400, "prompt"),
     (C, {"prompt": [1] * 256}, 400, "prompt"),
-    (C, {"prompt": "Hi", "echo": True}, 400, "echo"),
+    (CH, {"messages": MSG, "echo": True}, 400, "echo"),          # echo is a completions field
     (C, {"prompt": "Hi", "suffix": "x"}, 400, "suffix"),
     (C, {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "Hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),

@@ -279,15 +279,50 @@ def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
 
 
 def completion_logprobs(c: CompletionOutput, start: int, k: int, offset: int) -> dict:
+    return legacy_logprobs(c.token_ids[start:], c.logprobs[start:], k, offset)
+
+
+def legacy_logprobs(token_ids: list[int], entries: list, k: int, offset: int, tokenizer=None) -> dict:
+    """OpenAI's legacy completions logprobs object; an entry None (the first prompt token, which nothing precedes)
+    gives a null logprob and top_logprobs, its text from `tokenizer`."""
     tokens, values, tops, offsets = [], [], [], []
-    for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-        text = token_text(entry[tok], tok)
+    for tok, entry in zip(token_ids, entries):
+        if entry is None:
+            text = tokenizer.token_to_text(tok) if tokenizer is not None else f"token_id:{tok}"
+            values.append(None)
+            tops.append(None)
+        else:
+            text = token_text(entry[tok], tok)
+            values.append(_finite(entry[tok].logprob))
+            tops.append({token_text(e, t): _finite(e.logprob)
+                         for t, e in [(tok, entry[tok])] + top_entries(entry, k)})
         tokens.append(text)
-        values.append(_finite(entry[tok].logprob))
-        tops.append({token_text(e, t): _finite(e.logprob) for t, e in [(tok, entry[tok])] + top_entries(entry, k)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
+def vllm_prompt_logprobs(plp: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: null first, then {token id: {logprob, rank, decoded_token}} per token."""
+    if plp is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in plp]
+
+
+def drop_generated(c: CompletionOutput):
+    """max_tokens 0 with echo runs one engine step (the engine always samples a token); the token is dropped here,
+    in place, so that usage and token_ids do not count it either."""
+    c.text, c.token_ids = "", []
+    if c.logprobs is not None:
+        c.logprobs = []
+    if c.finished:
+        c.finish_reason, c.stop_reason = "length", None
 
 
 def usage(gen: Generation, prompt_lens: list[int]) -> dict:
@@ -359,6 +394,12 @@ async def completions(request: Request, body: JSONBody):
     req = parse(CompletionRequest, body)
     check_model(config, req.model)
     check_engine(engine)
+    echo_only = req.echo and req.max_tokens == 0     # the prompt alone (and its logprobs), as vLLM does
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo: true)", param="max_tokens")
+    if req.echo and tokenizer is None:
+        raise bad_request("echo needs a tokenizer (the server runs with --skip-tokenizer-init)", param="echo")
+    max_tokens = 1 if echo_only else req.max_tokens
     items = []
     for p in prompts(req.prompt):
         if isinstance(p, str):
@@ -371,38 +412,66 @@ async def completions(request: Request, body: JSONBody):
             items.append({"prompt": p, "prompt_token_ids": ids})
         else:
             items.append({"prompt": None, "prompt_token_ids": p})
-        check_length(engine, len(items[-1]["prompt_token_ids"]), req.max_tokens, "prompt")
+        check_length(engine, len(items[-1]["prompt_token_ids"]), max_tokens, "prompt")
     if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
         raise bad_request(f"{len(items)} prompts × n={req.n} exceeds {MAX_SEQUENCES_PER_REQUEST} sequences",
                           param="n")
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+    k = req.logprobs
+    # echo with logprobs covers the prompt too: prompt logprobs at prompt_logprobs, else logprobs (vLLM's rule)
+    plp_k = req.prompt_logprobs if req.prompt_logprobs is not None else k if req.echo else None
+    params = sampling_params(req, max_tokens=max_tokens, logprobs=k, prompt_logprobs=plp_k,
                              defaults=config.generation_defaults)
     gen = submit(engine, items, params, "cmpl", "prompt")
     prompt_lens = [len(it["prompt_token_ids"]) for it in items]
+    echo_texts = [it["prompt"] if it["prompt"] is not None else
+                  tokenizer.decode(it["prompt_token_ids"], skip_special_tokens=False) for it in items] \
+        if req.echo else None
     head = {"id": gen.id, "object": "text_completion", "created": int(time.time()),
             "model": req.model or state.model_name}
-    k = req.logprobs
+
+    def prompt_part(i: int) -> dict:
+        """The echoed prompt's logprobs object (the first token's logprob is null)."""
+        ids = items[i]["prompt_token_ids"]
+        return legacy_logprobs(ids, gen.seen[i].prompt_logprobs or [None] * len(ids), k, 0, tokenizer)
 
     if not req.stream:
         def choice(i: int, c: CompletionOutput) -> dict:
-            out = {"index": i * req.n + c.index, "text": c.text,
-                   "logprobs": completion_logprobs(c, 0, k, 0) if k is not None else None,
+            if echo_only:
+                drop_generated(c)
+            text, lp = c.text, completion_logprobs(c, 0, k, 0) if k is not None else None
+            if req.echo:
+                text = echo_texts[i] + c.text
+                if k is not None:
+                    lp = join_logprobs(prompt_part(i), completion_logprobs(c, 0, k, len(echo_texts[i])))
+            out = {"index": i * req.n + c.index, "text": text, "logprobs": lp,
                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = vllm_prompt_logprobs(gen.seen[i].prompt_logprobs)
             if req.return_token_ids:
                 out |= {"prompt_token_ids": items[i]["prompt_token_ids"], "token_ids": c.token_ids}
             return out
 
         return JSONResponse(await complete(request, gen, head, prompt_lens, choice))
 
-    chars = {}      # (prompt index, choice index) -> text characters sent
+    chars = {}      # (prompt index, choice index) -> text characters sent (after the echoed prompt)
 
     def chunk(i: int, c: CompletionOutput, start: int) -> dict | None:
-        sent = chars.get((i, c.index), 0)
-        if len(c.token_ids) == start and len(c.text) == sent and c.finish_reason is None:
+        if echo_only:
+            drop_generated(c)
+        key = (i, c.index)
+        echo = req.echo and key not in chars       # the first chunk carries the prompt, once its logprobs are in
+        if echo and k is not None and gen.seen[i].prompt_logprobs is None and not c.finished:
             return None
-        chars[(i, c.index)] = len(c.text)
-        return {"index": i * req.n + c.index, "text": c.text[sent:],
-                "logprobs": completion_logprobs(c, start, k, sent) if k is not None else None}
+        sent = chars.get(key, 0)
+        if not echo and len(c.token_ids) == start and len(c.text) == sent and c.finish_reason is None:
+            return None
+        chars[key] = len(c.text)
+        base = len(echo_texts[i]) if req.echo else 0
+        lp = completion_logprobs(c, start, k, base + sent) if k is not None else None
+        if echo and k is not None:
+            lp = join_logprobs(prompt_part(i), lp)
+        return {"index": i * req.n + c.index, "text": (echo_texts[i] if echo else "") + c.text[sent:],
+                "logprobs": lp}
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return _EventStream(stream_events(gen, head, prompt_lens, include_usage, req.return_token_ids, chunk), gen)
@@ -442,7 +511,7 @@ async def chat_completions(request: Request, body: JSONBody):
     check_length(engine, len(ids), max_tokens, "messages")
     params = sampling_params(req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             defaults=config.generation_defaults)
+                             defaults=config.generation_defaults, prompt_logprobs=req.prompt_logprobs)
     gen = submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
     head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model or state.model_name}
@@ -468,6 +537,8 @@ async def chat_completions(request: Request, body: JSONBody):
             return out
 
         body = await complete(request, gen, head, [len(ids)], choice)
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(gen.seen[0].prompt_logprobs)
         if req.return_token_ids:
             body["prompt_token_ids"] = ids
         return JSONResponse(body)

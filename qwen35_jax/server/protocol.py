@@ -67,11 +67,13 @@ class _GenerationRequest(_Strict):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     return_token_ids: bool = False         # also return prompt_token_ids and each choice's token_ids
+    prompt_logprobs: int | None = None     # per prompt token its logprob and the top k (not with stream)
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Any                            # str | list[str] | list[int] | list[list[int]] (checked in prompts)
     logprobs: int | None = None
+    echo: bool = False                     # prepend the prompt to each choice's text (and its logprobs)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -116,8 +118,8 @@ UNSUPPORTED = {
     "prediction": "predicted outputs are not supported", "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported", "store": "stored completions are not supported",
     "metadata": "metadata (stored completions) is not supported", "service_tier": "service_tier is not supported",
-    "verbosity": "verbosity is not supported", "prompt_logprobs": "prompt_logprobs is not supported",
-    "echo": "echo is not supported", "suffix": "suffix (insertion) is not supported",
+    "verbosity": "verbosity is not supported",
+    "echo": "echo is only supported on /v1/completions", "suffix": "suffix (insertion) is not supported",
     "best_of": "best_of different from n is not supported", "use_beam_search": "beam search is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "add_generation_prompt": "add_generation_prompt is not supported (the generation prompt is always added)",
@@ -252,19 +254,22 @@ def load_generation_defaults(model_dir: str) -> dict:
 
 
 def sampling_params(req: _GenerationRequest, *, max_tokens: int, logprobs: int | None,
-                    defaults: dict) -> SamplingParams:
+                    defaults: dict, prompt_logprobs: int | None = None) -> SamplingParams:
     def pick(name, fallback):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
     if req.n > MAX_SEQUENCES_PER_REQUEST:
         raise bad_request(f"n must be <= {MAX_SEQUENCES_PER_REQUEST}, got {req.n}", param="n")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     try:
         return SamplingParams(
             n=req.n, max_tokens=max_tokens, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=req.seed, stop=stop_list(req.stop),
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             presence_penalty=pick("presence_penalty", 0.0), frequency_penalty=pick("frequency_penalty", 0.0),
-            repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs, min_tokens=req.min_tokens,
+            repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens)
     except ValueError as e:          # SamplingParams names the parameter first: "top_p must be in (0, 1], got 2"
         msg = str(e)
