@@ -137,7 +137,8 @@ def _graceful_server(uvicorn):
             for connection in list(self.server_state.connections):
                 connection.shutdown()        # idle keep-alive: closed now; busy: closed after its response
             await asyncio.sleep(0.1)
-            await self.config.app.state.lifecycle.drain(self.shutdown_timeout, lambda: bool(self.server_state.tasks))
+            await self.config.app.state.lifecycle.drain(     # a second Ctrl-C (force_exit) cuts the wait short
+                self.shutdown_timeout, lambda: bool(self.server_state.tasks) and not self.force_exit)
             await super().shutdown(sockets)
             self._captured_signals.clear()
     return GracefulServer
