@@ -13,6 +13,7 @@ See docs/server.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=env.read().api_key,
                    help="require Authorization: Bearer KEY on /v1/* (default: $QWEN35_API_KEY; none: open)")
     s.add_argument("--max-request-body-bytes", type=int, default=8 * 2**20, help="larger bodies get a 413")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: stop accepting requests, let running ones finish for up to this long, "
+                        "then end the rest with an error response")
     s.add_argument("--profile-dir", default=None,
                    help="where POST /start_profile writes XLA traces (default: <cache root>/profiles)")
     s.add_argument("--profiler-port", type=int, default=None,
@@ -115,6 +119,29 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+def _graceful_server(uvicorn):
+    """uvicorn.Server whose shutdown (SIGTERM, SIGINT) first drains the app (server.app.Lifecycle): new
+    connections are refused and idle ones closed at once, running requests get `shutdown_timeout` seconds, the
+    rest end with an error response; uvicorn's own shutdown then has responses to flush, not requests to cut.
+    The signal is not re-raised afterwards (uvicorn would), so a drained server exits 0."""
+    class GracefulServer(uvicorn.Server):
+        shutdown_timeout = 30.0
+
+        async def shutdown(self, sockets=None):
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()        # idle keep-alive: closed now; busy: closed after its response
+            await asyncio.sleep(0.1)
+            await self.config.app.state.lifecycle.drain(     # a second Ctrl-C (force_exit) cuts the wait short
+                self.shutdown_timeout, lambda: bool(self.server_state.tasks) and not self.force_exit)
+            await super().shutdown(sockets)
+            self._captured_signals.clear()
+    return GracefulServer
 
 
 def main(argv=None):
@@ -162,9 +189,10 @@ def main(argv=None):
         host, port = sock.getsockname()[:2]
         print(f"qwen35_jax.serve: serving {config.served_model_names[0]!r} on http://{host}:{port}"
               f"{' (API key required)' if config.api_key else ''}", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                               access_log=not args.disable_uvicorn_access_log,
-                                               timeout_graceful_shutdown=5))
+        server = _graceful_server(uvicorn)(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                                          access_log=not args.disable_uvicorn_access_log,
+                                                          timeout_graceful_shutdown=5))
+        server.shutdown_timeout = args.shutdown_timeout
         server.run(sockets=[sock])
     finally:
         engine.shutdown()

@@ -37,8 +37,8 @@ class SamplingParams:
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
+            (isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,        # the sampler holds it as int32
+             f"top_k must be -1, 0 or a positive integer below 2**31, got {self.top_k!r}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),

@@ -9,11 +9,14 @@ Request bodies are read and checked here (API key, size limit, JSON, schema in s
 before anything reaches the engine, so bad input is a 4xx and costs the engine nothing. Responses are built as plain
 dicts (cheaper than pydantic per streamed chunk). A client that goes away aborts its engine requests: streaming
 through Starlette's disconnect listener (the response task is cancelled), non-streaming through a watcher on the
-ASGI receive channel.
+ASGI receive channel. Large bodies, chat templates and tokenization run on worker threads, off the event loop.
+On shutdown `Lifecycle.drain` (called by serve.py) refuses new requests, waits for the running ones, then ends the
+rest with an error response instead of cutting the connection.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -40,6 +43,7 @@ from qwen35_jax.server.protocol import (
     bad_request,
     chat_messages,
     chat_tools,
+    check_json,
     parse,
     prompts,
     sampling_params,
@@ -78,6 +82,7 @@ def create_app(engine, config: ServerConfig, registry: CollectorRegistry) -> Fas
     state.think_ids = think_token_ids(tokenizer) if tokenizer is not None and config.reasoning_parser else None
     state.template_vars = _template_variables(tokenizer)
     state.created_at = int(time.time())
+    state.lifecycle = Lifecycle()
     app.include_router(public)
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
@@ -133,20 +138,34 @@ async def json_body(request: Request) -> dict:
                 raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
     except ClientDisconnect:
         raise _ClientGone() from None
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    # a large body is decoded and checked off the event loop, so other requests and streams do not wait on it
+    obj = await asyncio.to_thread(_decode, body) if len(body) > 2**16 else _decode(body)
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     return obj
+
+
+def _decode(body: bytes):
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    check_json(obj)
+    return obj
+
+
+async def refuse_when_draining(request: Request):
+    if request.app.state.lifecycle.draining:
+        raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutdown")
 
 
 JSONBody = Annotated[dict, Depends(json_body)]
 
 # /health and /metrics are open; every other route needs the API key (when the server has one).
 public = APIRouter()
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key), Depends(refuse_when_draining)])
 
 
 # -- checks --------------------------------------------------------------------------------------------------------
@@ -193,7 +212,8 @@ async def collect(request: Request, gen: Generation):
 
     consumer, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        with request.app.state.lifecycle.track(gen):
+            await asyncio.wait((consumer, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not consumer.done():
@@ -202,6 +222,8 @@ async def collect(request: Request, gen: Generation):
     if consumer.cancelled() or not consumer.done():
         raise _ClientGone()
     consumer.result()
+    if gen.stopped is not None:
+        raise APIError(503, gen.stopped, "service_unavailable", code="server_shutdown")
     for out in gen.seen:
         if any(c.finish_reason == "error" for c in out.outputs):
             raise APIError(500, "the engine failed while generating", "internal_error", code="engine_error")
@@ -381,10 +403,19 @@ async def stop_profile(request: Request):
 @router.get("/v1/models")
 async def models(request: Request):
     state = request.app.state
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created_at, "owned_by": "qwen35_jax",
-         "root": state.config.model_path, "max_model_len": state.engine.max_model_len}
-        for name in state.config.served_model_names]}
+    return {"object": "list", "data": [model_card(state, name) for name in state.config.served_model_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str):
+    state = request.app.state
+    check_model(state.config, model_id)
+    return model_card(state, model_id)
+
+
+def model_card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": state.created_at, "owned_by": "qwen35_jax",
+            "root": state.config.model_path, "max_model_len": state.engine.max_model_len}
 
 
 @router.post("/v1/completions")
@@ -406,7 +437,7 @@ async def completions(request: Request, body: JSONBody):
             if tokenizer is None:
                 raise bad_request("text prompts need a tokenizer (the server runs with --skip-tokenizer-init); "
                                   "send token ids", param="prompt")
-            ids = tokenizer.encode(p)
+            ids = await asyncio.to_thread(tokenizer.encode, p)        # off the loop: a long prompt takes seconds
             if not ids:
                 raise bad_request("prompt is empty", param="prompt")
             items.append({"prompt": p, "prompt_token_ids": ids})
@@ -504,10 +535,11 @@ async def chat_completions(request: Request, body: JSONBody):
                               + (f" (it reads {sorted(template_vars - RESERVED_TEMPLATE_KWARGS)})"
                                  if template_vars is not None else ""), param=f"chat_template_kwargs.{key}")
     try:
-        text = tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}), **template_kwargs)
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                       **({"tools": tools} if tools else {}), **template_kwargs)
     except Exception as e:      # jinja errors (raise_exception in a template), clashing keyword arguments
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
-    ids = tokenizer.encode(text)
+    ids = await asyncio.to_thread(tokenizer.encode, text)
     check_length(engine, len(ids), max_tokens, "messages")
     params = sampling_params(req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
@@ -614,11 +646,64 @@ class _EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content, generation: Generation):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(_guarded(content, generation),
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.generation = generation
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            with scope["app"].state.lifecycle.track(self.generation):
+                await super().__call__(scope, receive, send)
         finally:
             self.generation.abort()
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def _guarded(events: AsyncIterator[str], gen: Generation) -> AsyncIterator[str]:
+    """`events`, with an error event before [DONE] when the server stopped the generation early, and an error
+    event and [DONE] instead of a cut connection when building the events fails."""
+    try:
+        async for chunk in events:
+            if chunk == DONE and gen.stopped is not None:
+                yield event(APIError(503, gen.stopped, "service_unavailable", code="server_shutdown").body())
+            yield chunk
+    except Exception:
+        log.exception("stream failed")
+        yield error_event("internal error while streaming") + DONE
+
+
+class Lifecycle:
+    """Graceful shutdown: refuse new requests, give the running ones time to finish, then end the rest with an
+    error response (JSON, or an error event and [DONE]) instead of cutting their connections."""
+
+    def __init__(self):
+        self.draining = False
+        self.ended: str | None = None         # set once the remaining generations were ended
+        self.live: set[Generation] = set()    # generations a response is waiting on
+
+    @contextlib.contextmanager
+    def track(self, gen: Generation):
+        self.live.add(gen)
+        if self.ended is not None:
+            gen.stop(self.ended)
+        try:
+            yield
+        finally:
+            self.live.discard(gen)
+
+    async def drain(self, timeout: float, busy: Callable[[], bool] | None = None):
+        """Refuse new requests; wait up to `timeout` seconds while `busy()` (default: a response is waiting on a
+        generation); then stop every generation still running, so its response ends with an error."""
+        self.draining = True
+        busy = busy or (lambda: bool(self.live))
+        deadline = time.monotonic() + timeout
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live:
+            log.warning("shutdown timeout (%.0fs) reached: ending %d running request(s) with an error", timeout,
+                        len(self.live))
+        self.ended = "the server is shutting down"
+        for gen in list(self.live):
+            gen.stop(self.ended)

@@ -27,6 +27,7 @@ class Generation:
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
         self.seen: list[RequestOutput | None] = [None] * len(prompts)
         self.request_ids: list[str] = []
+        self.stopped: str | None = None          # why stop() ended it early
         try:
             for i, prompt in enumerate(prompts):
                 rid = engine.add_request(prompt, params, functools.partial(self._put, i), f"{self.id}-{i}")
@@ -51,8 +52,9 @@ class Generation:
         return all(o is not None and o.finished for o in self.seen)
 
     async def updates(self):
-        """Yield [(prompt index, RequestOutput)] for the requests with new output, until all have finished."""
-        while not self.finished:
+        """Yield [(prompt index, RequestOutput)] for the requests with new output, until all have finished (or
+        stop() was called)."""
+        while not self.finished and self.stopped is None:
             await self._event.wait()
             self._event.clear()
             changed = []
@@ -62,6 +64,11 @@ class Generation:
                     changed.append((i, out))
             if changed:
                 yield changed
+
+    def stop(self, reason: str):
+        """End updates() now (the server is shutting down); `stopped` says why. Event loop only."""
+        self.stopped = reason
+        self._event.set()
 
     def abort(self):
         """Abort whatever has not finished (the client left, or the server is stopping); never blocks."""

@@ -8,6 +8,7 @@ strictly (no "5" for 5, no true for 1, no NaN), values by SamplingParams, so not
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -17,6 +18,7 @@ from qwen35_jax.server.tool_calls import ToolRequestError, check_tool_choice, ch
 
 MAX_STOP_STRINGS = 16
 MAX_SEQUENCES_PER_REQUEST = 256      # n × number of prompts: bounds the work one HTTP request can queue
+MAX_JSON_DEPTH = 64                  # nesting a request body may have (no request needs more)
 
 
 class APIError(Exception):
@@ -144,6 +146,50 @@ def parse(model: type[_Strict], body: dict):
         raise bad_request(f"{param}: {err['msg']} (got {_short(err.get('input'))})", param=param) from None
 
 
+def check_json(obj) -> None:
+    """Refuse what JSON decodes but nothing downstream can take, naming the field: lone UTF-16 surrogates (the
+    tokenizer raises on them), integers beyond 64 bits, non-finite numbers (NaN, Infinity, 1e400), nesting deeper
+    than MAX_JSON_DEPTH (recursive code further on would overflow). Iterative, so depth itself is no risk."""
+    stack = [(obj, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        where = path or "request body"
+        if isinstance(value, str):
+            if not value.isascii() and not _encodable(value):
+                raise bad_request(f"{where}: contains a lone UTF-16 surrogate (\\ud800-\\udfff); send valid "
+                                  f"Unicode", param=path or None, code="invalid_unicode")
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, int):
+            if not -2**63 <= value < 2**63:
+                raise bad_request(f"{where}: integer out of range (must fit in 64 bits)", param=path or None)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise bad_request(f"{where}: must be a finite number (got {_short(value)})", param=path or None)
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise bad_request(f"request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                                  code="invalid_json")
+            if isinstance(value, list) and all(type(x) is int for x in value):      # token ids: no per-item loop
+                if value and not (-2**63 <= min(value) and max(value) < 2**63):
+                    raise bad_request(f"{where}: integer out of range (must fit in 64 bits)", param=path or None)
+                continue
+            for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+                key = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii() and not _encodable(k):
+                    raise bad_request(f"{where}: a key contains a lone UTF-16 surrogate", param=path or None,
+                                      code="invalid_unicode")
+                stack.append((v, key, depth + 1))
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _short(value) -> str:
     s = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
@@ -206,6 +252,7 @@ def chat_messages(messages: list[dict]) -> list[dict]:
                 else "unknown message field"
             raise bad_request(f"{where}.{key}: {why}", param=f"{where}.{key}")
         role = m.get("role")
+        role = "system" if role == "developer" else role        # OpenAI's newer name for system, as vLLM maps it
         if role not in ("system", "user", "assistant", "tool"):
             raise bad_request(f"{where}.role must be 'system', 'user', 'assistant' or 'tool', got {_short(role)}",
                               param=f"{where}.role")
