@@ -117,5 +117,5 @@ def test_profile_bench_smoke(tmp_path):
     files = sorted(os.listdir(runs))
     assert len(files) == 2 and files[1] == "history.md" and files[0].endswith(".json"), files
     history = open(runs / "history.md").read()
-    assert history.count("\n## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
+    assert history.count("\n## Profile: tiny-qwen3.5-pydoc: batch 2, prompt 16, 2 decode steps") == 1
     assert "- command: `python bench/profile.py --batch 2 --prompt-len 16" in history

@@ -350,13 +350,13 @@ def test_record_results(report, tmp_path, monkeypatch):
     again = bp.record(report, "python bench/profile.py --batch 2")     # same title, same process: replaced
     assert first == again and os.path.dirname(first) == str(tmp_path)
     text = open(tmp_path / "history.md").read()
-    assert text.count("## Profile: tiny-qwen3.5: batch 2, prompt 16, 2 decode steps") == 1
+    assert text.count("## Profile: tiny-qwen3.5-pydoc: batch 2, prompt 16, 2 decode steps") == 1
     assert "- command: `python bench/profile.py --batch 2`" in text and "- machine: " in text
     assert "roofline ratio" in text and "- commit: " in text
     run = json.load(open(first))
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_profile-tiny-qwen3-5-batch-2-prompt-16-[a-z0-9-]*\.json",
                         os.path.basename(first))
-    assert run["title"].startswith("Profile: tiny-qwen3.5") and run["command"] == "python bench/profile.py --batch 2"
+    assert run["title"].startswith("Profile: tiny-qwen3.5-pydoc:") and run["command"] == "python bench/profile.py --batch 2"
     assert run["fields"]["roofline_ratio"] == pytest.approx(report.roofline_ratio)
     assert "roofline ratio" in run["body"] and {"commit", "machine", "date"} <= set(run)
     with pytest.raises(SystemExit):                      # the product's command line records nothing itself
