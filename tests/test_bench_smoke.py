@@ -103,7 +103,7 @@ def test_mgpu_precision_bench_smoke():
 
 
 def test_profile_bench_smoke(tmp_path):
-    """bench/profile.py: `qwen35_jax.tools.profile`'s command line on the tiny model, the table recorded through
+    """bench/profile.py: `qwen35_jax.tools.profile`'s command line on the default model, the table recorded through
     bench/results.py into $QWEN35_RUNS_DIR (a temporary directory: tests never write into bench/runs/)."""
     from conftest import XLA_CACHE
     runs = tmp_path / "runs"

@@ -354,7 +354,7 @@ def test_record_results(report, tmp_path, monkeypatch):
     assert "- command: `python bench/profile.py --batch 2`" in text and "- machine: " in text
     assert "roofline ratio" in text and "- commit: " in text
     run = json.load(open(first))
-    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_profile-tiny-qwen3-5-batch-2-prompt-16-[a-z0-9-]*\.json",
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_profile-tiny-qwen3-5-pydoc-batch-2-prompt-16-[a-z0-9-]*\.json",
                         os.path.basename(first))
     assert run["title"].startswith("Profile: tiny-qwen3.5-pydoc:") and run["command"] == "python bench/profile.py --batch 2"
     assert run["fields"]["roofline_ratio"] == pytest.approx(report.roofline_ratio)
