@@ -21,9 +21,11 @@ REPO_ID = re.compile(r"(?:[\w\-.]{1,96}/)?[\w\-.]{1,96}")
 
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(PACKAGE, "assets", "tiny-qwen3.5-pydoc")
-DEFAULT_DESCRIPTION = ("tiny-qwen3.5-pydoc, a small Qwen3.5-architecture model (9M parameters) trained by this project "
-                       "on the Python documentation to exercise the engine; not Qwen3.5's weights")
+DEFAULT_NAME = "tiny-qwen3.5-pydoc"
+DEFAULT_MODEL = os.path.join(PACKAGE, "assets", DEFAULT_NAME)
+DEFAULT_SUMMARY = ("a small Qwen3.5-architecture model (9M parameters) trained by this project on the Python "
+                   "documentation to exercise the engine; not Qwen3.5's weights")     # tools/train_tiny, model card
+DEFAULT_DESCRIPTION = f"{DEFAULT_NAME}, {DEFAULT_SUMMARY}"
 
 
 def default_model_dir() -> str:

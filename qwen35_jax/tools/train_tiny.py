@@ -26,19 +26,13 @@ import time
 
 import numpy as np
 
-TEXT_CONFIG = dict(
-    model_type="qwen3_5_text", hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-    linear_conv_kernel_dim=4, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
-    max_position_embeddings=32768, tie_word_embeddings=True, full_attention_interval=4, dtype="bfloat16",
-    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
-                         mrope_section=[3, 3, 2], mrope_interleaved=True),
-    mamba_ssm_dtype="float32", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+from qwen35_jax.model.hub import DEFAULT_NAME, DEFAULT_SUMMARY
+from qwen35_jax.tools import make_tiny_model
+
+# The random test model's shape (same layer pattern, heads and head sizes), wider, with one MTP layer.
+TEXT_CONFIG = dict(make_tiny_model.TEXT_CONFIG, hidden_size=256, intermediate_size=768, mtp_num_hidden_layers=1,
+                   mtp_use_dedicated_embeddings=False)
 FP32_KEYS = ("linear_attn.A_log", "linear_attn.norm.weight")     # stored F32, as in the released checkpoints
-DESCRIPTION = ("a small Qwen3.5-architecture model (9M parameters) trained by this project on the Python "
-               "documentation to exercise the engine; not Qwen3.5's weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +279,7 @@ def train(corpus: str, out_dir: str, tc: TrainConfig, log=print, text_config: di
         f"ppl {final['perplexity']:.3f} top1 {final['top1']:.3f} mtp_top1 {final['mtp_top1']:.3f}")
     with open(os.path.join(corpus, "manifest.json")) as f:
         corpus_manifest = json.load(f)
-    record = dict(description=DESCRIPTION, train_config=dataclasses.asdict(tc), parameters=n_params,
+    record = dict(description=DEFAULT_SUMMARY, train_config=dataclasses.asdict(tc), parameters=n_params,
                   train_tokens=int(len(stream)), heldout_tokens=int(windows.size),
                   train_seconds=round(train_seconds, 1),
                   total_seconds=round(time.perf_counter() - t_start, 1), device=str(jax.devices()[0].device_kind),
@@ -308,7 +302,7 @@ def model_card(r: dict) -> str:
     fill = lambda text, bullet=True: textwrap.fill(text, 116, initial_indent="- " if bullet else "",
                                                    subsequent_indent="  " if bullet else "")
     parts = [
-        fill(f"{DESCRIPTION[0].upper() + DESCRIPTION[1:]}. It is the default model of qwen35_jax (`python -m "
+        fill(f"{DEFAULT_SUMMARY[0].upper() + DEFAULT_SUMMARY[1:]}. It is the default model of qwen35_jax (`python -m "
              "qwen35_jax`, `LLM()`, `serve` without `--model`) and the instrument its tests and benchmarks measure "
              "with: held-out perplexity, and the MTP head's top-1 accuracy for speculative decoding.", bullet=False),
         fill(f"Architecture: Qwen3.5 (`qwen3_5`), hidden 256, 8 layers (3 Gated DeltaNet : 1 gated full attention), "
@@ -326,7 +320,7 @@ def model_card(r: dict) -> str:
              f"perplexity {h['perplexity']:.3f}, top-1 {h['top1']:.3f}; MTP head top-1 (token t + 2 given the true "
              f"t + 1) {h['mtp_top1']:.3f}."),
     ]
-    return "# tiny-qwen3.5-pydoc\n\n" + parts[0] + "\n\n" + "\n".join(parts[1:]) + "\n"
+    return f"# {DEFAULT_NAME}\n\n" + parts[0] + "\n\n" + "\n".join(parts[1:]) + "\n"
 
 
 def main():
