@@ -6,8 +6,6 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("optax")
-
 TEXT = ("The interpreter reads a line, runs it and prints the result. A module is a file of definitions; its name "
         "is the file name without the suffix. Functions are defined with the def statement, classes with class. ")
 
