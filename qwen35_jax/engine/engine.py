@@ -306,9 +306,9 @@ class Engine:
         _live_engines.discard(self)
 
     def fail(self, error: BaseException):
-        """Mark the engine dead (health fails, new requests are refused) and end every request with an error."""
-        if self.error is None:
-            self.error = error
+        """End every request with an error, then mark the engine dead (health fails, new requests are refused). In
+        that order: a caller waiting on its requests (Engine.generate) sees their "error" outputs before the engine's
+        error, instead of racing the callbacks."""
         log.error("engine failed: %s", error)
         for group in list(self._groups.values()):
             for s in group.seqs:
@@ -319,6 +319,8 @@ class Engine:
                 group.callback(self._output(group, error=True))
             except Exception:
                 log.exception("callback failed while reporting the engine error")
+        if self.error is None:
+            self.error = error
 
     @property
     def healthy(self) -> bool:
