@@ -9,6 +9,8 @@ from qwen35_jax.llm import LLM
 K = 5
 # chunks of up to 64 tokens (max_num_batched_tokens): the long prompt is prefilled in 3 steps
 PROMPT = np.random.default_rng(0).integers(2, 1000, size=150).tolist()
+# fp32 logprobs of ~-10: chunked prefill and the full forward sum in other orders (2.4e-4 apart seen on CI's CPU)
+TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +31,17 @@ def check(prompt, plp, ref, k=K):
     for pos in range(1, len(prompt)):
         entry, want, tok = plp[pos], ref[pos - 1], prompt[pos]
         assert tok in entry and all(e.decoded_token is not None for e in entry.values())
-        assert entry[tok].logprob == pytest.approx(want[tok], abs=1e-4)
+        assert entry[tok].logprob == pytest.approx(want[tok], abs=TOL)
         # rank: 1 + the tokens strictly more likely (up to near-ties)
-        assert (want > want[tok] + 1e-5).sum() <= entry[tok].rank - 1 <= (want > want[tok] - 1e-5).sum()
+        assert (want > want[tok] + TOL).sum() <= entry[tok].rank - 1 <= (want > want[tok] - TOL).sum()
         top = sorted(((e.rank, t, e.logprob) for t, e in entry.items() if t != tok or e.rank <= k))
         if entry[tok].rank > k:
             assert len(entry) == k + 1
         assert [r for r, _, _ in top] == list(range(1, k + 1))
         lps = [lp for _, _, lp in top]
         assert lps == sorted(lps, reverse=True)
-        assert np.allclose(lps, np.sort(want)[::-1][:k], atol=1e-4)
-        assert np.allclose(lps, want[[t for _, t, _ in top]], atol=1e-4)
+        assert np.allclose(lps, np.sort(want)[::-1][:k], atol=TOL)
+        assert np.allclose(lps, want[[t for _, t, _ in top]], atol=TOL)
         if entry[tok].rank == 1:
             assert top[0][1] == tok
 
@@ -71,7 +73,12 @@ def test_mixed_batch_and_n(llm):
     assert mixed[1].prompt_logprobs is None and mixed[0].prompt_logprobs is not None
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
     n = llm.generate(PROMPT[:17], SamplingParams(n=2, prompt_logprobs=2, max_tokens=2, seed=1))[0]
-    assert len(n.outputs) == 2 and n.prompt_logprobs == mixed[0].prompt_logprobs
+    assert len(n.outputs) == 2
+    # the same tokens and ranks; logprobs equal up to float noise (other batch shapes, other matmul blockings)
+    assert len(n.prompt_logprobs) == len(mixed[0].prompt_logprobs) and n.prompt_logprobs[0] is None
+    for got, want in zip(n.prompt_logprobs[1:], mixed[0].prompt_logprobs[1:]):
+        assert {t: e.rank for t, e in got.items()} == {t: e.rank for t, e in want.items()}
+        assert [got[t].logprob for t in want] == pytest.approx([e.logprob for e in want.values()], abs=1e-4)
 
 
 @pytest.mark.parametrize("bad", [21, -1, "3"])
