@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {
     "LLM": "qwen35_jax.llm",
     "SamplingParams": "qwen35_jax.engine.sampling_params",
+    "StructuredOutputsParams": "qwen35_jax.engine.sampling_params",
     "RequestOutput": "qwen35_jax.engine.outputs",
     "CompletionOutput": "qwen35_jax.engine.outputs",
     "Logprob": "qwen35_jax.engine.outputs",

@@ -262,7 +262,7 @@ def test_staged_step_inputs():
     assert ex.staged
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want
     addresses = {k: b.unsafe_buffer_pointer() for k, b in ex._input_bufs.items()}
-    assert any(k[0] == "decode" for k in addresses) and any(k[0] == "prefill" for k in addresses)
+    assert any(k[0][0] == "decode" for k in addresses) and any(k[0][0] == "prefill" for k in addresses)
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want       # the buckets used again
     assert {k: ex._input_bufs[k].unsafe_buffer_pointer() for k in addresses} == addresses
     model.shutdown()

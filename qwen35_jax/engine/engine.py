@@ -261,6 +261,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None
+        self._grammars = None             # structured.Grammars, made for the first constrained request
+        self._grammars_lock = threading.Lock()
         if leader is not None:
             leader.watch(self.fail)
             shutdown_at_exit(self)       # engine.shutdown() -> leader.shutdown() stops the watchdog before exit
@@ -356,16 +358,36 @@ class Engine:
         budget = self.max_model_len - len(ids)
         max_tokens = min(params.max_tokens or budget, budget)
         self.scheduler.check_fits(len(ids), max_tokens)
+        constraint = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
         request_id = request_id or uuid.uuid4().hex
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._rng.integers(2**32))
             seqs.append(Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed,
-                                max_tokens=max_tokens, index=i))
+                                max_tokens=max_tokens, index=i,
+                                matcher=None if constraint is None else constraint.deep_copy()))
         group = RequestGroup(request_id, text, ids, seqs, callback, stream)
         self._inbox.put(("add", group))
         self.start()
         return request_id
+
+    def grammar(self, constraint):
+        """A matcher at the start of a constraint's grammar (StructuredOutputsParams, or llguidance grammar text);
+        ValueError where the grammar is invalid or the engine cannot constrain. Compiling a large schema takes a
+        while: a server calls this off its event loop first (compiled grammars are cached, so add_request then
+        only copies)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer (this engine skipped it)")
+        if self.args.decode_steps != 1:
+            raise ValueError(f"structured outputs need decode_steps=1 (each token's mask depends on the one "
+                             f"before), this engine runs {self.args.decode_steps}")
+        if jax.process_count() > 1:
+            raise ValueError("structured outputs are not supported in multi-process engines")
+        with self._grammars_lock:
+            if self._grammars is None:
+                from qwen35_jax.engine.structured import Grammars
+                self._grammars = Grammars(self.tokenizer, self.layout.vocab_padded, self.eos_token_ids)
+        return self._grammars.matcher(constraint)
 
     def abort(self, request_id: str, wait: bool = True):
         """Abort a request; its slot and pages are free when this returns (wait=True, off the engine thread)."""
@@ -499,6 +521,11 @@ class Engine:
             with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
                 t0 = time.perf_counter()
                 records = []
+                if pending and self._constrained(pending):
+                    # a constrained row's next mask needs the token in flight: read the step back first
+                    with jax.profiler.TraceAnnotation("process_outputs"):
+                        self._process(pending)
+                    pending = None      # (never with a multi-host leader: engine.grammar refuses constraints)
                 if self._has_work():
                     with jax.profiler.TraceAnnotation("schedule"):
                         plan = self.scheduler.schedule()
@@ -517,6 +544,20 @@ class Engine:
         for _, _, out in pending or ():
             np.asarray(out)
 
+    @staticmethod
+    def _constrained(records) -> bool:
+        """Does a step in flight sample a token for a constrained request?"""
+        for kind, rows, _ in records:
+            for row in rows:
+                req = row if kind == "decode" else row[0] if row is not None and row[1] else None
+                if req is not None and req.matcher is not None:
+                    return True
+        return False
+
+    def _bitmask(self, rows):
+        """The token bitmask of a step's sampling rows (requests or None), or None if none is constrained."""
+        return self._grammars.bitmask([None if r is None else r.matcher for r in rows])
+
     def _copy_ahead(self, out):
         """Start the host copy of a step's output behind the step, so reading it in _process costs no round trip.
         Not on the CPU: there is no transfer to hide, and the copy's completion callback takes the GIL on an XLA
@@ -532,7 +573,8 @@ class Engine:
             # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
             lp = any(c.request.params.prompt_logprobs is not None and c.request.index == 0 for c in plan.prefill)
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
-                rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape, prompt_logprobs=lp)
+                rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape, prompt_logprobs=lp,
+                                                      bitmask=self._bitmask if self._grammars else None)
             self._copy_ahead(out)
             for c in plan.prefill:
                 c.request.num_computed += c.length
@@ -542,7 +584,7 @@ class Engine:
             records.append(("prompt_logprobs" if lp else "prefill", rows, out))
         if plan.decode:
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
-                rows, out = self.executor.run_decode(plan.decode)
+                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if self._grammars else None)
             self._copy_ahead(out)
             k = self.args.decode_steps
             for r in plan.decode:
@@ -604,6 +646,10 @@ class Engine:
         self.stats.generation_tokens += 1
         p = req.params
         i = req.index
+        if req.matcher is not None and not req.matcher.consume_token(token):     # the mask allowed it: a bug
+            log.error("request %s: token %d breaks its grammar (%s)", req.request_id, token, req.matcher.get_error())
+            self._finish(req, "abort")
+            return
         if group.logprobs[i] is not None:
             group.logprobs[i].append(self._logprob_entry(out, idx, p.logprobs))
         if group.cum_logprob:
@@ -625,7 +671,9 @@ class Engine:
                 group.texts[i] = text[:pos]
                 self._finish(req, "stop", s)
                 return
-        if len(req.output_ids) >= req.max_tokens:
+        if req.matcher is not None and req.matcher.is_stopped():     # the grammar is complete: nothing may follow
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= req.max_tokens:
             self._finish(req, "length")
 
     def _logprob_entry(self, out, idx, k: int) -> dict[int, Logprob]:

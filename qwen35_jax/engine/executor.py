@@ -79,12 +79,13 @@ def _pack_out(out: StepOutput, extras: bool) -> jax.Array:
     return jnp.concatenate(cols, axis=-1)
 
 
-def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, mode: str = "full"):
-    """Sample rows (sampler mode `mode`), then record the tokens on the device (next input, penalty counts) where
-    `write` is set."""
+def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, bitmask, mode: str = "full"):
+    """Sample rows (sampler mode `mode`) among the tokens of their bitmask (sampler.allowed_tokens), then record
+    the tokens on the device (next input, penalty counts) where `write` is set."""
     if mode not in SAMPLER_MODES:
         raise ValueError(f"sampler mode must be one of {SAMPLER_MODES}, got {mode!r}")
-    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], full_vocab=mode == "full",
+    tokens, lp = sample(logits, sp, sstate.counts[slots], sstate.prompt_mask[slots], bitmask,
+                        full_vocab=mode == "full",
                         extras=mode in EXTRAS_MODES, greedy_only=mode == "greedy")
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
     sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
@@ -126,7 +127,7 @@ def unpack_rows(x, layout):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, batch: Batch, finishing,
+def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bitmask, batch: Batch, finishing,
                  sp: SamplingBatch, targets=None):
     """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
     prompt completes here sample their first token. Returns the packed [N, W] output (`_pack_out`).
@@ -148,7 +149,7 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
         logits = lm_head(cfg, weights, last_real(x, batch.lens))
         every = _full_logits(lm_head(cfg, weights, x))
     with jax.named_scope("sampling"):
-        sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing)
+        sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing, bitmask)
     packed = _pack_out(_gather_rows(out, 0), extras=True)
     if targets is None:
         return state, sstate, packed
@@ -161,10 +162,11 @@ def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bat
     return state, sstate, jnp.concatenate([packed[:, None], prompt], axis=1)
 
 
-def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: SamplerState, slots, positions,
+def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: SamplerState, bitmask, slots, positions,
                 pages, sp: SamplingBatch):
     """Per shard: `steps` decode steps for this replica's rows (padded rows use slot 0), each feeding its sample
-    into the next. mode: the sampler's (sampler.sampler_mode; prefill always runs "full")."""
+    into the next. mode: the sampler's (sampler.sampler_mode; prefill always runs "full"). bitmask: each row's
+    allowed tokens (constrained rows run one step per dispatch: their next mask needs the host)."""
     active = slots > 0
 
     def one(carry, k):
@@ -175,7 +177,7 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
         logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
         with jax.named_scope("sampling"):
             sstate, out = _sample_into(sstate, _full_logits(logits), slots, dataclasses.replace(sp, step=sp.step + k),
-                                       active, mode)
+                                       active, bitmask, mode)
         return (state, sstate), out
 
     if steps == 1:      # no loop: a while loop would split XLA's command buffer (CUDA graph) of the step
@@ -297,6 +299,7 @@ class Executor:
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
+        self.mask_width = -(-layout.vocab_padded // 32)     # int32 words of a row's token bitmask
         sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
         out_specs = P()                                    # the packed StepOutput (_pack_out), replicated
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
@@ -307,12 +310,13 @@ class Executor:
         def step_fn(kind: str, mode: str | None, rows_layout: tuple):
             """The jitted step reading its host inputs from one packed int32 array (pack_rows)."""
             if kind == "decode":
-                body = lambda w, s, ss, x: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss,
-                                                       *unpack_rows(x, rows_layout))
+                body = lambda w, s, ss, x, m: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss, m,
+                                                          *unpack_rows(x, rows_layout))
             else:
-                body = lambda w, s, ss, x: prefill_step(cfg, layout, kernels, w, s, ss, *unpack_rows(x, rows_layout))
+                body = lambda w, s, ss, x, m: prefill_step(cfg, layout, kernels, w, s, ss, m,
+                                                           *unpack_rows(x, rows_layout))
             step = jax.shard_map(body, mesh=mesh, check_vma=False,
-                                 in_specs=(weight_specs, state_specs, sampler_specs, P(DP)),
+                                 in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP)),
                                  out_specs=(state_specs, sampler_specs, out_specs))
             return jax.jit(step, donate_argnums=(1, 2), out_shardings=outs)
 
@@ -323,6 +327,7 @@ class Executor:
         self.staged = kernel_config.staged_inputs
         self._stagers: dict[tuple, jax.stages.Compiled] = {}
         self._input_bufs: dict[tuple, jax.Array] = {}
+        self._all_allowed: dict[int, jax.Array] = {}       # rows -> the all-ones bitmask of unconstrained steps
         self.compiled: dict[tuple, jax.stages.Compiled] = {}
         self.exe_cache = exe_cache if jax.process_count() == 1 else None
         self.lazy = lazy
@@ -356,7 +361,8 @@ class Executor:
         shape, rows_layout = self._packing(key)
         fn = self._step_fn(key[0], key[2] if key[0] == "decode" else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
-        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows))
+        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows),
+                        jax.ShapeDtypeStruct((shape[0], self.mask_width), jnp.int32, sharding=self.rows))
 
     def keys(self):
         """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode). The
@@ -424,12 +430,13 @@ class Executor:
             if ckey and getattr(_compile_hits, "n", 0) == before:     # compiled here, not a persistent-cache hit
                 self.exe_cache.store(ckey, exe)
         if self.staged:
-            shape = self._packing(key)[0]
-            if shape not in self._stagers:
-                stage = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0, 0)), donate_argnums=0,
-                                out_shardings=self.rows)      # in place: the output keeps the buffer's address
-                spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows)
-                self._stagers[shape] = stage.lower(spec, spec).compile()
+            packed = self._packing(key)[0]
+            for shape in (packed, (packed[0], self.mask_width)):      # the packed inputs, the bitmask
+                if shape not in self._stagers:
+                    stage = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0, 0)), donate_argnums=0,
+                                    out_shardings=self.rows)      # in place: the output keeps the buffer's address
+                    spec = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows)
+                    self._stagers[shape] = stage.lower(spec, spec).compile()
         return exe
 
     def _exe(self, key):
@@ -454,11 +461,14 @@ class Executor:
             return tree
         return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.rows, lambda i: x[i]), tree)
 
-    def run_prefill(self, chunks, shape, prompt_logprobs: bool = False) -> tuple[list, jax.Array]:
+    def run_prefill(self, chunks, shape, prompt_logprobs: bool = False, bitmask: Callable | None = None
+                    ) -> tuple[list, jax.Array]:
         """Lay out the scheduler's prompt chunks as one prefill bucket of `shape` = (rows per replica, tokens per
         row) (replica d's rows at [d * rows, (d + 1) * rows)) and dispatch it. Returns the rows ((request,
         completes its prompt, chunk) or None) and the packed output. prompt_logprobs: run the bucket's
-        prompt-logprobs variant, every position's target being the prompt token after it (`prefill_step`)."""
+        prompt-logprobs variant, every position's target being the prompt token after it (`prefill_step`).
+        bitmask: called with the rows that sample (a request, else None), returns their token bitmask or None
+        (`structured.Grammars.bitmask`)."""
         n, t = shape
         total = self.dp * n
         tokens = np.zeros((total, t), np.int32)
@@ -481,11 +491,12 @@ class Executor:
             finishing[i] = c.completes_prompt
             rows[i] = (r, bool(finishing[i]), c)
         sp = host_batch_rows([x[0] if x else None for x in rows])
-        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets)
+        mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
+        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask)
 
-    def run_decode(self, requests) -> tuple[list, jax.Array]:
+    def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
-        it. Returns the rows (request or None) and the packed output."""
+        it. Returns the rows (request or None) and the packed output. bitmask: as in run_prefill."""
         counts = [0] * self.dp
         for r in requests:
             counts[r.replica] += 1
@@ -500,51 +511,69 @@ class Executor:
             slots[i], positions[i] = r.slot, r.num_computed
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
-        return rows, self.decode(b, slots, positions, pages, host_batch_rows(rows))
+        mask = bitmask(rows) if bitmask else None
+        return rows, self.decode(b, slots, positions, pages, host_batch_rows(rows), mask)
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,
-                targets=None) -> jax.Array:
+                targets=None, bitmask=None) -> jax.Array:
         """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. targets [rows, tokens]: run the
-        prompt-logprobs variant (`prefill_step`). Returns the step's packed output (read it with `fetch`)."""
+        prompt-logprobs variant (`prefill_step`). bitmask: int32 [rows, mask_width] of the tokens each row may
+        sample (None: any). Returns the step's packed output (read it with `fetch`)."""
         inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
         kind = "prefill" if targets is None else "prompt_logprobs"
         if targets is not None:
             inputs += (targets,)
         if self.on_dispatch is not None:
             self.on_dispatch(kind, shape, inputs)
-        return self._run((kind, *shape), inputs)
+        return self._run((kind, *shape), inputs, bitmask)
 
-    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch) -> jax.Array:
-        """bucket = rows per replica; arrays hold dp * bucket rows. Returns the step's packed output (`fetch`)."""
+    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None) -> jax.Array:
+        """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`. Returns the step's
+        packed output (`fetch`)."""
         inputs = (slots, positions, pages, sp)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
-        return self._run(("decode", bucket, sampler_mode(sp)), inputs)
+        return self._run(("decode", bucket, sampler_mode(sp)), inputs, bitmask)
 
-    def _run(self, key, inputs) -> jax.Array:
+    def _stage(self, name: str, key, host):
+        """Host array -> a device input; staged: copied into the device buffer kept for (bucket, input name)."""
+        if not self.staged:
+            return self._put(host)
+        buf = self._input_bufs.get((key, name))
+        if buf is None:
+            zeros = np.zeros_like(host)
+            buf = self._put(zeros) if self.multiprocess else jax.device_put(zeros, self.rows)
+        x = self._input_bufs[(key, name)] = self._stagers[host.shape](buf, self._put(host))
+        return x
+
+    def _all_allowed_mask(self, rows: int) -> jax.Array:
+        """The bitmask input of unconstrained steps (every token allowed), made once per row count."""
+        ones = self._all_allowed.get(rows)
+        if ones is None:
+            host = np.full((rows, self.mask_width), -1, np.int32)
+            ones = self._all_allowed[rows] = self._put(host) if self.multiprocess else jax.device_put(host, self.rows)
+        return ones
+
+    def _run(self, key, inputs, bitmask=None) -> jax.Array:
         exe = self._exe(key)                    # compiles it (and its stager) first when lazy
         packed, rows_layout = pack_rows(inputs)
         want = self._packing(key)[1]
         if rows_layout != want:
             raise ValueError(f"inputs for bucket {key} do not match its shapes and dtypes: {rows_layout[1]} != "
                              f"{want[1]}")
-        if self.staged:
-            buf = self._input_bufs.get(key)
-            if buf is None:
-                zeros = np.zeros_like(packed)
-                buf = self._put(zeros) if self.multiprocess else jax.device_put(zeros, self.rows)
-            x = self._input_bufs[key] = self._stagers[packed.shape](buf, self._put(packed))
-        else:
-            x = self._put(packed)
-        return self._call(exe, x)
+        if bitmask is not None and bitmask.shape != (packed.shape[0], self.mask_width):
+            raise ValueError(f"bitmask for bucket {key} must be [{packed.shape[0]}, {self.mask_width}], got "
+                             f"{bitmask.shape}")
+        mask = self._all_allowed_mask(packed.shape[0]) if bitmask is None else self._stage("bitmask", key, bitmask)
+        return self._call(exe, self._stage("inputs", key, packed), mask)
 
     def call(self, key, packed) -> jax.Array:
-        """Run bucket `key` on packed inputs (pack_rows: host or device array)."""
-        return self._call(self._exe(key), packed)
+        """Run bucket `key` on packed inputs (pack_rows: host or device array), every token allowed."""
+        return self._call(self._exe(key), packed, self._all_allowed_mask(packed.shape[0]))
 
-    def _call(self, exe, packed) -> jax.Array:
+    def _call(self, exe, packed, bitmask) -> jax.Array:
         """Runs the step; returns its packed output (`fetch` reads it)."""
-        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed)
+        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed, bitmask)
         return out.addressable_data(0)         # replicated: this process's copy is the whole output
 
 

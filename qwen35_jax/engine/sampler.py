@@ -4,7 +4,8 @@ Every row carries its own parameters. Randomness is keyed on (request seed, requ
 request samples the same tokens whatever else is in the batch and whichever slot it occupies; unseeded requests
 get a random seed at admission. Penalties use per-slot device arrays: counts of generated tokens (presence and
 frequency penalties, OpenAI semantics) and a mask of prompt tokens (repetition penalty, HF semantics, over
-prompt and output). Logprobs are those of the raw model distribution (as vLLM returns by default).
+prompt and output). A token bitmask per row (structured outputs: engine.structured) removes the tokens a grammar
+forbids before anything else. Logprobs are those of the raw model distribution (as vLLM returns by default).
 """
 from __future__ import annotations
 
@@ -73,6 +74,12 @@ def host_batch_rows(rows: list) -> SamplingBatch:
         seed=col(lambda r: r.seed, np.uint32, 0),
         step=col(lambda r: r.num_generated, np.int32, 0),
         logprobs=col(lambda r: r.params.logprobs is not None, np.bool_, False))
+
+
+def allowed_tokens(bitmask, vocab: int):
+    """bitmask int32 [B, ceil(vocab / 32)] (bit j of word w: token 32 w + j may be sampled) -> bool [B, vocab]."""
+    bits = jnp.right_shift(bitmask[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] == 1
 
 
 def apply_penalties(logits, p: SamplingBatch, counts, prompt_mask):
@@ -195,9 +202,10 @@ def draw(x, cut, m, u, block: int = 128):
     return (bi * block + j).astype(jnp.int32)
 
 
-def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True, extras: bool = True,
+def sample(logits, p: SamplingBatch, counts, prompt_mask, bitmask=None, full_vocab: bool = True, extras: bool = True,
            greedy_only: bool = False):
-    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict). full_vocab=False
+    """logits [B, V] fp32 (padding columns already -inf) -> (tokens [B] int32, logprob info dict). bitmask: the
+    tokens each row may sample (`allowed_tokens`; None: all). full_vocab=False
     is exact only for batches where `needs_full_vocab` is False (see `_cut`); extras=False only for batches where
     `needs_extras` is False: no penalties are applied and the logprob fields are zeros; greedy_only=True (implies
     extras=False) only for batches whose rows are all greedy: the argmax alone.
@@ -208,7 +216,8 @@ def sample(logits, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = Tru
     the variant a batch needs (`sampler_mode`). Each step reads the [B, V] logits a few times and sorts at most
     [B, CANDIDATES x 16] values (bench/sampler.py)."""
     extras = extras and not greedy_only
-    x = apply_penalties(logits, p, counts, prompt_mask) if extras else logits
+    x = logits if bitmask is None else jnp.where(allowed_tokens(bitmask, logits.shape[-1]), logits, -jnp.inf)
+    x = apply_penalties(x, p, counts, prompt_mask) if extras else x
     if greedy_only:
         tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     else:

@@ -2,6 +2,44 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams); exactly one field is set. json: a JSON
+    schema (dict or JSON text); json_object: any JSON object; regex; choice: one of these strings; grammar: a Lark
+    grammar (llguidance's dialect: `%json{...}` embeds a schema, `<[id]>` a token)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        set_ = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {set_ or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured outputs: json is not a JSON schema ({e})") from None
+        checks = [(self.json is None or isinstance(self.json, dict), "json must be a JSON schema object"),
+                  (self.regex is None or isinstance(self.regex, str) and self.regex, "regex must be a string"),
+                  (self.grammar is None or isinstance(self.grammar, str) and self.grammar, "grammar must be a string"),
+                  (self.choice is None or (isinstance(self.choice, list) and self.choice and
+                                           all(isinstance(c, str) and c for c in self.choice)),
+                   "choice must be a non-empty list of non-empty strings"),
+                  (self.json_object in (None, True), "json_object must be true")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"structured outputs: {message}")
+
+    def key(self) -> str:
+        """A canonical text of the constraint (compiled grammars are cached by it)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
 @dataclasses.dataclass
@@ -23,6 +61,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (0: the prompt token only)
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None   # masks every sampled token to a grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -31,6 +70,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         checks = [
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -52,6 +93,8 @@ class SamplingParams:
              f"min_tokens must be >= 0, got {self.min_tokens!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:

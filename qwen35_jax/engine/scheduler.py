@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from qwen35_jax.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    matcher: Any = None                         # structured outputs: the grammar's llguidance matcher
 
     @property
     def prompt_len(self) -> int:

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from qwen35_jax.engine.outputs import CompletionOutput
-from qwen35_jax.server.generation import Generation, ReasoningSplitter, think_token_ids
+from qwen35_jax.engine.sampling_params import StructuredOutputsParams
+from qwen35_jax.server.generation import Generation, ReasoningSplitter, reasoning_opened, think_token_ids
 from qwen35_jax.server.metrics import register_engine_metrics
 from qwen35_jax.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -44,11 +45,12 @@ from qwen35_jax.server.protocol import (
     chat_messages,
     chat_tools,
     check_json,
+    constraint,
     parse,
     prompts,
     sampling_params,
 )
-from qwen35_jax.server.tool_calls import ToolCallStreamer, parse_tool_calls
+from qwen35_jax.server.tool_calls import ToolCallStreamer, parse_tool_calls, tool_call_grammar
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -79,7 +81,8 @@ def create_app(engine, config: ServerConfig, registry: CollectorRegistry) -> Fas
     state = app.state
     state.engine, state.config, state.registry, state.model_name = engine, config, registry, model_name
     state.tokenizer = tokenizer
-    state.think_ids = think_token_ids(tokenizer) if tokenizer is not None and config.reasoning_parser else None
+    state.think_tokens = think_token_ids(tokenizer) if tokenizer is not None else None
+    state.think_ids = state.think_tokens if config.reasoning_parser else None
     state.template_vars = _template_variables(tokenizer)
     state.created_at = int(time.time())
     state.lifecycle = Lifecycle()
@@ -187,6 +190,46 @@ def check_length(engine, n_prompt: int, max_tokens: int | None, param: str):
             if max_tokens is not None else f"{n_prompt} tokens in the prompt, leaving none to generate"
         raise bad_request(f"this model's maximum context length is {limit} tokens, but you requested {asked}; "
                           f"shorten the prompt or max_tokens", param=param, code="context_length_exceeded")
+
+
+async def compile_constraint(engine, spec: StructuredOutputsParams | None, param: str | None):
+    """Compile (and cache) a request's grammar off the event loop, so add_request only copies it; an invalid
+    grammar, or an engine that cannot constrain, is a 400 naming `param`."""
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(engine.grammar, spec)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from None
+
+
+def chat_constraint(state, ids: list[int], spec: StructuredOutputsParams | None, field: str | None,
+                    tools: list[dict] | None, must: str | None, parallel: bool):
+    """A chat request's constraint, and the field it answers to: its structured-output field's, or the tool calls
+    that tool_choice "required" / a named function / a strict function under "auto" demands. Where the prompt leaves
+    the model inside a reasoning block (`<think>` opened, thinking on), the grammar first lets it reason freely up to
+    `</think>`."""
+    from qwen35_jax.engine.structured import lark_grammar, lark_literal
+    strict = tools is not None and must is None and field is None and any(t["function"].get("strict")
+                                                                            for t in tools)
+    if spec is None and must is None and not strict:
+        return None, None
+    if spec is not None and must is not None:
+        raise bad_request(f"tool_choice {must!r} and {field} each fix the output; send one", param="tool_choice")
+    hf = state.tokenizer.hf
+    added = hf.get_added_vocab()
+    token = lambda text: f"<[{added[text]}]>" if text in added else lark_literal(text)
+    opened = reasoning_opened(state.think_tokens, ids)
+    prefix = f'/(.|\\n)*/ <[{state.think_tokens[1]}]> "\\n\\n"' if opened else ""
+    if spec is None:
+        rules = tool_call_grammar(tools, must, parallel, token)
+        return StructuredOutputsParams(grammar=f"start: {prefix} calls\n{rules}"), "tool_choice" if must else "tools"
+    if not opened:
+        return spec, field
+    try:
+        return StructuredOutputsParams(grammar=lark_grammar(spec, prefix)), field
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 def submit(engine, items, params, prefix, param) -> Generation:
@@ -450,8 +493,10 @@ async def completions(request: Request, body: JSONBody):
     k = req.logprobs
     # echo with logprobs covers the prompt too: prompt logprobs at prompt_logprobs, else logprobs (vLLM's rule)
     plp_k = req.prompt_logprobs if req.prompt_logprobs is not None else k if req.echo else None
+    spec, field = constraint(req)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, prompt_logprobs=plp_k,
-                             defaults=config.generation_defaults)
+                             defaults=config.generation_defaults, structured=spec)
+    await compile_constraint(engine, spec, field)
     gen = submit(engine, items, params, "cmpl", "prompt")
     prompt_lens = [len(it["prompt_token_ids"]) for it in items]
     echo_texts = [it["prompt"] if it["prompt"] is not None else
@@ -518,7 +563,8 @@ async def chat_completions(request: Request, body: JSONBody):
     if tokenizer is None:
         raise bad_request("chat needs a tokenizer (the server runs with --skip-tokenizer-init)")
     messages = chat_messages(req.messages)
-    tools, parse_calls, parallel = chat_tools(req)
+    tools, parse_calls, parallel, must = chat_tools(req)
+    spec, field = constraint(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", param="top_logprobs")
@@ -541,9 +587,12 @@ async def chat_completions(request: Request, body: JSONBody):
         raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
     ids = await asyncio.to_thread(tokenizer.encode, text)
     check_length(engine, len(ids), max_tokens, "messages")
+    spec, field = chat_constraint(state, ids, spec, field, tools, must, parallel)
     params = sampling_params(req, max_tokens=max_tokens,
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                             defaults=config.generation_defaults, prompt_logprobs=req.prompt_logprobs)
+                             defaults=config.generation_defaults, prompt_logprobs=req.prompt_logprobs,
+                             structured=spec)
+    await compile_constraint(engine, spec, field)
     gen = submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
     head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model or state.model_name}

@@ -93,8 +93,7 @@ class ReasoningSplitter:
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.start_id, self.end_id = think_ids or (None, None)
         self.active = think_ids is not None
-        last = lambda tok: max((k for k, t in enumerate(prompt_ids) if t == tok), default=-1)
-        opened = self.active and last(self.start_id) > last(self.end_id)
+        opened = reasoning_opened(think_ids, prompt_ids)
         self.begin = 0 if opened else None      # char offset where reasoning text starts
         self.search_from = 0                    # first token index that may be the think-end token
         self.boundary = None                    # char offset of the think-end token in the text
@@ -120,6 +119,14 @@ class ReasoningSplitter:
         if rest.startswith("</think>"):
             rest = rest[len("</think>"):]
         return text[self.begin:self.boundary], rest.lstrip("\n")
+
+
+def reasoning_opened(think_ids: tuple[int, int] | None, prompt_ids: list[int]) -> bool:
+    """Does the prompt end inside a reasoning block (its last `<think>` after its last `</think>`)?"""
+    if think_ids is None:
+        return False
+    last = lambda tok: max((k for k, t in enumerate(prompt_ids) if t == tok), default=-1)
+    return last(think_ids[0]) > last(think_ids[1])
 
 
 def think_token_ids(tokenizer) -> tuple[int, int] | None:

@@ -1,7 +1,7 @@
 """OpenAI request schemas for the server, and their translation into SamplingParams.
 
-Policy: every field a request may carry is declared here. A field we know but do not implement (response_format,
-logit_bias, tools outside chat, ...) is refused with a 400 naming it unless its value asks for nothing (null, false,
+Policy: every field a request may carry is declared here. A field we know but do not implement (logit_bias,
+tools outside chat, ...) is refused with a 400 naming it unless its value asks for nothing (null, false,
 empty, or the neutral choice such as tool_choice "none"); any other field is refused as unknown. Types are checked
 strictly (no "5" for 5, no true for 1, no NaN), values by SamplingParams, so nothing is silently ignored or coerced.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from qwen35_jax.server.tool_calls import ToolRequestError, check_tool_choice, check_tools, message_tool_fields
 
 MAX_STOP_STRINGS = 16
@@ -70,6 +70,13 @@ class _GenerationRequest(_Strict):
     skip_special_tokens: bool = True
     return_token_ids: bool = False         # also return prompt_token_ids and each choice's token_ids
     prompt_logprobs: int | None = None     # per prompt token its logprob and the top k (not with stream)
+    # structured outputs (one of them; `constraint` reads them): OpenAI's, vLLM's, vLLM's older names
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -85,7 +92,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None                      # checked in tool_calls.check_tools
-    tool_choice: Any = None                # "auto" | "none" (tool_calls.check_tool_choice)
+    tool_choice: Any = None                # tool_calls.check_tool_choice
     parallel_tool_calls: bool | None = None
 
 
@@ -95,8 +102,6 @@ def _neutral(key: str, value, body: dict) -> bool:
         return True
     if key == "tool_choice":
         return value == "none"
-    if key == "response_format":
-        return value == {"type": "text"}
     if key == "modalities":
         return value == ["text"]
     if key == "best_of":
@@ -110,10 +115,6 @@ UNSUPPORTED = {
     "parallel_tool_calls": "tool calling is only supported on /v1/chat/completions",
     "functions": "legacy function calling is not supported (use tools)",
     "function_call": "legacy function calling is not supported (use tool_choice)",
-    "response_format": "structured output (response_format other than text) is not supported",
-    "guided_json": "guided decoding is not supported", "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported", "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "structured output is not supported",
     "logit_bias": "logit_bias is not supported", "allowed_token_ids": "allowed_token_ids is not supported",
     "bad_words": "bad_words is not supported",
     "audio": "audio output is not supported", "modalities": "only the text modality is supported",
@@ -195,15 +196,57 @@ def _short(value) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
-def chat_tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool, bool]:
-    """(tools to render or None, whether the completion is parsed for calls, parallel calls allowed)."""
+def chat_tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool, bool, str | None]:
+    """(tools to render or None, whether the completion is parsed for calls, parallel calls allowed, the calls the
+    completion must make: "required", a function's name, or None)."""
     try:
         tools = check_tools(req.tools) if req.tools not in (None, []) else None
-        parse_calls = check_tool_choice(req.tool_choice, tools is not None)
+        parse_calls, must = check_tool_choice(req.tool_choice, tools)
     except ToolRequestError as e:
         raise bad_request(str(e), param=e.param, code="unsupported_parameter" if "not supported" in str(e)
                           else None) from None
-    return tools, parse_calls, req.parallel_tool_calls is not False
+    return tools, parse_calls, req.parallel_tool_calls is not False, must
+
+
+def constraint(req: _GenerationRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured-output constraint and the field that asked for it: `response_format` (OpenAI:
+    json_object, json_schema), `structured_outputs` (vLLM: json, regex, choice, grammar, json_object) or vLLM's
+    older guided_json / guided_regex / guided_choice / guided_grammar. At most one of them."""
+    asked = []
+    rf = req.response_format
+    if rf is not None and rf != {"type": "text"}:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        spec = rf.get("json_schema") if isinstance(rf, dict) else None
+        if kind == "json_object" and set(rf) == {"type"}:
+            asked.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema" and set(rf) == {"type", "json_schema"} and isinstance(spec, dict) \
+                and isinstance(spec.get("schema"), dict) and isinstance(spec.get("name", ""), str) \
+                and set(spec) <= {"name", "schema", "strict", "description"}:
+            asked.append(("response_format", {"json": spec["schema"]}))
+        else:
+            raise bad_request('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                              '"json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}, got '
+                              f"{_short(rf)}", param="response_format")
+    if req.structured_outputs is not None:
+        if not isinstance(req.structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", param="structured_outputs")
+        asked.append(("structured_outputs", req.structured_outputs))
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(req, f"guided_{name}") is not None:
+            asked.append((f"guided_{name}", {name: getattr(req, f"guided_{name}")}))
+    if len(asked) > 1:
+        raise bad_request(f"send one structured-output field, not {' and '.join(f for f, _ in asked)}",
+                          param=asked[1][0])
+    if not asked:
+        return None, None
+    field, fields = asked[0]
+    try:
+        return StructuredOutputsParams(**fields), field
+    except TypeError:
+        unknown = sorted(set(fields) - {f for f in StructuredOutputsParams.__dataclass_fields__})
+        raise bad_request(f"{field}: unknown field {unknown[0]!r}", param=field) from None
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 def stop_list(stop) -> list[str]:
@@ -301,7 +344,8 @@ def load_generation_defaults(model_dir: str) -> dict:
 
 
 def sampling_params(req: _GenerationRequest, *, max_tokens: int, logprobs: int | None,
-                    defaults: dict, prompt_logprobs: int | None = None) -> SamplingParams:
+                    defaults: dict, prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     def pick(name, fallback):
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
@@ -316,8 +360,7 @@ def sampling_params(req: _GenerationRequest, *, max_tokens: int, logprobs: int |
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             presence_penalty=pick("presence_penalty", 0.0), frequency_penalty=pick("frequency_penalty", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            min_tokens=req.min_tokens,
-            skip_special_tokens=req.skip_special_tokens)
+            min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens, structured_outputs=structured)
     except ValueError as e:          # SamplingParams names the parameter first: "top_p must be in (0, 1], got 2"
         msg = str(e)
         name = msg.split()[0]

@@ -16,7 +16,9 @@ function or parameter the tools do not declare) stays text; any other type goes 
 when that fails. A block that does not parse, or is cut off before `</tool_call>`, stays in the content as text.
 
 `ToolCallStreamer` is the parser fed cumulative text (the server's streaming path); `parse_tool_calls` feeds it the
-whole text at once, so both paths give the same calls and content whatever the chunking.
+whole text at once, so both paths give the same calls and content whatever the chunking. `tool_call_grammar` is the
+same format as a grammar (structured outputs): `tool_choice` "required" or a named function, and `strict` functions,
+are enforced by masking the sampler to it.
 """
 from __future__ import annotations
 
@@ -72,27 +74,71 @@ def check_tools(tools) -> list[dict]:
                                        and isinstance(params.get("properties", {}), dict)):
             raise ToolRequestError(f"{where}.function.parameters",
                                    'must be a JSON-schema object ({"type": "object", "properties": {...}})')
-        if fn.get("strict") not in (None, False):
-            raise ToolRequestError(f"{where}.function.strict",
-                                   "strict function calling requires constrained decoding, not supported yet")
+        if fn.get("strict") not in (None, False, True):
+            raise ToolRequestError(f"{where}.function.strict", "must be a boolean")
     return tools
 
 
-def check_tool_choice(tool_choice, has_tools: bool) -> bool:
-    """Whether the completion is parsed for calls: "auto" (the default with tools) yes, "none" no (the tools are
-    still rendered, as vLLM does). "required" and a named function need constrained decoding: refused."""
+def check_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[bool, str | None]:
+    """(whether the completion is parsed for calls, the calls it must make): "auto" (the default with tools) parses,
+    "none" does not (the tools are still rendered, as vLLM does); "required" must call some function and
+    {"type": "function", "function": {"name": N}} must call N (both by constrained decoding: `tool_call_grammar`)."""
     if tool_choice is None:
-        return has_tools
+        return tools is not None, None
     if tool_choice == "none":
-        return False
+        return False, None
+    if tool_choice in ("auto", "required") and tools is None:
+        raise ToolRequestError("tool_choice", f'"{tool_choice}" needs tools')
     if tool_choice == "auto":
-        if not has_tools:
-            raise ToolRequestError("tool_choice", '"auto" needs tools')
-        return True
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise ToolRequestError("tool_choice", f"{json.dumps(tool_choice)[:60]} requires constrained decoding, "
-                                              f"not supported yet (use \"auto\" or \"none\")")
-    raise ToolRequestError("tool_choice", f'must be "auto" or "none", got {json.dumps(tool_choice)[:60]}')
+        return True, None
+    if tool_choice == "required":
+        return True, "required"
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(fn, dict) \
+            and set(tool_choice) == {"type", "function"} and set(fn) == {"name"}:
+        names = [t["function"]["name"] for t in tools or []]
+        if fn["name"] not in names:
+            raise ToolRequestError("tool_choice.function.name", f"{json.dumps(fn['name'])[:60]} is not among the "
+                                                                f"tools ({', '.join(names) or 'none'})")
+        return True, fn["name"]
+    raise ToolRequestError("tool_choice", '\'must be "auto", "none", "required" or {"type": "function", "function": '
+                                          f'{{"name": ...}}}}, got {json.dumps(tool_choice)[:60]}')
+
+
+def tool_call_grammar(tools: list[dict], must: str | None, parallel: bool, token) -> str:
+    """Lark rules (for structured outputs) of the text this module parses: with `must` ("required" or a function's
+    name) a rule `calls` of one call (several, newline-separated, when parallel) to any function or to the named
+    one; without, a rule `calls` of optional prose and then optional calls ("auto" with strict functions). Each
+    call names its function's parameters in schema order, the required ones always; a "string" parameter (or
+    one of string enum values) is raw text, any other is compact JSON valid under its schema. token(text): the Lark
+    expression of a tag (a token id where the tokenizer has the tag as one added token)."""
+    from qwen35_jax.engine.structured import json_expression, lark_literal
+    rules, calls = ["PARAM_TEXT: /(.|\\n)*/ & ~/(.|\\n)*\\n<\\/parameter>(.|\\n)*/"], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if must not in (None, "required", fn["name"]):
+            continue
+        params = fn.get("parameters") or {}
+        required = set(params.get("required", []))
+        parts = []
+        for j, (name, schema) in enumerate(params.get("properties", {}).items()):
+            schema = schema if isinstance(schema, dict) else {}
+            if schema.get("type") == "string":
+                enum = schema.get("enum")
+                value = "(" + " | ".join(map(lark_literal, enum)) + ")" if enum and all(
+                    isinstance(v, str) for v in enum) else "PARAM_TEXT"
+            else:
+                value = json_expression(schema)
+            opening, closing = lark_literal(f"<parameter={name}>\n"), lark_literal("\n</parameter>\n")
+            rules.append(f"f{i}_{j}: {opening} {value} {closing}")
+            parts.append(f"f{i}_{j}" + ("" if name in required else "?"))
+        head, tail = lark_literal(f"\n<function={fn['name']}>\n"), lark_literal("</function>\n")
+        rules.append(f"f{i}: {token(TOOL_CALL_START)} {head} {' '.join(parts)} {tail} {token(TOOL_CALL_END)}")
+        calls.append(f"f{i}")
+    rules.append("call: " + " | ".join(calls))
+    many = 'call ("\\n" call)*' if parallel else "call"
+    rules.append(f"calls: {many}" if must is not None else f"calls: /(.|\\n)*/ ({many})?")
+    return "\n".join(rules)
 
 
 def message_tool_fields(m: dict, role: str, where: str) -> dict:
