@@ -252,10 +252,13 @@ BAD = [
     (CH, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.tool_call_id"),
     (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": 5}}]}, 400, "tools.0.function.name"),
     (CH, {"messages": MSG, "tool_choice": "auto"}, 400, "tool_choice"),
-    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+    (CH, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "later"},
      400, "tool_choice"),
     (C, {"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    (CH, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CH, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (C, {"prompt": "Hi", "guided_regex": "a(b"}, 400, "guided_regex"),
+    (C, {"prompt": "Hi", "guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, 400, "guided_choice"),
+    (C, {"prompt": "Hi", "structured_outputs": {"regex": "a", "bogus": 1}}, 400, "structured_outputs"),
     (CH, {"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs"),
     (CH, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (CH, {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6}, 400, "max_tokens"),
@@ -285,10 +288,10 @@ def test_bad_input_table(server):
 def test_bad_input_through_client(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="Hi", temperature=-2)
-    with pytest.raises(openai.BadRequestError, match="requires constrained decoding"):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=MODEL, messages=MSG, tools=[{"type": "function",
                                                                           "function": {"name": "f"}}],
-                                       tool_choice="required")
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):

@@ -83,3 +83,53 @@ def test_invalid_grammars_are_refused(llm, kw, match):
 def test_params_need_exactly_one_valid_constraint(kw):
     with pytest.raises(ValueError, match="structured outputs"):
         StructuredOutputsParams(**kw)
+
+
+# -- through the server (in-process app over the same engine, the `openai` SDK as client) -------------------------
+@pytest.fixture(scope="module")
+def client(llm, tiny_model_dir):
+    import openai
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from qwen35_jax.server.app import ServerConfig, create_app
+    app = create_app(llm.engine, ServerConfig(served_model_names=["tiny"], model_path=tiny_model_dir),
+                     CollectorRegistry())
+    with TestClient(app) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def test_server_json_schema_response_validates_every_sample(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+    args = dict(model="tiny", messages=[{"role": "user", "content": "A record, please."}], response_format=fmt,
+                n=4, temperature=1.0, seed=11, max_tokens=80, extra_body={"chat_template_kwargs": {
+                    "enable_thinking": False}})
+    out = client.chat.completions.create(**args)
+    for c in out.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+        assert c.finish_reason == "stop"
+    texts = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1, 2, 3]
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_server_thinking_then_json(client):
+    """Thinking on: the output may reason until </think> first; the content after it is the constrained JSON."""
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "A record."}],
+                                         response_format={"type": "json_object"}, max_tokens=6, temperature=0)
+    c = out.choices[0]
+    assert c.finish_reason == "length" and c.message.content == "" and c.message.reasoning_content is not None
+
+
+def test_server_completions_guided_fields(client):
+    for extra in ({"guided_choice": ["red", "green"]}, {"structured_outputs": {"choice": ["red", "green"]}}):
+        out = client.completions.create(model="tiny", prompt="Colour:", max_tokens=8, temperature=1.0, n=3, seed=2,
+                                        extra_body=extra)
+        assert all(c.text in ("red", "green") and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model="tiny", prompt="Code:", max_tokens=12, temperature=1.0, seed=4,
+                                    extra_body={"guided_regex": r"[A-Z]{2}-\d{2}"})
+    assert re.fullmatch(r"[A-Z]{2}-\d{2}", out.choices[0].text)

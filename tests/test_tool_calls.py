@@ -161,7 +161,7 @@ def test_streaming_sends_prose_early_and_calls_when_complete():
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
      "tools.0.function.parameters"),
     ([{"type": "function", "function": {"name": "f", "parameters": []}}], "tools.0.function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "strict": True}}], "tools.0.function.strict"),
+    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "tools.0.function.strict"),
     ([{"type": "function", "function": {"name": "f", "parameter": {}}}], "tools.0.function.parameter"),
     ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}],
      "tools.1.function.name"),
@@ -174,15 +174,15 @@ def test_check_tools_refuses(tools, param):
 
 def test_tool_choice_and_message_fields():
     assert check_tools(TOOLS) is TOOLS
-    assert check_tool_choice(None, True) and check_tool_choice("auto", True)
-    assert not check_tool_choice("none", True) and not check_tool_choice(None, False)
-    assert not check_tool_choice("none", False)
-    for choice in ("required", {"type": "function", "function": {"name": "now"}}):
-        with pytest.raises(ToolRequestError, match="requires constrained decoding, not supported yet"):
-            check_tool_choice(choice, True)
-    for choice, has in (("auto", False), ("sometimes", True), (1, True)):
+    assert check_tool_choice(None, TOOLS) == check_tool_choice("auto", TOOLS) == (True, None)
+    assert check_tool_choice("none", TOOLS) == check_tool_choice(None, None) == check_tool_choice("none", None) == \
+        (False, None)
+    assert check_tool_choice("required", TOOLS) == (True, "required")
+    assert check_tool_choice({"type": "function", "function": {"name": "now"}}, TOOLS) == (True, "now")
+    for choice, tools in (("auto", None), ("required", None), ("sometimes", TOOLS), (1, TOOLS),
+                          ({"type": "function", "function": {"name": "later"}}, TOOLS)):
         with pytest.raises(ToolRequestError):
-            check_tool_choice(choice, has)
+            check_tool_choice(choice, tools)
     call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": '{"a": 1}'}}
     assert message_tool_fields({"tool_calls": [call]}, "assistant", "m") == {
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "now", "arguments": {"a": 1}}}]}
@@ -381,9 +381,14 @@ def test_server_truncated_call_is_content(client, scripted):
 
 
 @pytest.mark.parametrize("extra,param,match", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "requires constrained decoding"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice",
-     "requires constrained decoding"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "later"}}},
+     "tool_choice.function.name", "not among the tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "now"}}, "tool_choice", "must be"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "send one"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "required"},
+     "tool_choice", "invalid grammar"),
     ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools.0.function.name", "name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
@@ -405,3 +410,65 @@ def test_server_refuses(app_engine, extra, param, match):
 def test_completions_still_refuse_tools(app_engine):
     r = app_engine[0].post("/v1/completions", json={"prompt": "Hi", "tools": TOOLS})
     assert r.status_code == 400 and "only supported on /v1/chat/completions" in r.json()["error"]["message"]
+
+
+# bounded parameters: a random-weight model must still finish each call (the grammar alone makes it a call)
+FORCED = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_server_tool_choice_always_calls(client, choice):
+    # one call each (parallel calls would let a random model go on calling until max_tokens)
+    args = dict(model="tiny", messages=MESSAGES, tools=FORCED, tool_choice=choice, max_tokens=120, temperature=1.0,
+                n=4, seed=3, parallel_tool_calls=False, extra_body=NO_THINKING)
+    out = client.chat.completions.create(**args)
+    for c in out.choices:
+        calls = calls_of([call.model_dump() for call in c.message.tool_calls])
+        assert c.finish_reason == "tool_calls" and len(calls) == 1
+        for name, arguments in calls:
+            assert name == "get_weather" if isinstance(choice, dict) else name in ("get_weather", "now")
+            if name == "get_weather":
+                assert arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 7
+    streamed = list(client.chat.completions.create(**args, stream=True))
+    by_choice = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            by_choice.setdefault(c.index, []).extend(c.delta.tool_calls or [])
+            if c.finish_reason:
+                assert c.finish_reason == "tool_calls"
+    assert sorted(by_choice) == [0, 1, 2, 3] and all(by_choice.values())
+
+
+def test_server_forced_call_round_trip(client):
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=FORCED, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=120, seed=1, extra_body=NO_THINKING)
+    message = first.choices[0].message
+    assert len(message.tool_calls) == 1
+    history = MESSAGES + [message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model="tiny", messages=history, tools=FORCED, tool_choice="none",
+                                            max_tokens=8, extra_body=NO_THINKING)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+
+
+def test_forced_call_grammar_lets_the_model_reason_first(app_engine):
+    """With thinking on the prompt opens <think>: the grammar allows free reasoning up to </think>, then the call."""
+    from qwen35_jax.server.app import chat_constraint
+    http, engine = app_engine
+    state = http.app.state
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, tools=FORCED))
+    spec, field = chat_constraint(state, ids, None, None, FORCED, "required", True)
+    assert field == "tool_choice"
+    matcher = engine.grammar(spec)
+    answer = "I should call it.\n</think>\n\n" + block("get_weather", city="Oslo", days=3)
+    assert matcher.consume_tokens(tok.encode(answer)) and matcher.is_accepting()
+    matcher = engine.grammar(spec)
+    assert not matcher.consume_tokens(tok.encode("No call.\n</think>\n\nIt is sunny."))
