@@ -2,9 +2,9 @@
 
 A constrained row costs a bitmask fill on the host before each step, the mask's copy to the device, and the
 engine reading each step back before dispatching the next (the next mask needs the token). This measures what
-that leaves of decode throughput: `rows` requests of `--tokens` tokens, unconstrained then constrained (an array
-of strings schema a model can follow for as long as it likes), alternating for `--rounds`, reporting generated
-tokens per second and the ratio. At Qwen3.5's shapes (`--config`, random weights) the model directory needs a
+that leaves of decode throughput: `rows` requests of `--tokens` tokens, unconstrained then constrained (a JSON array
+of at least 64 short strings, so no row can finish early), alternating for `--rounds`, reporting generated tokens
+per second and the ratio. At Qwen3.5's shapes (`--config`, random weights) the model directory needs a
 tokenizer of the full vocabulary: bench/grammar_mask.py builds one (`--tokenizer`).
 """
 import argparse
@@ -16,7 +16,7 @@ import time
 
 from qwen35_jax import LLM, SamplingParams, StructuredOutputsParams
 
-SCHEMA = {"type": "array", "items": {"type": "string"}}
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}
 
 
 def model_dir(config: str | None, tokenizer: str | None) -> str | None:

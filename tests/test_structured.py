@@ -70,6 +70,23 @@ def test_unconstrained_rows_beside_constrained_ones_are_unchanged(llm):
     assert both[0].outputs[0].token_ids == alone and both[1].outputs[0].text in ("alpha", "beta")
 
 
+def test_greedy_constrained_tokens_are_the_masked_argmax(llm):
+    """Each token of a greedy constrained generation is the argmax of the full forward's logits over the tokens
+    the grammar allows after the tokens before it (the engine decodes constrained rows in a split step)."""
+    spec = constrained(regex=r"[a-z]{2,5}( [a-z]{2,5}){3}")
+    prompt = list(range(5, 17))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))[0].outputs[0]
+    assert re.fullmatch(r"[a-z]{2,5}( [a-z]{2,5}){3}", out.text) and out.finish_reason == "stop"
+    matcher, ids = llm.engine.grammar(spec), list(prompt)
+    for tok in out.token_ids:
+        logits = llm.logits(ids)[-1]
+        allowed = np.asarray(allowed_tokens(llm.engine._grammars.bitmask([matcher]), logits.shape[-1]))[0]
+        masked = np.where(allowed, logits, -np.inf)
+        assert allowed[tok] and masked[tok] >= masked.max() - 1e-4
+        assert matcher.consume_token(tok)
+        ids.append(tok)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(regex="a(b"), "invalid grammar"), (dict(grammar="start: undefined_rule"), "invalid grammar"),
     (dict(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "invalid grammar")])

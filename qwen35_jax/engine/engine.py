@@ -249,7 +249,8 @@ class Engine:
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             decode_steps=args.decode_steps, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
-            on_dispatch=leader.publish if leader is not None else None)
+            on_dispatch=leader.publish if leader is not None else None,
+            constrained=tokenizer is not None and args.decode_steps == 1 and jax.process_count() == 1)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)
@@ -521,8 +522,7 @@ class Engine:
             with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
                 t0 = time.perf_counter()
                 records = []
-                if pending and self._constrained(pending):
-                    # a constrained row's next mask needs the token in flight: read the step back first
+                if pending and self._sync_needed(pending):
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
                     pending = None      # (never with a multi-host leader: engine.grammar refuses constraints)
@@ -536,6 +536,7 @@ class Engine:
                         self._process(pending)
                     if self.leader is not None:
                         self.leader.consumed(len(records))
+                records = [(kind, rows, self._sampled(out)) for kind, rows, out in records]
             pending = records or None
         # Stopped with a step in flight (as after every request's last token): read it back, tokens dropped. Waiting
         # for the step alone is not enough where its host copy started at dispatch (_copy_ahead): that copy completes
@@ -545,18 +546,30 @@ class Engine:
             np.asarray(out)
 
     @staticmethod
-    def _constrained(records) -> bool:
-        """Does a step in flight sample a token for a constrained request?"""
+    def _sync_needed(records) -> bool:
+        """Must the steps in flight be read back before the next is dispatched? Only where one samples a token for
+        a constrained request that will not decode next (preempted: its recomputed prompt's sample needs the
+        grammar advanced); a decoding one's bitmask is filled after the model step is dispatched (_dispatch)."""
         for kind, rows, _ in records:
             for row in rows:
                 req = row if kind == "decode" else row[0] if row is not None and row[1] else None
-                if req is not None and req.matcher is not None:
+                if req is not None and req.matcher is not None and not req.finished and not (
+                        req.status is Status.RUNNING and req.prefill_done):
                     return True
         return False
 
     def _bitmask(self, rows):
         """The token bitmask of a step's sampling rows (requests or None), or None if none is constrained."""
-        return self._grammars.bitmask([None if r is None else r.matcher for r in rows])
+        return self._grammars.bitmask([None if r is None or r.finished else r.matcher for r in rows])
+
+    def _sampled(self, out):
+        """A dispatched step's output; a constrained decode's sampler (a function: executor.run_decode) is
+        dispatched here, after the steps before it were read back and its rows' grammars advanced."""
+        if callable(out):
+            with jax.profiler.TraceAnnotation("sample_constrained"):
+                out = out()
+            self._copy_ahead(out)
+        return out
 
     def _copy_ahead(self, out):
         """Start the host copy of a step's output behind the step, so reading it in _process costs no round trip.
@@ -583,9 +596,11 @@ class Engine:
                 self.stats.prompt_tokens += c.length
             records.append(("prompt_logprobs" if lp else "prefill", rows, out))
         if plan.decode:
+            constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
-                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if self._grammars else None)
-            self._copy_ahead(out)
+                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None)
+            if not constrained:
+                self._copy_ahead(out)
             k = self.args.decode_steps
             for r in plan.decode:
                 r.num_computed += k

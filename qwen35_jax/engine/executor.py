@@ -11,6 +11,11 @@ lowering each bucket would remain, in Python under the GIL). A decode executable
 steps in a loop on the device, feeding each sampled token into the next step; the next input token of every slot
 lives on the device, so the host can dispatch step i+1 before it has read step i's tokens.
 
+Structured outputs split the decode step in two: a constrained row's bitmask needs its previous token, which the
+host reads back while the device runs the model step ("logits", per decode bucket), and only the sampler ("sample",
+per bucket and mode) waits for the bitmask, as vLLM samples outside its CUDA graph. These are precompiled with the
+rest when the engine can constrain (`constrained`).
+
 Prompt logprobs (SamplingParams.prompt_logprobs) need every position's logits, which the prefill buckets do not
 compute: a prefill batch holding a row that asks for them runs a variant of its bucket (key ("prompt_logprobs", n,
 t), `prefill_step` with targets). These variants are compiled on first use, never in precompile(): start-up time and
@@ -188,6 +193,24 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
     return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode in EXTRAS_MODES)
 
 
+def decode_logits_step(cfg, layout, kernels, weights, state, sstate: SamplerState, slots, positions, pages):
+    """Per shard: one decode model step (as decode_step's) up to its logits over the whole padded vocabulary; the
+    constrained path, whose sampler (`sample_step`) is dispatched once the host has the bitmask."""
+    active = slots > 0
+    batch = Batch(tokens=sstate.last_token[slots][:, None], start=positions, lens=active.astype(jnp.int32),
+                  slots=slots, pages=pages)
+    logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
+    return state, _full_logits(logits)
+
+
+def sample_step(mode, sstate: SamplerState, logits, bitmask, slots, sp: SamplingBatch):
+    """Per shard: decode_step's sampling of `decode_logits_step`'s logits; the same packed [1, B, W] output."""
+    with jax.named_scope("sampling"):
+        sstate, out = _sample_into(sstate, logits, slots, sp, slots > 0, bitmask, mode)
+    out = jax.tree.map(lambda x: x[None], out)
+    return sstate, _pack_out(_gather_rows(out, 1), extras=mode in EXTRAS_MODES)
+
+
 def pow2_buckets(lo: int, hi: int) -> list[int]:
     out, b = [], lo
     while b < hi:
@@ -287,18 +310,22 @@ class Executor:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, state: State, sstate: SamplerState,
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
                  decode_buckets, prefill_buckets, decode_steps: int = 1, lazy: bool = False,
-                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None):
+                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
+                 constrained: bool = False):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
         lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
         across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
-        dispatch (the multi-host leader publishes them)."""
+        dispatch (the multi-host leader publishes them); constrained: precompile the split decode steps of
+        structured outputs too."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
+        self.constrained = constrained
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
+        self.vocab_padded = layout.vocab_padded
         self.mask_width = -(-layout.vocab_padded // 32)     # int32 words of a row's token bitmask
         sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
         out_specs = P()                                    # the packed StepOutput (_pack_out), replicated
@@ -309,6 +336,19 @@ class Executor:
         @functools.lru_cache(maxsize=None)
         def step_fn(kind: str, mode: str | None, rows_layout: tuple):
             """The jitted step reading its host inputs from one packed int32 array (pack_rows)."""
+            if kind == "logits":
+                body = lambda w, s, ss, x: decode_logits_step(cfg, layout, kernels, w, s, ss,
+                                                              *unpack_rows(x, rows_layout))
+                step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                     in_specs=(weight_specs, state_specs, sampler_specs, P(DP)),
+                                     out_specs=(state_specs, P(DP)))
+                return jax.jit(step, donate_argnums=(1,), out_shardings=(outs[0], self.rows))
+            if kind == "sample":
+                body = lambda ss, lg, x, m: sample_step(mode, ss, lg, m, *unpack_rows(x, rows_layout))
+                step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                     in_specs=(sampler_specs, P(DP), P(DP), P(DP)),
+                                     out_specs=(sampler_specs, out_specs))
+                return jax.jit(step, donate_argnums=(0,), out_shardings=outs[1:])
             if kind == "decode":
                 body = lambda w, s, ss, x, m: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss, m,
                                                           *unpack_rows(x, rows_layout))
@@ -340,9 +380,11 @@ class Executor:
         """Zero host inputs of the bucket's shapes (what `pack_rows` lays out for it)."""
         kind, *shape = key
         z = lambda *sh, dtype=np.int32: np.zeros(sh, dtype)
-        if kind == "decode":
+        if kind in ("decode", "logits", "sample"):
             b = self.dp * shape[0]
-            return (z(b), z(b), z(b, self.pages_per_seq), host_batch_rows([None] * b))
+            if kind == "sample":
+                return (z(b), host_batch_rows([None] * b))
+            return (z(b), z(b), z(b, self.pages_per_seq)) + ((host_batch_rows([None] * b),) if kind == "decode" else ())
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
         targets = (z(n, t),) if kind == "prompt_logprobs" else ()
@@ -359,22 +401,34 @@ class Executor:
 
     def _lower(self, key):
         shape, rows_layout = self._packing(key)
-        fn = self._step_fn(key[0], key[2] if key[0] == "decode" else None, rows_layout)
+        fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "sample") else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
-        return fn.lower(w, s, ss, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.rows),
-                        jax.ShapeDtypeStruct((shape[0], self.mask_width), jnp.int32, sharding=self.rows))
+        rows = lambda *sh, dtype=jnp.int32: jax.ShapeDtypeStruct((shape[0], *sh), dtype, sharding=self.rows)
+        if key[0] == "logits":
+            return fn.lower(w, s, ss, rows(shape[1]))
+        if key[0] == "sample":
+            return fn.lower(ss, rows(self.vocab_padded, dtype=jnp.float32), rows(shape[1]),
+                            rows(self.mask_width))
+        return fn.lower(w, s, ss, rows(shape[1]), rows(self.mask_width))
 
     def keys(self):
-        """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode). The
-        prompt-logprobs variants of the prefill buckets are not among them (compiled on first use)."""
+        """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode), and with
+        `constrained` also split in a model step and a sampler per mode. The prompt-logprobs variants of the
+        prefill buckets are not among them (compiled on first use)."""
+        split = ([("logits", b) for b in self.decode_buckets]
+                 + [("sample", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]) \
+            if self.constrained else []
         return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
-                + [("prefill", n, t) for n, t in self.prefill_buckets])
+                + [("prefill", n, t) for n, t in self.prefill_buckets] + split)
 
     def precompile(self, threads: int | None = None, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
-        cost = lambda k: (1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
+        def cost(k):       # the model step of the split decode ("logits") costs as much as a decode bucket
+            if k[0] == "prefill":
+                return 1, k[1] * k[2]
+            return 0, len(SAMPLER_MODES) if k[0] == "logits" else SAMPLER_MODES.index(k[2]), k[1]
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
@@ -416,7 +470,7 @@ class Executor:
         k, own = self.kernels, dict(self.kernel_config.xla_options)
         if key[0] in ("prefill", "prompt_logprobs"):
             return {"xla_gpu_enable_triton_gemm": False, **own}
-        if key[0] == "decode" and k.split_k > 1 and key[1] >= k.split_k_from:
+        if key[0] in ("decode", "logits") and k.split_k > 1 and key[1] >= k.split_k_from:
             return {"xla_gpu_experimental_force_split_k": 1, **own}
         return own
 
@@ -494,9 +548,11 @@ class Executor:
         mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
         return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask)
 
-    def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array]:
+    def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array | Callable]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
-        it. Returns the rows (request or None) and the packed output. bitmask: as in run_prefill."""
+        it. Returns the rows (request or None) and the packed output. With bitmask (as in run_prefill: some rows
+        are constrained) only the model step is dispatched, and the output is a function that dispatches the
+        sampler with bitmask(rows), called once the host has advanced the rows' grammars, returning the output."""
         counts = [0] * self.dp
         for r in requests:
             counts[r.replica] += 1
@@ -511,8 +567,13 @@ class Executor:
             slots[i], positions[i] = r.slot, r.num_computed
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
-        mask = bitmask(rows) if bitmask else None
-        return rows, self.decode(b, slots, positions, pages, host_batch_rows(rows), mask)
+        sp = host_batch_rows(rows)
+        if bitmask is None:
+            return rows, self.decode(b, slots, positions, pages, sp)
+        if self.decode_steps != 1:
+            raise ValueError("constrained decoding runs one step per dispatch (decode_steps=1)")
+        logits = self._run(("logits", b), (slots, positions, pages))
+        return rows, lambda: self._run(("sample", b, sampler_mode(sp)), (slots, sp), bitmask(rows), logits)
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,
                 targets=None, bitmask=None) -> jax.Array:
@@ -554,7 +615,7 @@ class Executor:
             ones = self._all_allowed[rows] = self._put(host) if self.multiprocess else jax.device_put(host, self.rows)
         return ones
 
-    def _run(self, key, inputs, bitmask=None) -> jax.Array:
+    def _run(self, key, inputs, bitmask=None, logits=None) -> jax.Array:
         exe = self._exe(key)                    # compiles it (and its stager) first when lazy
         packed, rows_layout = pack_rows(inputs)
         want = self._packing(key)[1]
@@ -565,15 +626,22 @@ class Executor:
             raise ValueError(f"bitmask for bucket {key} must be [{packed.shape[0]}, {self.mask_width}], got "
                              f"{bitmask.shape}")
         mask = self._all_allowed_mask(packed.shape[0]) if bitmask is None else self._stage("bitmask", key, bitmask)
-        return self._call(exe, self._stage("inputs", key, packed), mask)
+        return self._call(key, exe, self._stage("inputs", key, packed), mask, logits)
 
     def call(self, key, packed) -> jax.Array:
-        """Run bucket `key` on packed inputs (pack_rows: host or device array), every token allowed."""
-        return self._call(self._exe(key), packed, self._all_allowed_mask(packed.shape[0]))
+        """Run bucket `key` (decode or prefill) on packed inputs (pack_rows: host or device array), every token
+        allowed."""
+        return self._call(key, self._exe(key), packed, self._all_allowed_mask(packed.shape[0]))
 
-    def _call(self, exe, packed, bitmask) -> jax.Array:
-        """Runs the step; returns its packed output (`fetch` reads it)."""
-        self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed, bitmask)
+    def _call(self, key, exe, packed, bitmask, logits=None) -> jax.Array:
+        """Runs the step; returns its packed output (`fetch` reads it), or a "logits" step's logits."""
+        if key[0] == "logits":
+            self.state, logits = exe(self.weights, self.state, self.sstate, packed)
+            return logits
+        if key[0] == "sample":
+            self.sstate, out = exe(self.sstate, logits, packed, bitmask)
+        else:
+            self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed, bitmask)
         return out.addressable_data(0)         # replicated: this process's copy is the whole output
 
 
