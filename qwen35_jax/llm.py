@@ -1,6 +1,7 @@
 """Offline Python API named like vLLM's: `LLM(model=...)`, `generate`, `chat`, plus `logits` for parity checks."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -56,25 +57,39 @@ class LLM:
             yield out
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, chat_template_kwargs: dict | None = None,
-             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or a list of conversations.
 
         tools: OpenAI function tools, rendered into the prompt by the chat template; history messages may carry
         assistant tool_calls (arguments as a JSON string or an object) and tool results. As vLLM's LLM.chat, the
-        outputs are raw text: `qwen35_jax.server.tool_calls.parse_tool_calls(text, tools)` extracts the calls."""
+        outputs are raw text: `qwen35_jax.server.tool_calls.parse_tool_calls(text, tools)` extracts the calls.
+        tool_choice: as the server's ("auto", "none", "required" or {"type": "function", "function": {"name"}}):
+        the last two constrain the output to calls (structured outputs). With thinking on, a constraint
+        (sampling_params.structured_outputs or a forced call) applies after the reasoning block."""
         if self.tokenizer is None:
             raise ValueError("this LLM was built with skip_tokenizer_init=True")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs or any(not c for c in convs):
             raise ValueError("messages must be a non-empty list of {role, content} dicts")
-        from qwen35_jax.server.tool_calls import check_tools, history_arguments_as_objects
-        extra = {"tools": check_tools(tools)} if tools else {}
-        prompts = []
+        from qwen35_jax.server.tool_calls import chat_grammar, check_tool_choice, check_tools, \
+            history_arguments_as_objects
+        tools = check_tools(tools) if tools else None
+        must = check_tool_choice(tool_choice, tools)[1]
+        params = sampling_params or SamplingParams()
+        if must is not None and params.structured_outputs is not None:
+            raise ValueError(f"tool_choice {must!r} and sampling_params.structured_outputs each fix the output")
+        prompts, per_prompt = [], []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(history_arguments_as_objects(conv), **extra,
+            text = self.tokenizer.apply_chat_template(history_arguments_as_objects(conv),
+                                                      **({"tools": tools} if tools else {}),
                                                       **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            ids = self.tokenizer.encode(text)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            spec = chat_grammar(self.tokenizer, ids, params.structured_outputs, tools, must, parallel_tool_calls)
+            per_prompt.append(params if spec is params.structured_outputs else
+                              dataclasses.replace(params, structured_outputs=spec))
+        return self.generate(prompts, per_prompt, use_tqdm)
 
     # ------------------------------------------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:

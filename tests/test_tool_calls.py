@@ -283,7 +283,7 @@ def app_engine(tiny_model_dir):
               **engine_args(precompile=False, max_model_len=1024))
     app = create_app(llm.engine, ServerConfig(served_model_names=["tiny"], model_path=tiny_model_dir), registry)
     with TestClient(app) as http:
-        yield http, llm.engine
+        yield http, llm.engine, llm
     llm.shutdown()
 
 
@@ -461,7 +461,7 @@ def test_server_forced_call_round_trip(client):
 def test_forced_call_grammar_lets_the_model_reason_first(app_engine):
     """With thinking on the prompt opens <think>: the grammar allows free reasoning up to </think>, then the call."""
     from qwen35_jax.server.app import chat_constraint
-    http, engine = app_engine
+    http, engine, _ = app_engine
     state = http.app.state
     tok = engine.tokenizer
     ids = tok.encode(tok.apply_chat_template(MESSAGES, tools=FORCED))
@@ -472,3 +472,16 @@ def test_forced_call_grammar_lets_the_model_reason_first(app_engine):
     assert matcher.consume_tokens(tok.encode(answer)) and matcher.is_accepting()
     matcher = engine.grammar(spec)
     assert not matcher.consume_tokens(tok.encode("No call.\n</think>\n\nIt is sunny."))
+
+
+def test_llm_chat_tool_choice(app_engine):
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    llm = app_engine[2]
+    sp = SamplingParams(max_tokens=120, temperature=1.0, seed=2, n=2)
+    outs = llm.chat(MESSAGES, sp, chat_template_kwargs={"enable_thinking": False}, tools=FORCED,
+                    tool_choice={"type": "function", "function": {"name": "now"}}, parallel_tool_calls=False)
+    for c in outs[0].outputs:
+        content, calls = parse_tool_calls(c.text, FORCED)
+        assert [call["function"]["name"] for call in calls] == ["now"] and content is None or content == ""
+    with pytest.raises(ToolRequestError, match="not among the tools"):
+        llm.chat(MESSAGES, sp, tools=FORCED, tool_choice={"type": "function", "function": {"name": "later"}})

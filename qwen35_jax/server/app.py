@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from qwen35_jax.engine.outputs import CompletionOutput
 from qwen35_jax.engine.sampling_params import StructuredOutputsParams
-from qwen35_jax.server.generation import Generation, ReasoningSplitter, reasoning_opened, think_token_ids
+from qwen35_jax.server.generation import Generation, ReasoningSplitter, think_token_ids
 from qwen35_jax.server.metrics import register_engine_metrics
 from qwen35_jax.server.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -50,7 +50,7 @@ from qwen35_jax.server.protocol import (
     prompts,
     sampling_params,
 )
-from qwen35_jax.server.tool_calls import ToolCallStreamer, parse_tool_calls, tool_call_grammar
+from qwen35_jax.server.tool_calls import ToolCallStreamer, chat_grammar, parse_tool_calls
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -81,8 +81,7 @@ def create_app(engine, config: ServerConfig, registry: CollectorRegistry) -> Fas
     state = app.state
     state.engine, state.config, state.registry, state.model_name = engine, config, registry, model_name
     state.tokenizer = tokenizer
-    state.think_tokens = think_token_ids(tokenizer) if tokenizer is not None else None
-    state.think_ids = state.think_tokens if config.reasoning_parser else None
+    state.think_ids = think_token_ids(tokenizer) if tokenizer is not None and config.reasoning_parser else None
     state.template_vars = _template_variables(tokenizer)
     state.created_at = int(time.time())
     state.lifecycle = Lifecycle()
@@ -205,31 +204,14 @@ async def compile_constraint(engine, spec: StructuredOutputsParams | None, param
 
 def chat_constraint(state, ids: list[int], spec: StructuredOutputsParams | None, field: str | None,
                     tools: list[dict] | None, must: str | None, parallel: bool):
-    """A chat request's constraint, and the field it answers to: its structured-output field's, or the tool calls
-    that tool_choice "required" / a named function / a strict function under "auto" demands. Where the prompt leaves
-    the model inside a reasoning block (`<think>` opened, thinking on), the grammar first lets it reason freely up to
-    `</think>`."""
-    from qwen35_jax.engine.structured import lark_grammar, lark_literal
-    strict = tools is not None and must is None and field is None and any(t["function"].get("strict")
-                                                                            for t in tools)
-    if spec is None and must is None and not strict:
-        return None, None
+    """A chat request's constraint and the field it answers to (tool_calls.chat_constraint; a 400 naming it)."""
     if spec is not None and must is not None:
         raise bad_request(f"tool_choice {must!r} and {field} each fix the output; send one", param="tool_choice")
-    hf = state.tokenizer.hf
-    added = hf.get_added_vocab()
-    token = lambda text: f"<[{added[text]}]>" if text in added else lark_literal(text)
-    opened = reasoning_opened(state.think_tokens, ids)
-    prefix = f'/(.|\\n)*/ <[{state.think_tokens[1]}]> "\\n\\n"' if opened else ""
-    if spec is None:
-        rules = tool_call_grammar(tools, must, parallel, token)
-        return StructuredOutputsParams(grammar=f"start: {prefix} calls\n{rules}"), "tool_choice" if must else "tools"
-    if not opened:
-        return spec, field
     try:
-        return StructuredOutputsParams(grammar=lark_grammar(spec, prefix)), field
+        out = chat_grammar(state.tokenizer, ids, spec, tools, must, parallel)
     except ValueError as e:
         raise bad_request(f"{field}: {e}", param=field) from None
+    return out, None if out is None else field or ("tool_choice" if must else "tools")
 
 
 def submit(engine, items, params, prefix, param) -> Generation:

@@ -129,6 +129,7 @@ def reasoning_opened(think_ids: tuple[int, int] | None, prompt_ids: list[int]) -
     return last(think_ids[0]) > last(think_ids[1])
 
 
+@functools.lru_cache(maxsize=8)
 def think_token_ids(tokenizer) -> tuple[int, int] | None:
     """The ids of `<think>` and `</think>` when the tokenizer has both as single tokens (Qwen3.5 does)."""
     vocab = tokenizer.hf.get_vocab()

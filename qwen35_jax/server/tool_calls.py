@@ -141,6 +141,28 @@ def tool_call_grammar(tools: list[dict], must: str | None, parallel: bool, token
     return "\n".join(rules)
 
 
+def chat_grammar(tokenizer, prompt_ids: list[int], spec, tools: list[dict] | None, must: str | None,
+                 parallel: bool):
+    """The constraint of a chat completion (a StructuredOutputsParams, or None): `spec` (the request's structured
+    output), or the calls that tool_choice "required" / a named function (`must`) or a strict function under
+    "auto" demand (`tool_call_grammar`). Where the prompt leaves the model inside a reasoning block (`<think>`
+    opened: thinking on), the grammar first lets it reason freely up to `</think>`. ValueError: a Lark grammar
+    with thinking on (it cannot be composed so)."""
+    from qwen35_jax.engine.sampling_params import StructuredOutputsParams
+    from qwen35_jax.engine.structured import lark_grammar, lark_literal
+    from qwen35_jax.server.generation import reasoning_opened, think_token_ids
+    strict = tools is not None and must is None and spec is None and any(t["function"].get("strict") for t in tools)
+    if spec is None and must is None and not strict:
+        return None
+    think = think_token_ids(tokenizer)
+    prefix = f'/(.|\\n)*/ <[{think[1]}]> "\\n\\n"' if reasoning_opened(think, prompt_ids) else ""
+    if spec is not None:
+        return StructuredOutputsParams(grammar=lark_grammar(spec, prefix)) if prefix else spec
+    added = tokenizer.hf.get_added_vocab()
+    token = lambda text: f"<[{added[text]}]>" if text in added else lark_literal(text)
+    return StructuredOutputsParams(grammar=f"start: {prefix} calls\n{tool_call_grammar(tools, must, parallel, token)}")
+
+
 def message_tool_fields(m: dict, role: str, where: str) -> dict:
     """The tool fields of one chat message, as the template reads them: an assistant's `tool_calls` (arguments as
     a JSON string or an object, given to the template as an object) and a tool message's `tool_call_id`."""
