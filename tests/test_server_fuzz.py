@@ -116,6 +116,21 @@ HOSTILE = [       # (path, raw body, param named in the error)
      "messages.0.content"),
     (CH, b'{"messages": [{"role": ["user"], "content": "hi"}]}', "messages.0.role"),
     (CH, b'{"messages": [{"role": "developer", "content": 5}]}', "messages.0.content"),
+    # grammars: invalid, unsupported or contradictory ones are 400s naming the field
+    (C, b'{"prompt": "hi", "guided_regex": "(((("}', "guided_regex"),
+    (C, b'{"prompt": "hi", "guided_json": {"type": "object", "properties": {"a": {"type": 5}}}}', "guided_json"),
+    (C, b'{"prompt": "hi", "guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}', "guided_json"),
+    (C, b'{"prompt": "hi", "guided_grammar": "start: undefined_rule"}', "guided_grammar"),
+    (C, b'{"prompt": "hi", "guided_choice": []}', "guided_choice"),
+    (C, b'{"prompt": "hi", "guided_choice": "yes"}', "guided_choice"),
+    (C, b'{"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}', "structured_outputs"),
+    (C, b'{"prompt": "hi", "structured_outputs": []}', "structured_outputs"),
+    (CH, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+         b'"json_schema": {"name": "x", "schema": "not a schema"}}}', "response_format"),
+    (CH, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}', "response_format"),
+    (CH, b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}, '
+         b'"guided_regex": "a"}', "guided_regex"),
+    (CH, b'{"messages": [{"role": "user", "content": "hi"}], "guided_grammar": "start: /a/"}', "guided_grammar"),
 ]
 
 
@@ -167,9 +182,9 @@ def _hostile_value(rng: random.Random):
 FIELDS = ["model", "n", "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
           "stream", "stream_options", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids",
           "min_tokens", "skip_special_tokens", "return_token_ids", "logprobs", "best_of", "echo", "tools",
-          "logit_bias", "no_such_field", "\ud800"]
-CHAT_FIELDS = FIELDS + ["messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs", "tool_choice",
-                        "response_format"]
+          "logit_bias", "no_such_field", "\ud800", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "structured_outputs", "response_format"]
+CHAT_FIELDS = FIELDS + ["messages", "top_logprobs", "max_completion_tokens", "chat_template_kwargs", "tool_choice"]
 
 
 def _mutate_chat_message(rng, body):
