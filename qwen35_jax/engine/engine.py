@@ -522,7 +522,7 @@ class Engine:
             with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
                 t0 = time.perf_counter()
                 records = []
-                if pending and self._sync_needed(pending):
+                if pending and self._grammars is not None and self._sync_needed(pending):
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
                     pending = None      # (never with a multi-host leader: engine.grammar refuses constraints)
