@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -114,6 +114,12 @@ for s in $sections; do
              nccl="--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"      # NCCL all-reduces, not XLA's kernels
              XLA_FLAGS="$nccl --xla_gpu_enable_command_buffer=+COLLECTIVES" run tpflags_nccl_graph 150 $tpf
              XLA_FLAGS="$nccl" run tpflags_nccl 150 $tpf ;;
+    structured)   # needs the llguidance wheel in .whl; first the 248,320-token tokenizer (trained on the machine's
+                  # Python sources) and the mask cost on this host's CPU, then decode with every row constrained
+             CUDA_VISIBLE_DEVICES=0 run grammar_mask 200 python3 bench/grammar_mask.py --engines llguidance \
+               --threads 8 --out bench/runs/grammar-mask-h200-host.json
+             CUDA_VISIBLE_DEVICES=0 run structured 360 python3 bench/structured.py --record \
+               --config bench/configs/qwen3.5-9b.json --tokenizer /tmp/qwen35-bench-tokenizer --rows 16 64 ;;
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
 done

@@ -8,13 +8,15 @@ per second and the ratio. At Qwen3.5's shapes (`--config`, random weights) the m
 tokenizer of the full vocabulary: bench/grammar_mask.py builds one (`--tokenizer`).
 """
 import argparse
-import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
-from qwen35_jax import LLM, SamplingParams, StructuredOutputsParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from qwen35_jax import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}
 
@@ -48,11 +50,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--record", action="store_true", help="record the run (bench/results.py)")
     args = ap.parse_args()
     path = model_dir(args.config, args.tokenizer)
     kw = dict(load_format="dummy") if path else {}
-    results = []
+    rows_out = []
     with LLM(path, max_num_seqs=max(args.rows), dtype=args.dtype, max_model_len=1024, **kw) as llm:
         for rows in args.rows:
             run(llm, rows, 8, False), run(llm, rows, 8, True)           # warm: compiles, grammar cache
@@ -64,10 +66,13 @@ def main():
                  "overhead": max(free) / max(masked) - 1}
             print(f"rows {rows:4d}: {r['tokens_per_s']:9.1f} tok/s free, {r['constrained_tokens_per_s']:9.1f} "
                   f"constrained, overhead {100 * r['overhead']:+.1f}%", flush=True)
-            results.append(r)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            rows_out.append(r)
+    body = results.table([{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows_out],
+                         ["rows", "tokens_per_s", "constrained_tokens_per_s", "overhead"])
+    print(body)
+    if args.record:
+        results.record("Decode with a JSON-schema constraint on every row (bench/structured.py)", body,
+                       fields={"args": vars(args), "results": rows_out})
 
 
 if __name__ == "__main__":
