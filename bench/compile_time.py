@@ -76,7 +76,8 @@ def lower_decode_for_cuda(cfg, kernels, *, batch: int, slots: int, pages: int, p
     fn = jax.shard_map(functools.partial(decode_step, cfg, layout, kernels, 1, mode), mesh=mesh,
                        in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(), check_vma=False)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(weights, state, sstate, S((batch,), i32), S((batch,), i32),
+        bitmask = S((batch, -(-v // 32)), i32)       # the tokens each row may sample (structured outputs)
+        return jax.jit(fn).trace(weights, state, sstate, bitmask, S((batch,), i32), S((batch,), i32),
                                  S((batch, pages_per_seq), i32), sp).lower(lowering_platforms=("cuda",)).as_text()
 
 

@@ -150,3 +150,22 @@ def test_server_completions_guided_fields(client):
     out = client.completions.create(model="tiny", prompt="Code:", max_tokens=12, temperature=1.0, seed=4,
                                     extra_body={"guided_regex": r"[A-Z]{2}-\d{2}"})
     assert re.fullmatch(r"[A-Z]{2}-\d{2}", out.choices[0].text)
+
+
+def test_split_steps_compile_in_the_background(tiny_model_dir):
+    """A precompiled engine compiles the split decode steps when the first constrained request arrives, in a
+    background thread; meanwhile constrained rows run the regular decode executables, reading each step back
+    first. Both paths give the same tokens."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    with LLM(tiny_model_dir, **engine_args(precompile=False, max_num_seqs=2)) as model:
+        ex = model.engine.executor
+        for key in ex.keys():              # what greedy rows use: every prefill bucket, the greedy decode ones
+            if key[0] == "prefill" or key[2] == "greedy":
+                ex.compiled[key] = ex._compile(key)
+        ex.lazy = False            # as after the precompile sweep: nothing more is compiled on the serving path
+        assert not ex.split_ready
+        params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=constrained(json=SCHEMA))
+        before = [o.outputs[0].token_ids for o in model.generate(prompts, params)]
+        ex._split_done.result(timeout=900)
+        assert ex.split_ready and set(ex.split_keys()) <= set(ex.compiled)
+        assert [o.outputs[0].token_ids for o in model.generate(prompts, params)] == before

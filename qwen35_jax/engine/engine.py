@@ -249,8 +249,7 @@ class Engine:
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             decode_steps=args.decode_steps, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
-            on_dispatch=leader.publish if leader is not None else None,
-            constrained=tokenizer is not None and args.decode_steps == 1 and jax.process_count() == 1)
+            on_dispatch=leader.publish if leader is not None else None)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)
@@ -388,6 +387,7 @@ class Engine:
             if self._grammars is None:
                 from qwen35_jax.engine.structured import Grammars
                 self._grammars = Grammars(self.tokenizer, self.layout.vocab_padded, self.eos_token_ids)
+                self.executor.prepare_split()
         return self._grammars.matcher(constraint)
 
     def abort(self, request_id: str, wait: bool = True):
@@ -545,16 +545,17 @@ class Engine:
         for _, _, out in pending or ():
             np.asarray(out)
 
-    @staticmethod
-    def _sync_needed(records) -> bool:
-        """Must the steps in flight be read back before the next is dispatched? Only where one samples a token for
-        a constrained request that will not decode next (preempted: its recomputed prompt's sample needs the
-        grammar advanced); a decoding one's bitmask is filled after the model step is dispatched (_dispatch)."""
+    def _sync_needed(self, records) -> bool:
+        """Must the steps in flight be read back before the next is dispatched? Where one samples a token for a
+        constrained request whose next bitmask is filled before the next dispatch: always until the split decode
+        steps are compiled, then only for one that will not decode next (preempted: its recomputed prompt's sample
+        needs the grammar advanced); a decoding one's bitmask is filled after its model step is dispatched."""
+        split = self.executor.split_ready
         for kind, rows, _ in records:
             for row in rows:
                 req = row if kind == "decode" else row[0] if row is not None and row[1] else None
                 if req is not None and req.matcher is not None and not req.finished and not (
-                        req.status is Status.RUNNING and req.prefill_done):
+                        split and req.status is Status.RUNNING and req.prefill_done):
                     return True
         return False
 
@@ -599,7 +600,7 @@ class Engine:
             constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
                 rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None)
-            if not constrained:
+            if not callable(out):
                 self._copy_ahead(out)
             k = self.args.decode_steps
             for r in plan.decode:

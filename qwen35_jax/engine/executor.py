@@ -13,8 +13,10 @@ lives on the device, so the host can dispatch step i+1 before it has read step i
 
 Structured outputs split the decode step in two: a constrained row's bitmask needs its previous token, which the
 host reads back while the device runs the model step ("logits", per decode bucket), and only the sampler ("sample",
-per bucket and mode) waits for the bitmask, as vLLM samples outside its CUDA graph. These are precompiled with the
-rest when the engine can constrain (`constrained`).
+per bucket and mode) waits for the bitmask, as vLLM samples outside its CUDA graph. An engine that never constrains
+should not pay their compile at start-up: they are compiled in a background thread when the first constrained
+request arrives (`prepare_split`); until they are ready, constrained rows run the regular decode executables with
+their bitmask, the host reading each step back before the next.
 
 Prompt logprobs (SamplingParams.prompt_logprobs) need every position's logits, which the prefill buckets do not
 compute: a prefill batch holding a row that asks for them runs a variant of its bucket (key ("prompt_logprobs", n,
@@ -310,19 +312,16 @@ class Executor:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, state: State, sstate: SamplerState,
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
                  decode_buckets, prefill_buckets, decode_steps: int = 1, lazy: bool = False,
-                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
-                 constrained: bool = False):
+                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
         lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
         across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
-        dispatch (the multi-host leader publishes them); constrained: precompile the split decode steps of
-        structured outputs too."""
+        dispatch (the multi-host leader publishes them)."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
-        self.constrained = constrained
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
         self.vocab_padded = layout.vocab_padded
@@ -372,6 +371,7 @@ class Executor:
         self.exe_cache = exe_cache if jax.process_count() == 1 else None
         self.lazy = lazy
         self._logged_prompt_logprobs = False
+        self._split = self._split_done = None          # prepare_split's thread and its future
         self.multiprocess = jax.process_count() > 1
         self.on_dispatch = on_dispatch
 
@@ -412,14 +412,41 @@ class Executor:
         return fn.lower(w, s, ss, rows(shape[1]), rows(self.mask_width))
 
     def keys(self):
-        """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode), and with
-        `constrained` also split in a model step and a sampler per mode. The prompt-logprobs variants of the
-        prefill buckets are not among them (compiled on first use)."""
-        split = ([("logits", b) for b in self.decode_buckets]
-                 + [("sample", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]) \
-            if self.constrained else []
+        """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode). The
+        prompt-logprobs variants of the prefill buckets and the split decode steps of structured outputs are not
+        among them (compiled on first use; `prepare_split`)."""
         return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
-                + [("prefill", n, t) for n, t in self.prefill_buckets] + split)
+                + [("prefill", n, t) for n, t in self.prefill_buckets])
+
+    def split_keys(self):
+        """The split decode steps of constrained batches: the model step per bucket, the sampler per bucket and
+        mode."""
+        return ([("logits", b) for b in self.decode_buckets]
+                + [("sample", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets])
+
+    def prepare_split(self):
+        """Start compiling the split decode steps in a background thread (once; a lazy executor compiles each on
+        first use instead). The thread is joined at interpreter exit, before jax's backends go."""
+        if self.lazy or self._split is not None:
+            return
+        def compile_all():
+            try:
+                for key in sorted(self.split_keys(), key=lambda k: k[0] != "logits"):     # the slow ones first
+                    if key not in self.compiled:
+                        self.compiled[key] = self._compile(key)
+            except BaseException:
+                log.exception("compiling the split decode steps failed: constrained rows keep reading each step "
+                              "back before the next")
+                raise
+            log.info("the split decode steps of structured outputs are compiled")
+        self._split = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen35-split-compile")
+        self._split_done = self._split.submit(compile_all)
+
+    @property
+    def split_ready(self) -> bool:
+        """Can constrained decode batches run split (its executables compiled, or compiled on use)?"""
+        return self.lazy or (self._split_done is not None and self._split_done.done()
+                             and self._split_done.exception() is None)
 
     def precompile(self, threads: int | None = None, progress: bool = True) -> float:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
@@ -502,7 +529,7 @@ class Executor:
                              "variants are not precompiled: the first batch of each shape waits for its compile)",
                              key[1:])
                     self._logged_prompt_logprobs = True
-            elif not self.lazy:
+            elif not self.lazy and key[0] not in ("logits", "sample"):
                 raise RuntimeError(f"no compiled executable for bucket {key}; run precompile() first")
             exe = self.compiled[key] = self._compile(key)
         return exe
@@ -551,8 +578,10 @@ class Executor:
     def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array | Callable]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
         it. Returns the rows (request or None) and the packed output. With bitmask (as in run_prefill: some rows
-        are constrained) only the model step is dispatched, and the output is a function that dispatches the
-        sampler with bitmask(rows), called once the host has advanced the rows' grammars, returning the output."""
+        are constrained) and the split steps ready (`split_ready`), only the model step is dispatched, and the
+        output is a function that dispatches the sampler with bitmask(rows), called once the host has advanced the
+        rows' grammars, returning the output; before they are ready, the decode executable runs with bitmask(rows)
+        (the caller has read every step in flight back)."""
         counts = [0] * self.dp
         for r in requests:
             counts[r.replica] += 1
@@ -568,8 +597,8 @@ class Executor:
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
         sp = host_batch_rows(rows)
-        if bitmask is None:
-            return rows, self.decode(b, slots, positions, pages, sp)
+        if bitmask is None or not self.split_ready:
+            return rows, self.decode(b, slots, positions, pages, sp, bitmask(rows) if bitmask else None)
         if self.decode_steps != 1:
             raise ValueError("constrained decoding runs one step per dispatch (decode_steps=1)")
         logits = self._run(("logits", b), (slots, positions, pages))
