@@ -446,16 +446,29 @@ def test_server_tool_choice_always_calls(client, choice):
     assert sorted(by_choice) == [0, 1, 2, 3] and all(by_choice.values())
 
 
-def test_server_forced_call_round_trip(client):
-    first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=FORCED, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=120, seed=1, extra_body=NO_THINKING)
-    message = first.choices[0].message
-    assert len(message.tool_calls) == 1
-    history = MESSAGES + [message.model_dump(exclude_none=True)] + [
-        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temperature": 21}'}]
-    answer = client.chat.completions.create(model="tiny", messages=history, tools=FORCED, tool_choice="none",
-                                            max_tokens=8, extra_body=NO_THINKING)
-    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_forced_call_round_trip(client, stream):
+    """call (forced) -> the tool's result -> an answer, each turn streamed or not."""
+    args = dict(model="tiny", tools=FORCED, max_tokens=120, seed=1, stream=stream, extra_body=NO_THINKING)
+    first = client.chat.completions.create(messages=MESSAGES, tool_choice="required", parallel_tool_calls=False,
+                                           **args)
+    if stream:
+        deltas = [c.choices[0].delta for c in first if c.choices]
+        calls = [call.model_dump(exclude_none=True) for d in deltas for call in d.tool_calls or []]
+        message = {"role": "assistant", "content": None,
+                   "tool_calls": [{k: v for k, v in call.items() if k != "index"} for call in calls]}
+    else:
+        message = first.choices[0].message.model_dump(exclude_none=True)
+    assert len(message["tool_calls"]) == 1 and message["tool_calls"][0]["function"]["name"] in ("get_weather", "now")
+    history = MESSAGES + [message] + [
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(messages=history, tool_choice="none", **{**args, "max_tokens": 8})
+    if stream:
+        chunks = [c for c in answer if c.choices]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text and not any(c.choices[0].delta.tool_calls for c in chunks)
+    else:
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
 
 
 def test_forced_call_grammar_lets_the_model_reason_first(app_engine):
