@@ -546,16 +546,16 @@ class Engine:
             np.asarray(out)
 
     def _sync_needed(self, records) -> bool:
-        """Must the steps in flight be read back before the next is dispatched? Where one samples a token for a
-        constrained request whose next bitmask is filled before the next dispatch: always until the split decode
-        steps are compiled, then only for one that will not decode next (preempted: its recomputed prompt's sample
-        needs the grammar advanced); a decoding one's bitmask is filled after its model step is dispatched."""
-        split = self.executor.split_ready
+        """Must the steps in flight be read back before the next is dispatched? Only while the split decode steps
+        are not compiled and one of them samples a token for a constrained request: its next bitmask is then filled
+        at dispatch. With them, the bitmask of a constrained row (which always decodes next: the scheduler never
+        preempts) is filled after its model step is dispatched (_sampled)."""
+        if self.executor.split_ready:
+            return False
         for kind, rows, _ in records:
             for row in rows:
                 req = row if kind == "decode" else row[0] if row is not None and row[1] else None
-                if req is not None and req.matcher is not None and not req.finished and not (
-                        split and req.status is Status.RUNNING and req.prefill_done):
+                if req is not None and req.matcher is not None and not req.finished:
                     return True
         return False
 

@@ -452,10 +452,7 @@ class Executor:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
-        def cost(k):       # the model step of the split decode ("logits") costs as much as a decode bucket
-            if k[0] == "prefill":
-                return 1, k[1] * k[2]
-            return 0, len(SAMPLER_MODES) if k[0] == "logits" else SAMPLER_MODES.index(k[2]), k[1]
+        cost = lambda k: (1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
