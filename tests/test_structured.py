@@ -166,6 +166,6 @@ def test_split_steps_compile_in_the_background(tiny_model_dir):
         assert not ex.split_ready
         params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=constrained(json=SCHEMA))
         before = [o.outputs[0].token_ids for o in model.generate(prompts, params)]
-        ex._split_done.result(timeout=900)
+        ex.wait_split(timeout=900)
         assert ex.split_ready and set(ex.split_keys()) <= set(ex.compiled)
         assert [o.outputs[0].token_ids for o in model.generate(prompts, params)] == before

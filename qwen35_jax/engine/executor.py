@@ -442,6 +442,11 @@ class Executor:
         self._split = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qwen35-split-compile")
         self._split_done = self._split.submit(compile_all)
 
+    def wait_split(self, timeout: float | None = None):
+        """Block until prepare_split's compile has ended (re-raising its error); a no-op when none was started."""
+        if self._split_done is not None:
+            self._split_done.result(timeout)
+
     @property
     def split_ready(self) -> bool:
         """Can constrained decode batches run split (its executables compiled, or compiled on use)?"""
