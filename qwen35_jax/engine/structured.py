@@ -3,9 +3,10 @@
 Every constrained sequence holds an llguidance `LLMatcher`, its grammar's parser state. Before a step samples such a
 row the engine fills the row's bitmask (one bit per token of the padded vocabulary, int32 [rows, ceil(V / 32)], the
 layout llguidance writes) from the matcher, in parallel over rows on llguidance's own threads; the bitmask is an input
-of every compiled step (sampler.allowed_tokens), so constraints add no executable and unconstrained rows carry an
-all-ones mask. After the step the sampled token advances the matcher. llguidance rather than xgrammar: it needs no
-torch, and its mask cost and JSON-schema coverage were measured side by side (bench/grammar_mask.py).
+of every compiled step (sampler.allowed_tokens), and unconstrained rows carry an all-ones mask (how decode overlaps
+the mask with the model step: executor's docstring). After the step the sampled token advances the matcher.
+llguidance rather than xgrammar: it needs no torch, and its mask cost and JSON-schema coverage were measured side
+by side (bench/grammar_mask.py).
 
 JSON is generated compact (", " and ": " separators, no free whitespace): with free whitespace a model can loop on
 blank lines until max_tokens and never close the object.
@@ -34,9 +35,9 @@ def json_expression(schema: dict) -> str:
     return "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema}, ensure_ascii=False)
 
 
-def lark_grammar(spec: StructuredOutputsParams, prefix: str = "", rules: str = "") -> str:
+def lark_grammar(spec: StructuredOutputsParams, prefix: str = "") -> str:
     """The constraint as a Lark grammar whose start rule is `prefix` (Lark expressions, e.g. a reasoning section
-    the output opens with) followed by the constrained text; `rules`: more Lark rules the prefix uses."""
+    the output opens with) followed by the constrained text."""
     from llguidance import regex_to_lark
     if spec.grammar is not None:
         if prefix:
@@ -49,7 +50,7 @@ def lark_grammar(spec: StructuredOutputsParams, prefix: str = "", rules: str = "
         body = f"/{regex_to_lark(spec.regex)}/"
     else:
         body = "(" + " | ".join(map(lark_literal, spec.choice)) + ")"
-    return f"start: {prefix} {body}\n{rules}"
+    return f"start: {prefix} {body}"
 
 
 class Grammars:

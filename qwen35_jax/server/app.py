@@ -204,7 +204,7 @@ async def compile_constraint(engine, spec: StructuredOutputsParams | None, param
 
 def chat_constraint(state, ids: list[int], spec: StructuredOutputsParams | None, field: str | None,
                     tools: list[dict] | None, must: str | None, parallel: bool):
-    """A chat request's constraint and the field it answers to (tool_calls.chat_constraint; a 400 naming it)."""
+    """A chat request's constraint and the field it answers to (tool_calls.chat_grammar; a 400 naming it)."""
     if spec is not None and must is not None:
         raise bad_request(f"tool_choice {must!r} and {field} each fix the output; send one", param="tool_choice")
     try:
