@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pages (default: as many as fit)")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached prompt prefixes: K/V pages and GDN state snapshots (docs/architecture.md)")
+    e.add_argument("--num-state-snapshots", type=int, default=None,
+                   help="GDN state snapshots the prefix cache keeps (default: two per sequence, within a tenth of "
+                        "the free device memory)")
     e.add_argument("--kernel-backend", default=None, choices=BACKENDS,
                    help="default: pallas on GPU, reference elsewhere")
     e.add_argument("--kernel-config", default=None,
@@ -103,6 +108,7 @@ def engine_args(args) -> EngineArgs:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_prefill_rows=args.max_prefill_rows, decode_steps=args.decode_steps, page_size=args.block_size,
               num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,
               kernel_config=kernel_config, compilation_cache_dir=args.compilation_cache_dir,
               precompile=not args.no_precompile, seed=args.seed, load_format=args.load_format,
               skip_tokenizer_init=args.skip_tokenizer_init, converted_weights_dir=args.converted_weights_dir,

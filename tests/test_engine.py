@@ -78,14 +78,14 @@ def test_abort_frees_slot_and_pages_at_once():
     model = llm(1)
     eng = model.engine
     sched = eng.scheduler
-    free_slots, free_pages = len(sched.free_slots), len(sched.free_pages)
+    free_slots, free_pages = len(sched.free_slots), sched.available_pages
     started = threading.Event()
     rid = eng.add_request(prompts(1, seed=31)[0], SamplingParams(max_tokens=200, ignore_eos=True),
                           lambda out: started.set())
     assert started.wait(60)
     assert len(sched.free_slots) == free_slots - 1
     eng.abort(rid)
-    assert len(sched.free_slots) == free_slots and len(sched.free_pages) == free_pages
+    assert len(sched.free_slots) == free_slots and sched.available_pages == free_pages
 
 
 def test_bad_requests_get_clear_errors():

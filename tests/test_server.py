@@ -406,6 +406,28 @@ def test_metrics_after_traffic(server):
     assert metric(server.url, "qwen35:engine_healthy") == 1
 
 
+def test_prefix_cache_usage_metrics_and_reset(server, client):
+    """The next turn of a conversation resumes from the last one's snapshot: usage says how many prompt tokens
+    were cached, /metrics counts them, /reset_prefix_cache drops them."""
+    queries, hits = metric(server.url, "qwen35:prefix_cache_queries_total"), \
+        metric(server.url, "qwen35:prefix_cache_hits_total")
+    turn = [{"role": "user", "content": "Tell me about prefix caches in one sentence."}]
+    first = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, **GREEDY)
+    prompt = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < prompt
+    body = {"model": MODEL, "prompt": [1, 2, 3] * 10, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    ids = body["prompt"] + post(server, "/v1/completions", {**body, "return_token_ids": True}).json()[
+        "choices"][0]["token_ids"] + [5]
+    nxt = post(server, "/v1/completions", {**body, "prompt": ids}).json()["usage"]
+    assert nxt["prompt_tokens_details"]["cached_tokens"] == 30 + 4 - 1, nxt
+    assert metric(server.url, "qwen35:prefix_cache_queries_total") >= queries + prompt + 30
+    assert metric(server.url, "qwen35:prefix_cache_hits_total") >= hits + 33
+    assert post(server, "/reset_prefix_cache", {}).json() == {"status": "ok"}
+    cold = post(server, "/v1/completions", {**body, "prompt": ids}).json()["usage"]
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_health_fails_when_engine_loop_dies(tiny_model_dir):
     """In-process app over a real engine whose loop has died (as Engine._run records it): /health and new
     requests answer 503, not 200 or 500."""

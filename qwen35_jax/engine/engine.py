@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwen35_jax import env
 from qwen35_jax.engine import executor as ex
 from qwen35_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from qwen35_jax.engine.prefix_cache import Copy
 from qwen35_jax.engine.sampler import init_sampler_state
 from qwen35_jax.engine.sampling_params import SamplingParams
 from qwen35_jax.engine.scheduler import Request, Scheduler, Status
@@ -35,7 +36,7 @@ from qwen35_jax.model.backends import KernelConfig, make_kernels
 from qwen35_jax.model.config import ModelConfig, load_config, resolve_dtype
 from qwen35_jax.model.hub import resolve_model
 from qwen35_jax.model.sharding import DP, Layout, make_mesh
-from qwen35_jax.model.state import abstract_state, init_state, nbytes, state_specs
+from qwen35_jax.model.state import abstract_snapshots, abstract_state, bytes_per_slot, init_state, nbytes, state_specs
 from qwen35_jax.model.weights import abstract_weights, load_or_restore, random_weights, weight_specs
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class EngineArgs:
     min_prefill_tokens: int | None = None    # smallest prefill bucket; None: prefill_floor()
     page_size: int = 16
     num_kv_pages: int | None = None          # None: enough for every slot at max_model_len, within memory
+    enable_prefix_caching: bool = True       # reuse cached prefixes: K/V pages + GDN state snapshots
+    num_state_snapshots: int | None = None   # the prefix cache's GDN snapshots per replica (None: auto_snapshots)
     gpu_memory_utilization: float = 0.9
     decode_steps: int = 1                    # model steps per decode dispatch
     kernel_config: KernelConfig = dataclasses.field(default_factory=KernelConfig)
@@ -73,6 +76,8 @@ class EngineArgs:
                   (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
                    f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
                   (self.page_size >= 1, "page_size must be >= 1"),
+                  (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
+                   "num_state_snapshots must be >= 0"),
                   (self.decode_steps >= 1, "decode_steps must be >= 1"),
                   (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
                   (self.load_format in ("auto", "dummy"), f"load_format must be 'auto' or 'dummy', not "
@@ -233,12 +238,15 @@ class Engine:
         ps = args.page_size
         self.pages_per_seq = -(-self.max_model_len // ps)
         num_slots = args.max_num_seqs
+        self.num_snapshots = self._auto_snapshots(num_slots) if args.enable_prefix_caching else 0
         num_pages = args.num_kv_pages or self._auto_pages(num_slots)
         if jax.process_count() > 1:      # every process must build identical shapes: take the smallest pool
             from jax.experimental import multihost_utils
             num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages]))))
         self.abstract_state = abstract_state(cfg, layout, num_slots, num_pages, ps, self.dtype, self.dp)
         state = init_state(self.abstract_state, mesh)
+        snapshots = (init_state(abstract_snapshots(cfg, self.num_snapshots, self.dtype, self.dp), mesh)
+                     if self.num_snapshots else None)
         sstate = init_sampler_state(num_slots, layout.vocab_padded, NamedSharding(mesh, PartitionSpec(DP)), self.dp)
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
@@ -249,10 +257,11 @@ class Engine:
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             decode_steps=args.decode_steps, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
-            on_dispatch=leader.publish if leader is not None else None)
+            on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                                   decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp)
+                                   decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp,
+                                   num_snapshots=self.num_snapshots)
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats()
         self._rng = np.random.default_rng(args.seed)
@@ -261,6 +270,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None
+        self._saves: list = []            # finished requests' snapshot copies, dispatched before the next step
         self._grammars = None             # structured.Grammars, made for the first constrained request
         self._grammars_lock = threading.Lock()
         if leader is not None:
@@ -275,7 +285,8 @@ class Engine:
             return want
         free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
-        fixed = nbytes(probe) / self.layout.tp           # one replica's state, split over its tp ranks
+        fixed = (nbytes(probe) + self.num_snapshots * bytes_per_slot(self.cfg, self.dtype)) / self.layout.tp
+        # ^ one replica's state and snapshot pool, split over its tp ranks
         per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
             jnp.dtype(self.dtype).itemsize
         sampler = 5 * (num_slots + 1) * self.layout.vocab_padded
@@ -284,7 +295,31 @@ class Engine:
             raise ValueError(f"no device memory left for the KV cache ({free / 2**30:.1f} GiB free before state)")
         return min(want, fit)
 
+    def _auto_snapshots(self, num_slots: int) -> int:
+        """The prefix cache's snapshot pool: num_state_snapshots, else two per slot (a conversation's last turn and
+        one branch point per running request), within a tenth of the device memory left after the weights."""
+        if self.args.num_state_snapshots is not None:
+            return self.args.num_state_snapshots
+        want = 2 * num_slots
+        dev = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        stats = dev.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            return want
+        free = stats["bytes_limit"] * self.args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        per = bytes_per_slot(self.cfg, self.dtype) / self.layout.tp
+        return max(1, min(want, int(0.1 * free // per)))
+
     # -- public API ----------------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (vLLM's reset_prefix_cache); False if some were still being restored into a
+        request (those stay). Runs on the engine thread when it is running."""
+        if self._thread is None or not self._thread.is_alive():
+            return self.scheduler.reset_prefix_cache()
+        done, result = threading.Event(), []
+        self._inbox.put(("reset_prefix_cache", done, result))
+        done.wait(timeout=30)
+        return bool(result and result[0])
+
     def start(self):
         if self._thread is None and not self._stopped:
             shutdown_at_exit(self)
@@ -504,6 +539,9 @@ class Engine:
                 group.detok = [self._decoder(s.params) for s in group.seqs]
                 for s in group.seqs:
                     self.scheduler.add(s)
+            elif msg[0] == "reset_prefix_cache":
+                msg[2].append(self.scheduler.reset_prefix_cache())
+                msg[1].set()
             elif msg[0] == "abort":
                 group = self._groups.get(msg[1])
                 if group is not None:
@@ -526,6 +564,7 @@ class Engine:
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
                     pending = None      # (never with a multi-host leader: engine.grammar refuses constraints)
+                mark = self.leader.stepped if self.leader is not None else 0   # the steps in flight's keys
                 if self._has_work():
                     with jax.profiler.TraceAnnotation("schedule"):
                         plan = self.scheduler.schedule()
@@ -535,7 +574,7 @@ class Engine:
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
                     if self.leader is not None:
-                        self.leader.consumed(len(records))
+                        self.leader.consumed_before(mark)
                 records = [(kind, rows, self._sampled(out)) for kind, rows, out in records]
             pending = records or None
         # Stopped with a step in flight (as after every request's last token): read it back, tokens dropped. Waiting
@@ -580,8 +619,21 @@ class Engine:
             out.copy_to_host_async()
 
     def _dispatch(self, plan) -> list:
-        """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records."""
+        """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records. First
+        the snapshots of requests finished since the last dispatch (before their slots are reused), then the
+        restores of requests resuming from the prefix cache, the prefill, the chunk-end snapshots, the decode."""
         records = []
+        if self._saves:
+            self.executor.run_copies("save", self._saves)
+            self._saves = []
+        if plan.restores:
+            with jax.profiler.TraceAnnotation("prefix_restore", rows=len(plan.restores)):
+                self.executor.run_copies("restore", [
+                    (r.replica, Copy(r.slot, r.restore.entry, r.restore.page, r.pages[len(r.restore.pages)]
+                                     if r.restore.page else 0, r.prompt_ids[:r.num_cached])) for r in plan.restores])
+            for r in plan.restores:
+                self.scheduler.pools[r.replica].cache.restored(r.restore)
+                r.restore = None
         if plan.prefill:
             n, t = plan.prefill_shape
             # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
@@ -596,6 +648,8 @@ class Engine:
                     c.request.num_sampled += 1
                 self.stats.prompt_tokens += c.length
             records.append(("prompt_logprobs" if lp else "prefill", rows, out))
+        if plan.saves:
+            self.executor.run_copies("save", plan.saves)
         if plan.decode:
             constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
@@ -718,7 +772,9 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason=None):
         req.finish_reason, req.stop_reason = reason, stop_reason
-        self.scheduler.free(req)
+        save = self.scheduler.free(req)
+        if save is not None:
+            self._saves.append(save)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.observer.on_finish(req)
 
@@ -738,6 +794,7 @@ class Engine:
         plp = group.prompt_logprobs
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_ids,
                              outputs=outs, finished=group.finished, metrics=_metrics(group),
+                             num_cached_tokens=group.seqs[0].num_cached,
                              prompt_logprobs=list(plp) if plp is not None and len(plp) == len(group.prompt_ids)
                              else None)
 

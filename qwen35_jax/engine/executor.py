@@ -18,6 +18,11 @@ should not pay their compile at start-up: they are compiled in a background thre
 request arrives (`prepare_split`); until they are ready, constrained rows run the regular decode executables with
 their bitmask, the host reading each step back before the next.
 
+The prefix cache (engine.prefix_cache) adds two copy executables per decode bucket, precompiled with the rest:
+"restore" (snapshot entries -> GDN slots, a partial K/V page -> the request's own page, the sampler rows reset with
+the prefix's prompt mask) and "save" (slots -> snapshot entries, a partial page -> the snapshot's page). The
+snapshot pool is a State of GDN layers only, sharded as the slots.
+
 Prompt logprobs (SamplingParams.prompt_logprobs) need every position's logits, which the prefill buckets do not
 compute: a prefill batch holding a row that asks for them runs a variant of its bucket (key ("prompt_logprobs", n,
 t), `prefill_step` with targets). These variants are compiled on first use, never in precompile(): start-up time and
@@ -50,6 +55,7 @@ from qwen35_jax.engine.sampler import (
     SamplerState,
     SamplingBatch,
     host_batch_rows,
+    allowed_tokens,
     sample,
     sampler_mode,
     token_logprobs,
@@ -213,6 +219,35 @@ def sample_step(mode, sstate: SamplerState, logits, bitmask, slots, sp: Sampling
     return sstate, _pack_out(_gather_rows(out, 1), extras=mode in EXTRAS_MODES)
 
 
+def restore_step(state: State, sstate: SamplerState, snaps: State, prompt_bits, slots, entries, src_pages,
+                 dst_pages):
+    """Per shard: requests resuming from the prefix cache. GDN state of snapshot `entries` -> `slots`, K/V page
+    src -> dst (a snapshot's partial page into the request's own), and the slots' sampler rows reset: no generated
+    tokens, the prompt mask of the cached prefix (prompt_bits, int32 [rows, words]). Padded rows copy null to
+    null."""
+    conv = [c.at[slots].set(s[entries]) for c, s in zip(state.conv, snaps.conv)]
+    rec = [r.at[slots].set(s[entries]) for r, s in zip(state.recurrent, snaps.recurrent)]
+    page = lambda p: p.at[:, dst_pages].set(p[:, src_pages])
+    state = State(conv=conv, recurrent=rec, k_pages=[page(k) for k in state.k_pages],
+                  v_pages=[page(v) for v in state.v_pages])
+    vocab = sstate.counts.shape[1]
+    sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[slots].set(0),
+                          prompt_mask=sstate.prompt_mask.at[slots].set(allowed_tokens(prompt_bits, vocab)))
+    return state, sstate
+
+
+def save_step(state: State, snaps: State, slots, entries, src_pages, dst_pages):
+    """Per shard: snapshots of live slots. GDN state of `slots` -> snapshot `entries`, K/V page src -> dst (the
+    request's partial page into the snapshot's own)."""
+    snaps = State(conv=[s.at[entries].set(c[slots]) for c, s in zip(state.conv, snaps.conv)],
+                  recurrent=[s.at[entries].set(r[slots]) for r, s in zip(state.recurrent, snaps.recurrent)],
+                  k_pages=[], v_pages=[])
+    page = lambda p: p.at[:, dst_pages].set(p[:, src_pages])
+    state = dataclasses.replace(state, k_pages=[page(k) for k in state.k_pages],
+                                v_pages=[page(v) for v in state.v_pages])
+    return state, snaps
+
+
 def pow2_buckets(lo: int, hi: int) -> list[int]:
     out, b = [], lo
     while b < hi:
@@ -312,12 +347,15 @@ class Executor:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, state: State, sstate: SamplerState,
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
                  decode_buckets, prefill_buckets, decode_steps: int = 1, lazy: bool = False,
-                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None):
+                 exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
+                 snapshots: State | None = None):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
         lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
         across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
-        dispatch (the multi-host leader publishes them)."""
+        dispatch (the multi-host leader publishes them); snapshots: the prefix cache's GDN snapshot pool (None:
+        no prefix caching), sharded as state's slots."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
+        self.snaps = snapshots
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
@@ -332,9 +370,22 @@ class Executor:
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
         outs = (shardings(state), shardings(sstate), self.replicated)
 
+        snap_specs = jax.tree.map(lambda x: x.sharding.spec, snapshots) if snapshots is not None else None
+
         @functools.lru_cache(maxsize=None)
         def step_fn(kind: str, mode: str | None, rows_layout: tuple):
             """The jitted step reading its host inputs from one packed int32 array (pack_rows)."""
+            if kind == "restore":
+                body = lambda s, ss, sn, x, m: restore_step(s, ss, sn, m, *unpack_rows(x, rows_layout))
+                step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                     in_specs=(state_specs, sampler_specs, snap_specs, P(DP), P(DP)),
+                                     out_specs=(state_specs, sampler_specs))
+                return jax.jit(step, donate_argnums=(0, 1), out_shardings=outs[:2])
+            if kind == "save":
+                body = lambda s, sn, x: save_step(s, sn, *unpack_rows(x, rows_layout))
+                step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                     in_specs=(state_specs, snap_specs, P(DP)), out_specs=(state_specs, snap_specs))
+                return jax.jit(step, donate_argnums=(0, 1), out_shardings=(outs[0], shardings(snapshots)))
             if kind == "logits":
                 body = lambda w, s, ss, x: decode_logits_step(cfg, layout, kernels, w, s, ss,
                                                               *unpack_rows(x, rows_layout))
@@ -380,6 +431,8 @@ class Executor:
         """Zero host inputs of the bucket's shapes (what `pack_rows` lays out for it)."""
         kind, *shape = key
         z = lambda *sh, dtype=np.int32: np.zeros(sh, dtype)
+        if kind in ("restore", "save"):
+            return tuple(z(self.dp * shape[0]) for _ in range(4))      # slots, entries, src and dst pages
         if kind in ("decode", "logits", "sample"):
             b = self.dp * shape[0]
             if kind == "sample":
@@ -404,6 +457,10 @@ class Executor:
         fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "sample") else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
         rows = lambda *sh, dtype=jnp.int32: jax.ShapeDtypeStruct((shape[0], *sh), dtype, sharding=self.rows)
+        if key[0] == "restore":
+            return fn.lower(s, ss, self._abstract(self.snaps), rows(shape[1]), rows(self.mask_width))
+        if key[0] == "save":
+            return fn.lower(s, self._abstract(self.snaps), rows(shape[1]))
         if key[0] == "logits":
             return fn.lower(w, s, ss, rows(shape[1]))
         if key[0] == "sample":
@@ -415,8 +472,9 @@ class Executor:
         """The precompiled buckets; decode buckets come once per sampler mode (sampler.sampler_mode). The
         prompt-logprobs variants of the prefill buckets and the split decode steps of structured outputs are not
         among them (compiled on first use; `prepare_split`)."""
+        copies = [(k, b) for k in ("restore", "save") for b in self.decode_buckets] if self.snaps is not None else []
         return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
-                + [("prefill", n, t) for n, t in self.prefill_buckets])
+                + [("prefill", n, t) for n, t in self.prefill_buckets] + copies)
 
     def split_keys(self):
         """The split decode steps of constrained batches: the model step per bucket, the sampler per bucket and
@@ -457,7 +515,8 @@ class Executor:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
-        cost = lambda k: (1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
+        cost = lambda k: ((1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
+                          if k[0] == "decode" else (-1, k[1]))
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
@@ -489,7 +548,7 @@ class Executor:
         mesh = (self.mesh.axis_names, self.mesh.devices.shape, [d.id for d in self.mesh.devices.flat])
         return ExecutableCache.key(key, repr(self.cfg), mesh, self.pages_per_seq, self.decode_steps,
                                    repr(self.kernel_config), describe(self.weights), describe(self.state),
-                                   describe(self.sstate))
+                                   describe(self.sstate), describe(self.snaps) if self.snaps is not None else None)
 
     def _compiler_options(self, key) -> dict:
         """KernelConfig.xla_options over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs
@@ -619,6 +678,38 @@ class Executor:
             self.on_dispatch(kind, shape, inputs)
         return self._run((kind, *shape), inputs, bitmask)
 
+    def run_copies(self, kind: str, copies: list) -> None:
+        """Dispatch the prefix cache's device copies: kind "restore" (snapshot -> slot, before the requests'
+        first chunk) or "save" (slot -> snapshot), `copies` as (replica, prefix_cache.Copy); restores carry the
+        prefix's token ids, whose prompt mask the sampler rows get."""
+        from qwen35_jax.engine.prefix_cache import prefix_bits
+        while copies:
+            counts = [0] * self.dp
+            now, copies = [], list(copies)
+            for c in list(copies):
+                if counts[c[0]] < self.decode_buckets[-1]:
+                    counts[c[0]] += 1
+                    now.append(c)
+                    copies.remove(c)
+            b = next_bucket(max(counts), self.decode_buckets)
+            cols = np.zeros((4, self.dp * b), np.int32)
+            bits = np.zeros((self.dp * b, self.mask_width), np.int32) if kind == "restore" else None
+            used = [0] * self.dp
+            for replica, c in now:
+                i = replica * b + used[replica]
+                used[replica] += 1
+                cols[:, i] = c.slot, c.entry, c.src_page, c.dst_page
+                if bits is not None:
+                    bits[i] = prefix_bits(c.tokens, self.mask_width)
+            self.copy_state(kind, b, *cols, bits)
+
+    def copy_state(self, kind: str, bucket: int, slots, entries, src_pages, dst_pages, prompt_bits=None):
+        """Run copy bucket (kind, bucket) on host arrays of dp * bucket rows (`run_copies` lays them out)."""
+        inputs = (slots, entries, src_pages, dst_pages)
+        if self.on_dispatch is not None:
+            self.on_dispatch(kind, (bucket,), inputs + ((prompt_bits,) if kind == "restore" else ()))
+        self._run((kind, bucket), inputs, prompt_bits)
+
     def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None) -> jax.Array:
         """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`. Returns the step's
         packed output (`fetch`)."""
@@ -666,6 +757,12 @@ class Executor:
 
     def _call(self, key, exe, packed, bitmask, logits=None) -> jax.Array:
         """Runs the step; returns its packed output (`fetch` reads it), or a "logits" step's logits."""
+        if key[0] == "restore":
+            self.state, self.sstate = exe(self.state, self.sstate, self.snaps, packed, bitmask)
+            return None
+        if key[0] == "save":
+            self.state, self.snaps = exe(self.state, self.snaps, packed)
+            return None
         if key[0] == "logits":
             self.state, logits = exe(self.weights, self.state, self.sstate, packed)
             return logits

@@ -84,7 +84,7 @@ class Leader:
     the peers, failing the engine when one is gone."""
 
     def __init__(self):
-        self.client, self.step = _client(), 0
+        self.client, self.step, self.stepped, self._consumed = _client(), 0, 0, 0
         self.peers = [p for p in range(jax.process_count()) if p != jax.process_index()]
         self._stop = threading.Event()
         self.watchdog = None
@@ -98,10 +98,14 @@ class Leader:
     def publish(self, kind: str, key: tuple, inputs):
         self.client.key_value_set_bytes(f"{PREFIX}{self.step}", _encode(kind, key, inputs))
         self.step += 1
+        if kind not in ("restore", "save"):
+            self.stepped = self.step      # keys before this one are read by every follower that has run this step
 
-    def consumed(self, num_steps: int):
-        """Called once the leader has read back a step's outputs: every process has run it, so its key can go."""
-        for n in range(max(0, self.step - num_steps - 4), self.step - num_steps):
+    def consumed_before(self, step: int):
+        """Called once the leader has read back the outputs of the steps published before key `step` (`stepped`
+        when they were dispatched): every process has run them and read every key before, so those can go."""
+        first, self._consumed = self._consumed, max(self._consumed, step)
+        for n in range(first, step):
             try:
                 self.client.key_value_delete(f"{PREFIX}{n}")
             except Exception:       # already deleted
@@ -154,7 +158,8 @@ def follow(engine, poll_ms: int = 1000):
     sp = host_batch([], 1)
     treedefs = {"prefill": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp)),   # what the leader flattened
                 "prompt_logprobs": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp, 0)),
-                "decode": jax.tree.structure((0, 0, 0, sp))}
+                "decode": jax.tree.structure((0, 0, 0, sp)),
+                "restore": jax.tree.structure((0, 0, 0, 0, 0)), "save": jax.tree.structure((0, 0, 0, 0))}
     step, pending = 0, []
     while True:
         try:
@@ -174,6 +179,10 @@ def follow(engine, poll_ms: int = 1000):
             batch, finishing, sp, *targets = inputs
             out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp,
                              *targets)
+        elif kind in ("restore", "save"):       # the prefix cache's copies: no output
+            ex.copy_state(kind, key[0], *inputs)
+            step += 1
+            continue
         else:
             out = ex.decode(key[0], *inputs)
         pending.append(out)

@@ -37,3 +37,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token (None for the first) its logprob given the tokens before it
     # and the top alternatives; set once the whole prompt is done, None when not asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache (of the first sequence)

@@ -4,6 +4,11 @@ The scheduler is pure host bookkeeping. Each step it returns the decode rows (ev
 is done; their next input token is already on the device) and the prefill chunks that fit the remaining budget.
 Admission reserves a GDN state slot and the KV pages for prompt + max_tokens at once, so a running request never
 needs to be preempted; a prompt that could never fit is rejected when it is submitted.
+
+With prefix caching (engine.prefix_cache) admission first looks the prompt up: a request resuming from a snapshot
+shares the cached pages of its prefix, starts its prefill there (the step plan's `restores` copy the snapshot into
+its slot first) and ends a chunk at its branch point; chunk ends before a prompt's end and finished requests leave
+snapshots (the plan's `saves`, `free`'s return value).
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import enum
 import time
 from typing import Any
 
+from qwen35_jax.engine.prefix_cache import Copy, Hit, PrefixCache, Snapshot
 from qwen35_jax.engine.sampling_params import SamplingParams
 
 
@@ -45,6 +51,9 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     matcher: Any = None                         # structured outputs: the grammar's llguidance matcher
+    num_cached: int = 0                         # prompt tokens served from the prefix cache
+    restore: Snapshot | None = None             # the snapshot to copy into its slot before its first chunk
+    save_at: int | None = None                  # its branch point: a chunk ends there and leaves a snapshot
 
     @property
     def prompt_len(self) -> int:
@@ -80,14 +89,17 @@ class StepPlan:
     decode: list[Request]
     prefill: list[Chunk]
     prefill_shape: tuple[int, int] | None      # (rows per replica, tokens per row) bucket of the prefill call
+    restores: list[Request] = dataclasses.field(default_factory=list)     # before the prefill: snapshot -> slot
+    saves: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)  # after it: (replica, slot -> snapshot)
 
 
 @dataclasses.dataclass
 class Pool:
-    """One data-parallel replica's free slots and KV pages (index 0 of each is null)."""
+    """One data-parallel replica's free slots and its page allocator / prefix cache (index 0 of each is null)."""
     free_slots: list[int]
-    free_pages: list[int]
+    cache: PrefixCache
     running: int = 0
+
 
 
 def next_bucket(x: int, buckets) -> int:
@@ -99,14 +111,18 @@ def next_bucket(x: int, buckets) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1):
-        """num_slots and num_pages are per data-parallel replica."""
+                 max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0):
+        """num_slots, num_pages and num_snapshots (GDN state snapshots of the prefix cache; 0: no prefix caching)
+        are per data-parallel replica."""
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
         self.prefill_buckets = sorted(prefill_buckets, key=lambda nt: (nt[0] * nt[1], nt[1]))
-        self.pools = [Pool(list(range(num_slots, 0, -1)), list(range(num_pages - 1, 0, -1))) for _ in range(dp)]
+        self.pools = [Pool(list(range(num_slots, 0, -1)),
+                           PrefixCache(page_size, list(range(num_pages - 1, 0, -1)), num_snapshots))
+                      for _ in range(dp)]
         self.num_pages = num_pages
+        self.prefix_queries = self.prefix_hits = 0      # prompt tokens looked up / found (vLLM's counters)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -131,12 +147,14 @@ class Scheduler:
         return [s for p in self.pools for s in p.free_slots]
 
     @property
-    def free_pages(self) -> list[int]:
-        return [x for p in self.pools for x in p.free_pages]
+    def available_pages(self) -> int:
+        """KV pages a request can be given: free ones and those only cached snapshots hold (evicted on demand)."""
+        return sum(p.cache.available() for p in self.pools)
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - len(self.free_pages) / max(1, len(self.pools) * (self.num_pages - 1))
+        """Fraction of KV pages held by requests (pages only cached snapshots hold count as free)."""
+        return 1.0 - self.available_pages / max(1, len(self.pools) * (self.num_pages - 1))
 
     @property
     def slot_usage(self) -> float:
@@ -147,37 +165,72 @@ class Scheduler:
         self.check_fits(req.prompt_len, req.max_tokens)
         self.waiting.append(req)
 
-    def free(self, req: Request):
-        """Return a finished or aborted request's slot and pages at once."""
+    def free(self, req: Request) -> tuple[int, Copy] | None:
+        """Return a finished or aborted request's slot and pages at once. With prefix caching its state is kept
+        as a snapshot where every token fed so far is known (decode_steps > 1 may have fed tokens past a stop):
+        returns (replica, the copy to dispatch before its slot is reused), or None."""
+        save = None
         if req.status is Status.RUNNING:
             self.running.remove(req)
             pool = self.pools[req.replica]
+            if req.restore is not None:          # admitted, never dispatched
+                pool.cache.restored(req.restore)
+                req.restore = None
+            elif req.num_computed <= req.prompt_len + len(req.output_ids):
+                copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages)
+                save = (req.replica, copy) if copy else None
             pool.free_slots.append(req.slot)
-            pool.free_pages.extend(req.pages)
+            pool.cache.release(req.pages)
             pool.running -= 1
             req.slot, req.pages = 0, []
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         req.status = Status.FINISHED
+        return save
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached snapshot (and the pages only they held); False if a restore was still pending."""
+        return all([p.cache.reset() for p in self.pools])
 
     def _admit(self) -> Request | None:
-        """FCFS: the oldest waiting request goes to the least-loaded replica that can hold it, or nothing moves."""
+        """FCFS: the oldest waiting request goes to the replica with the longest cached prefix for it, then the
+        least loaded, among those that can hold it; or nothing moves."""
         req = self.waiting[0]
         need = self.pages_needed(req.prompt_len, req.max_tokens)
-        fits = [i for i, p in enumerate(self.pools)
-                if p.free_slots and len(p.free_pages) >= need and p.running < self.decode_buckets[-1]]
-        if not fits:
-            return None
-        i = min(fits, key=lambda i: (self.pools[i].running, i))
-        pool = self.pools[i]
-        self.waiting.popleft()
-        req.replica, req.slot = i, pool.free_slots.pop()
-        req.pages = [pool.free_pages.pop() for _ in range(need)]
-        pool.running += 1
-        req.status = Status.RUNNING
-        req.first_scheduled_time = time.monotonic()
-        self.running.append(req)
-        return req
+        look = req.params.prompt_logprobs is None        # prompt logprobs need every position's logits
+        tried = []
+        for i, p in enumerate(self.pools):
+            if p.free_slots and p.running < self.decode_buckets[-1]:
+                hit = p.cache.lookup(req.prompt_ids, req.prompt_len - 1) if look else Hit(None, [])
+                tried.append((-hit.length, p.running, i, hit))
+        for _, _, i, hit in sorted(tried, key=lambda x: x[:3]):
+            pool, snap = self.pools[i], hit.snapshot
+            shared = snap.pages[:hit.length // self.page_size] if snap else []
+            pool.cache.share(shared)                    # taken first: the allocation may evict other snapshots
+            if snap:
+                pool.cache.use(snap)
+            own = pool.cache.allocate(need - len(shared))
+            if own is None:
+                pool.cache.release(shared)
+                if snap:
+                    pool.cache.restored(snap)
+                continue
+            self.waiting.popleft()
+            req.replica, req.slot = i, pool.free_slots.pop()
+            req.pages = shared + own
+            req.num_computed = req.num_cached = hit.length
+            req.restore = snap
+            branch = len(hit.chain) * self.page_size
+            req.save_at = branch if branch > hit.length else None
+            if look:
+                self.prefix_queries += req.prompt_len
+                self.prefix_hits += hit.length
+            pool.running += 1
+            req.status = Status.RUNNING
+            req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            return req
+        return None
 
     # -- one step ------------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -193,7 +246,7 @@ class Scheduler:
                     break
                 candidates.append(self.running[-1])
             req = candidates[0]
-            remaining = req.prompt_len - req.num_computed
+            remaining = self._segment_end(req) - req.num_computed
             trial = [c.request for c in chunks] + [req]
             fit = self._fit(trial, budget)
             if fit is None:
@@ -203,16 +256,30 @@ class Scheduler:
             chunks.append(Chunk(req, req.num_computed, 0))
             if remaining > shape[1]:   # this row is chunked: nothing after it can join a larger bucket usefully
                 break
-        if chunks:
-            rows, t = shape
-            for c in chunks:
-                c.length = min(c.request.prompt_len - c.start, t)
-        return StepPlan(decode=decode, prefill=chunks, prefill_shape=shape)
+        plan = StepPlan(decode=decode, prefill=chunks, prefill_shape=shape)
+        for c in chunks:
+            r = c.request
+            c.length = min(self._segment_end(r) - c.start, shape[1])
+            if r.restore is not None:
+                plan.restores.append(r)
+            end = c.start + c.length
+            if end < r.prompt_len:     # a chunk end inside the prompt leaves a snapshot (after every admission)
+                if end == r.save_at:
+                    r.save_at = None
+                copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages)
+                if copy:
+                    plan.saves.append((r.replica, copy))
+        return plan
+
+    @staticmethod
+    def _segment_end(r: Request) -> int:
+        """Where the request's next chunk must end at the latest: its branch point, else its prompt's end."""
+        return r.save_at if r.save_at is not None and r.save_at > r.num_computed else r.prompt_len
 
     def _fit(self, reqs: list[Request], budget: int):
         """Smallest prefill bucket (rows per replica, tokens) holding these rows' next chunks within the budget
         (per replica); the tokens dimension may be smaller than a row's remaining prompt (it is then chunked)."""
-        remaining = [r.prompt_len - r.num_computed for r in reqs]
+        remaining = [self._segment_end(r) - r.num_computed for r in reqs]
         per_replica = max(collections.Counter(r.replica for r in reqs).values())
         best = None
         for rows, t in self.prefill_buckets:

@@ -34,14 +34,22 @@ def abstract_state(cfg: ModelConfig, layout: Layout, num_slots: int, num_pages: 
                    dtype=jnp.bfloat16, dp: int = 1) -> State:
     """Per data-parallel replica: num_slots live request slots (+1 null slot) and num_pages KV pages (page 0 is
     the null page). With dp replicas the pools are stacked along the slot / page axis, which is sharded on dp."""
-    n_gdn, n_attn = len(cfg.gdn_layers), len(cfg.attn_layers)
-    slots = dp * (num_slots + 1)
+    n_attn = len(cfg.attn_layers)
+    kv = Param((layout.kv_total, dp * num_pages, page_size, cfg.head_dim), dtype,
+               ("kv_heads", "pages", "page", "head_dim"))
+    return dataclasses.replace(abstract_snapshots(cfg, num_slots, dtype, dp), k_pages=[kv] * n_attn,
+                               v_pages=[kv] * n_attn)
+
+
+def abstract_snapshots(cfg: ModelConfig, num: int, dtype=jnp.bfloat16, dp: int = 1) -> State:
+    """GDN recurrent and conv state of num slots per replica (+1 null), no K/V pages: the live slots of
+    abstract_state, or the prefix cache's snapshot pool (laid out and sharded as the slots)."""
+    n_gdn = len(cfg.gdn_layers)
+    slots = dp * (num + 1)
     conv = Param((slots, cfg.conv_kernel - 1, cfg.conv_dim), dtype, ("slots", "taps", "conv_ch"))
     rec = Param((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
                 jnp.float32, ("slots", "gdn_heads", "dv", "dk"))
-    kv = Param((layout.kv_total, dp * num_pages, page_size, cfg.head_dim), dtype,
-               ("kv_heads", "pages", "page", "head_dim"))
-    return State(conv=[conv] * n_gdn, recurrent=[rec] * n_gdn, k_pages=[kv] * n_attn, v_pages=[kv] * n_attn)
+    return State(conv=[conv] * n_gdn, recurrent=[rec] * n_gdn, k_pages=[], v_pages=[])
 
 
 def state_specs(abstract: State):

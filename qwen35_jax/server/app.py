@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over one Engine: /v1/chat/completions, /v1/completions, /v1/models, /health,
-/metrics, /start_profile, /stop_profile.
+/metrics, /start_profile, /stop_profile, /reset_prefix_cache.
 
 `create_app` builds the FastAPI app: it puts the engine, the ServerConfig and what is derived from them once
 (tokenizer, think ids, chat-template variables, metrics registry) on `app.state`, includes the module-level routes
@@ -374,8 +374,9 @@ def drop_generated(c: CompletionOutput):
 
 def usage(gen: Generation, prompt_lens: list[int]) -> dict:
     done = sum(len(c.token_ids) for out in gen.seen if out is not None for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in gen.seen if out is not None)
     return {"prompt_tokens": sum(prompt_lens), "completion_tokens": done,
-            "total_tokens": sum(prompt_lens) + done}
+            "total_tokens": sum(prompt_lens) + done, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def event(obj) -> str:
@@ -423,6 +424,15 @@ async def stop_profile(request: Request):
     hlo = [exe.as_text() for exe in list(request.app.state.engine.executor.compiled.values())]
     blocks = await asyncio.to_thread(profile.summarize, session, hlo)
     return {"status": "stopped", "session_dir": session, "device_ms_by_block": blocks}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    """Drop every cached prefix (as vLLM's endpoint); 409 if a request was being restored from one."""
+    if not await asyncio.to_thread(request.app.state.engine.reset_prefix_cache):
+        raise APIError(409, "some cached prefixes were being restored into requests and were kept; try again",
+                       "invalid_request_error", code="prefix_cache_busy")
+    return {"status": "ok"}
 
 
 @router.get("/v1/models")

@@ -93,6 +93,8 @@ class _EngineCollector:
         yield gauge("engine_healthy", "1 while the engine loop is alive.", 1.0 if e.healthy else 0.0)
         yield counter("prompt_tokens", "Prompt tokens prefilled.", e.stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", e.stats.generation_tokens)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", s.prefix_hits)
         yield counter("engine_steps", "Engine steps dispatched.", e.stats.steps)
         yield counter("engine_host_seconds", "Engine-thread host work not hidden behind the device (schedule, "
                       "build inputs, detokenize, stream).", e.stats.host_seconds)

@@ -1,0 +1,276 @@
+"""Prefix caching for a hybrid model: shared K/V pages plus Gated DeltaNet state snapshots (host bookkeeping).
+
+A request can skip the prefill of a prefix only if both halves of the model's state at the end of that prefix
+exist: the attention layers' K/V of every earlier position, and the GDN layers' recurrent and conv state at exactly
+that position (it cannot be rebuilt from K/V). So the cache holds:
+
+- **pages**: full K/V pages, content-addressed by a chain of 128-bit blake2b digests (parent digest, the page's
+  token ids). A lookup walks the chain from the root and also checks each node's parent and token ids, so a hit is
+  exact whatever the digests do. Full pages are never written again; pages are reference-counted by the requests
+  using them and the snapshots pinning them, and freed (their node dropped) at zero.
+- **snapshots**: a GDN state entry in the device's snapshot pool (`Snapshot.entry`) saved at an exact position P,
+  with refs on the full pages of its prefix and its own copy of the page holding positions P - P % page_size .. P
+  (a request resuming at P copies it into a fresh page of its own, which it goes on writing). Snapshots are
+  evicted least recently used when the pool or the free pages run out.
+
+Where snapshots are taken (docs/architecture.md says why): at the end of every finished request (the next turn of a
+conversation resumes there), at every prefill chunk end before the prompt's end, and at the branch point of a
+prompt whose prefix matches cached pages beyond its best snapshot (the scheduler ends a chunk there), so the next
+prompt with that prefix resumes at a page boundary. The device copies are the engine's (executor.save / restore);
+this module only decides and keeps count. One instance per data-parallel replica.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+
+import numpy as np
+
+
+def page_digest(parent: bytes, tokens) -> bytes:
+    """128-bit digest of a full page given its parent's digest (a chance collision is ~n^2 / 2^129 for n pages,
+    and lookups compare token ids besides)."""
+    return hashlib.blake2b(parent + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """A cached full page: the chain of pages from the root to it holds tokens [0, depth * page_size)."""
+    digest: bytes
+    parent: Node | None
+    tokens: tuple
+    page: int
+    depth: int
+    snapshots: dict = dataclasses.field(default_factory=dict)    # partial-page token ids -> Snapshot
+
+
+@dataclasses.dataclass(eq=False)
+class Snapshot:
+    entry: int                  # index in the device snapshot pool (0 is null)
+    node: Node                  # the node of its last full page (the root below one page)
+    partial: tuple              # token ids after node's pages: positions depth * page_size .. length
+    length: int                 # P: the position the state was saved at
+    pages: list[int]            # the full pages of its prefix (a ref each)
+    page: int                   # its copy of the partial page (0 when P is page-aligned)
+    last_used: int = 0
+    restoring: int = 0          # restores planned and not yet dispatched (never evicted meanwhile)
+
+
+@dataclasses.dataclass
+class Hit:
+    """A prompt's best cached prefix: `snapshot` (or None) and the pages of the longest cached page chain."""
+    snapshot: Snapshot | None
+    chain: list[int]            # pages of the prompt's leading full pages found in the cache
+
+    @property
+    def length(self) -> int:
+        return self.snapshot.length if self.snapshot else 0
+
+
+@dataclasses.dataclass
+class Copy:
+    """One device copy: GDN state between a slot and a snapshot entry, and K/V page src -> dst (0, 0: none)."""
+    slot: int
+    entry: int
+    src_page: int
+    dst_page: int
+    tokens: list | None = None  # restores: the prefix's token ids (the sampler's prompt mask is rebuilt from them)
+
+
+class PrefixCache:
+    """One replica's page allocator and prefix cache. `free_pages` is the replica's free list (page 0 is null)."""
+
+    def __init__(self, page_size: int, free_pages: list[int], num_snapshots: int, enabled: bool = True):
+        self.ps = page_size
+        self.free_pages = free_pages
+        self.enabled = enabled and num_snapshots > 0
+        self.free_entries = list(range(num_snapshots, 0, -1))
+        self.root = Node(b"", None, (), 0, 0)
+        self.nodes: dict[bytes, Node] = {}
+        self.by_page: dict[int, Node] = {}
+        self.refs = collections.Counter()          # page -> refs (requests and snapshots)
+        self.snap_refs = collections.Counter()     # page -> refs held by snapshots
+        self.reclaimable = set()                   # pages only snapshots hold (evicting them frees these)
+        self.snapshots: dict[Snapshot, None] = {}  # LRU order: oldest first
+        self._tick = itertools.count(1)
+
+    # -- pages ---------------------------------------------------------------------------------------------------
+    def _ref(self, page: int, snap: bool = False):
+        self.refs[page] += 1
+        if snap:
+            self.snap_refs[page] += 1
+        self._update(page)
+
+    def _unref(self, page: int, snap: bool = False):
+        self.refs[page] -= 1
+        if snap:
+            self.snap_refs[page] -= 1
+        if self.refs[page] == 0:
+            del self.refs[page]
+            self.snap_refs.pop(page, None)
+            self.reclaimable.discard(page)
+            node = self.by_page.pop(page, None)
+            if node is not None:
+                del self.nodes[node.digest]
+            self.free_pages.append(page)
+        else:
+            self._update(page)
+
+    def _update(self, page: int):
+        if self.refs[page] == self.snap_refs[page]:
+            self.reclaimable.add(page)
+        else:
+            self.reclaimable.discard(page)
+
+    def available(self) -> int:
+        """Pages an allocation can get: free ones plus those only evictable snapshots hold."""
+        return len(self.free_pages) + len(self.reclaimable)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh pages (one ref each), evicting snapshots as needed; None (nothing evicted) if they cannot be had."""
+        if n > self.available():
+            return None
+        while len(self.free_pages) < n and self._evict_one():
+            pass
+        if len(self.free_pages) < n:
+            return None
+        pages = [self.free_pages.pop() for _ in range(n)]
+        for p in pages:
+            self._ref(p)
+        return pages
+
+    def share(self, pages: list[int]):
+        """A request takes a ref on cached pages."""
+        for p in pages:
+            self._ref(p)
+
+    def release(self, pages: list[int]):
+        for p in pages:
+            self._unref(p)
+
+    # -- lookup --------------------------------------------------------------------------------------------------
+    def lookup(self, tokens: list[int], limit: int) -> Hit:
+        """The deepest snapshot at most `limit` tokens into `tokens` whose prefix is cached, and the chain of cached
+        leading pages (only full pages ending at or before `limit`)."""
+        if not self.enabled:
+            return Hit(None, [])
+        node, chain, best = self.root, [], None
+        while True:
+            start = node.depth * self.ps
+            for partial, snap in node.snapshots.items():
+                if snap.length <= limit and (best is None or snap.length > best.length) \
+                        and tuple(tokens[start:snap.length]) == partial:
+                    best = snap
+            end = start + self.ps
+            if end > limit:
+                break
+            page_tokens = tuple(tokens[start:end])
+            child = self.nodes.get(page_digest(node.digest, page_tokens))
+            if child is None or child.parent is not node or child.tokens != page_tokens:
+                break
+            node = child
+            chain.append(node.page)
+        return Hit(best, chain)
+
+    def use(self, snap: Snapshot):
+        """A request will resume from snap: most recently used, and kept until its restore is dispatched
+        (`restored`)."""
+        self._touch(snap)
+        snap.restoring += 1
+
+    def restored(self, snap: Snapshot):
+        snap.restoring -= 1
+
+    def _touch(self, snap: Snapshot):
+        snap.last_used = next(self._tick)
+        self.snapshots.pop(snap)
+        self.snapshots[snap] = None
+
+    # -- snapshots -----------------------------------------------------------------------------------------------
+    def snapshot(self, slot: int, tokens: list[int], length: int, pages: list[int]) -> Copy | None:
+        """Record the state of `slot` at position `length` (its K/V in `pages`, a request's page table; tokens:
+        at least its first `length` token ids) as a snapshot: registers its full pages and returns the device copy
+        to make, or None (cache off, already cached, or no room)."""
+        if not self.enabled or length < 1:
+            return None
+        ps = self.ps
+        full = length // ps
+        node, chain = self.root, []
+        for i in range(full):                 # find or register the chain of full pages
+            page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
+            digest = page_digest(node.digest, page_tokens)
+            child = self.nodes.get(digest)
+            if child is None or child.parent is not node or child.tokens != page_tokens:
+                if child is not None:         # a digest collision: leave the older entry, cache nothing here
+                    return None
+                child = Node(digest, node, page_tokens, pages[i], i + 1)
+                self.nodes[digest], self.by_page[pages[i]] = child, child
+            node = child
+            chain.append(node.page)
+        partial = tuple(tokens[full * ps:length])
+        old = node.snapshots.get(partial)
+        if old is not None:
+            self._touch(old)
+            return None
+        for p in chain:                       # pin the chain before evicting anything for the entry / page
+            self._ref(p, snap=True)
+        entry = self._take_entry()
+        page = 0
+        if entry and partial:
+            got = self.allocate(1)
+            page = got[0] if got else 0
+            if not page:
+                self.free_entries.append(entry)
+                entry = 0
+        if not entry:
+            for p in chain:
+                self._unref(p, snap=True)
+            return None
+        if page:
+            self.snap_refs[page] += 1
+            self._update(page)
+        snap = Snapshot(entry, node, partial, length, chain, page, next(self._tick))
+        node.snapshots[partial] = snap
+        self.snapshots[snap] = None
+        return Copy(slot, entry, pages[full] if page else 0, page)
+
+    def _take_entry(self) -> int:
+        if not self.free_entries and not self._evict_one():
+            return 0
+        return self.free_entries.pop()
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used snapshot not awaiting a restore; False if there is none."""
+        for snap in self.snapshots:
+            if not snap.restoring:
+                self._drop(snap)
+                return True
+        return False
+
+    def _drop(self, snap: Snapshot):
+        del self.snapshots[snap]
+        del snap.node.snapshots[snap.partial]
+        self.free_entries.append(snap.entry)
+        for p in snap.pages + ([snap.page] if snap.page else []):
+            self._unref(p, snap=True)
+
+    def reset(self) -> bool:
+        """Drop every snapshot (vLLM's reset_prefix_cache); False if some restore is still to be dispatched."""
+        busy = [s for s in self.snapshots if s.restoring]
+        for snap in [s for s in self.snapshots if not s.restoring]:
+            self._drop(snap)
+        return not busy
+
+    @property
+    def num_snapshots(self) -> int:
+        return len(self.snapshots)
+
+
+def prefix_bits(tokens, words: int) -> np.ndarray:
+    """int32 [words] bitmask of the token ids present in `tokens` (bit t % 32 of word t // 32)."""
+    bits = np.zeros(words, np.uint32)
+    t = np.asarray(tokens, np.int64)
+    np.bitwise_or.at(bits, t >> 5, np.left_shift(np.uint32(1), (t & 31).astype(np.uint32)))
+    return bits.view(np.int32)
