@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured multiturn.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -120,6 +120,9 @@ for s in $sections; do
                --threads 8 --out bench/runs/grammar-mask-h200-host.json
              CUDA_VISIBLE_DEVICES=0 run structured 360 python3 bench/structured.py --record \
                --config bench/configs/qwen3.5-9b.json --tokenizer /tmp/qwen35-bench-tokenizer --rows 16 64 ;;
+    multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
+                 --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots 16 32 \
+                 --compilation-cache-dir $xla/multiturn ;;   # prefix cache: 32 conversations x 6 turns, on vs off
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
 done
