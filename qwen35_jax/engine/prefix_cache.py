@@ -29,10 +29,10 @@ import itertools
 import numpy as np
 
 
-def page_digest(parent: bytes, tokens) -> bytes:
-    """128-bit digest of a full page given its parent's digest (a chance collision is ~n^2 / 2^129 for n pages,
-    and lookups compare token ids besides)."""
-    return hashlib.blake2b(parent + np.asarray(tokens, np.int32).tobytes(), digest_size=16).digest()
+def page_digest(parent: bytes, page: bytes) -> bytes:
+    """128-bit digest of a full page (its token ids as int32 bytes) given its parent's digest (a chance collision
+    is ~n^2 / 2^129 for n pages, and lookups compare token ids besides)."""
+    return hashlib.blake2b(parent + page, digest_size=16).digest()
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,6 +157,7 @@ class PrefixCache:
         if not self.enabled:
             return Hit(None, [])
         node, chain, best = self.root, [], None
+        raw = np.asarray(tokens[:limit], np.int32).tobytes()
         while True:
             start = node.depth * self.ps
             for partial, snap in node.snapshots.items():
@@ -167,7 +168,7 @@ class PrefixCache:
             if end > limit:
                 break
             page_tokens = tuple(tokens[start:end])
-            child = self.nodes.get(page_digest(node.digest, page_tokens))
+            child = self.nodes.get(page_digest(node.digest, raw[4 * start:4 * end]))
             if child is None or child.parent is not node or child.tokens != page_tokens:
                 break
             node = child
@@ -198,9 +199,10 @@ class PrefixCache:
         ps = self.ps
         full = length // ps
         node, chain = self.root, []
+        raw = np.asarray(tokens[:full * ps], np.int32).tobytes()
         for i in range(full):                 # find or register the chain of full pages
             page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
-            digest = page_digest(node.digest, page_tokens)
+            digest = page_digest(node.digest, raw[4 * i * ps:4 * (i + 1) * ps])
             child = self.nodes.get(digest)
             if child is None or child.parent is not node or child.tokens != page_tokens:
                 if child is not None:         # a digest collision: leave the older entry, cache nothing here
