@@ -56,7 +56,8 @@ def test_echo_prompt_only(server, llm):
     out = post(server, body)
     c = out["choices"][0]
     assert c["text"] == PROMPT and c["finish_reason"] == "length"
-    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     lp = c["logprobs"]
     assert "".join(lp["tokens"]) == PROMPT and len(lp["tokens"]) == len(ids)
     check_offsets(lp)

@@ -159,8 +159,8 @@ def test_split_steps_compile_in_the_background(tiny_model_dir):
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     with LLM(tiny_model_dir, **engine_args(precompile=False, max_num_seqs=2)) as model:
         ex = model.engine.executor
-        for key in ex.keys():              # what greedy rows use: every prefill bucket, the greedy decode ones
-            if key[0] == "prefill" or key[2] == "greedy":
+        for key in ex.keys():   # what greedy rows use: every prefill bucket, the greedy decode ones, the copies
+            if key[0] != "decode" or key[2] == "greedy":
                 ex.compiled[key] = ex._compile(key)
         ex.lazy = False            # as after the precompile sweep: nothing more is compiled on the serving path
         assert not ex.split_ready
