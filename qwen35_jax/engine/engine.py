@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwen35_jax import env
 from qwen35_jax.engine import executor as ex
 from qwen35_jax.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from qwen35_jax.engine.prefix_cache import Copy
 from qwen35_jax.engine.sampler import init_sampler_state
 from qwen35_jax.engine.sampling_params import SamplingParams
 from qwen35_jax.engine.scheduler import Request, Scheduler, Status
@@ -628,12 +627,7 @@ class Engine:
             self._saves = []
         if plan.restores:
             with jax.profiler.TraceAnnotation("prefix_restore", rows=len(plan.restores)):
-                self.executor.run_copies("restore", [
-                    (r.replica, Copy(r.slot, r.restore.entry, r.restore.page, r.pages[len(r.restore.pages)]
-                                     if r.restore.page else 0, r.prompt_ids[:r.num_cached])) for r in plan.restores])
-            for r in plan.restores:
-                self.scheduler.pools[r.replica].cache.restored(r.restore)
-                r.restore = None
+                self.executor.run_copies("restore", plan.restores)
         if plan.prefill:
             n, t = plan.prefill_shape
             # the prompt logprobs of a request with n > 1 come from its first sequence's prefill

@@ -55,7 +55,7 @@ class Snapshot:
     pages: list[int]            # the full pages of its prefix (a ref each)
     page: int                   # its copy of the partial page (0 when P is page-aligned)
     last_used: int = 0
-    restoring: int = 0          # restores planned and not yet dispatched (never evicted meanwhile)
+    restoring: int = 0          # admitted requests yet to be restored from it (never evicted meanwhile)
 
 
 @dataclasses.dataclass
@@ -176,8 +176,8 @@ class PrefixCache:
         return Hit(best, chain)
 
     def use(self, snap: Snapshot):
-        """A request will resume from snap: most recently used, and kept until its restore is dispatched
-        (`restored`)."""
+        """A request will resume from snap: most recently used, and never evicted until the step plan that
+        restores it is made (`restored`; the plan's restores are dispatched before anything it writes)."""
         self._touch(snap)
         snap.restoring += 1
 

@@ -89,8 +89,10 @@ class StepPlan:
     decode: list[Request]
     prefill: list[Chunk]
     prefill_shape: tuple[int, int] | None      # (rows per replica, tokens per row) bucket of the prefill call
-    restores: list[Request] = dataclasses.field(default_factory=list)     # before the prefill: snapshot -> slot
-    saves: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)  # after it: (replica, slot -> snapshot)
+    # the prefix cache's device copies as (replica, Copy): restores (snapshot -> slot) before the prefill, saves
+    # (slot -> snapshot, at chunk ends) after it
+    restores: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)
+    saves: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -260,8 +262,13 @@ class Scheduler:
         for c in chunks:
             r = c.request
             c.length = min(self._segment_end(r) - c.start, shape[1])
-            if r.restore is not None:
-                plan.restores.append(r)
+            if r.restore is not None:     # its first chunk: the copy is dispatched before anything below writes
+                snap, cache = r.restore, self.pools[r.replica].cache
+                own = r.pages[len(snap.pages)] if snap.page else 0     # the page holding position num_cached
+                plan.restores.append((r.replica, Copy(r.slot, snap.entry, snap.page, own,
+                                                      r.prompt_ids[:r.num_cached])))
+                cache.restored(snap)
+                r.restore = None
             end = c.start + c.length
             if end < r.prompt_len:     # a chunk end inside the prompt leaves a snapshot (after every admission)
                 if end == r.save_at:
