@@ -114,14 +114,18 @@ for s in $sections; do
              nccl="--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE"      # NCCL all-reduces, not XLA's kernels
              XLA_FLAGS="$nccl --xla_gpu_enable_command_buffer=+COLLECTIVES" run tpflags_nccl_graph 150 $tpf
              XLA_FLAGS="$nccl" run tpflags_nccl 150 $tpf ;;
-    structured)   # needs the llguidance wheel in .whl; first the 248,320-token tokenizer (trained on the machine's
-                  # Python sources) and the mask cost on this host's CPU, then decode with every row constrained
-             CUDA_VISIBLE_DEVICES=0 run grammar_mask 200 python3 bench/grammar_mask.py --engines llguidance \
-               --threads 8 --out bench/runs/grammar-mask-h200-host.json
-             CUDA_VISIBLE_DEVICES=0 run structured 360 python3 bench/structured.py --record \
+    structured)   # needs the llguidance wheel in .whl; first the 248,320-token tokenizer (carried gzipped in
+                  # .bench_tok/tokenizer.json.gz, else trained on the machine's Python sources, with the mask cost
+                  # on this host's CPU), then decode with every row constrained
+             tok=/tmp/qwen35-bench-tokenizer; mkdir -p $tok
+             [ -f .bench_tok/tokenizer.json.gz ] && gunzip -c .bench_tok/tokenizer.json.gz > $tok/tokenizer.json
+             [ -f $tok/tokenizer.json ] || CUDA_VISIBLE_DEVICES=0 run grammar_mask 200 python3 bench/grammar_mask.py \
+               --engines llguidance --threads 8 --out bench/runs/grammar-mask-h200-host.json
+             CUDA_VISIBLE_DEVICES=0 run structured ${ST_SHARE:-360} python3 bench/structured.py --record \
                --config bench/configs/qwen3.5-9b.json --tokenizer /tmp/qwen35-bench-tokenizer --rows 16 64 ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
-                 --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots 16 32 \
+                 --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS:-16 32} \
+                 --rounds 2 --random-requests ${MT_RANDOM:-64} \
                  --compilation-cache-dir $xla/multiturn ;;   # prefix cache: 32 conversations x 6 turns, on vs off
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac
