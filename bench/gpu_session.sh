@@ -124,8 +124,8 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run structured ${ST_SHARE:-360} python3 bench/structured.py --record \
                --config bench/configs/qwen3.5-9b.json --tokenizer /tmp/qwen35-bench-tokenizer --rows 16 64 ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
-                 --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS:-16 32} \
-                 --rounds 2 --random-requests ${MT_RANDOM:-64} \
+                 --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
+                 --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \
                  --compilation-cache-dir $xla/multiturn ;;   # prefix cache: 32 conversations x 6 turns, on vs off
     tp27b) run tp27b 300 python3 bench/tp.py --configs bench/configs/qwen3.5-27b.json --tp 2 --batches 1,16 --record ;;
   esac

@@ -2,7 +2,10 @@
 
 Token-id conversations (no tokenizer needed): every conversation opens with the same system prompt, then each turn
 adds a user message of random tokens and the model's answer (max tokens, ignore_eos), so turn t + 1's prompt is
-turn t's prompt, its answer and a new user message. `--concurrency` conversations run at once, each turn by turn.
+turn t's prompt, its answer and a new user message. `--concurrency` conversations run at once, each turn by turn,
+pausing `--think-ms` (exponential, mean; seeded, the same in every phase) between a turn's answer and the next
+message: without a pause, conversations whose answers all have the same length stay in lockstep and every turn
+boundary is a burst of `--concurrency` prompts at once.
 Reported per phase: time to first token (p50 / p99) of first turns and of later turns, prompt tokens prefilled,
 tokens found in the cache, output tokens per second. Then a no-reuse workload (random prompts) with the cache on
 and off, alternating. "Off" is the same engine with its prefix cache's lookups and snapshots switched off (what
@@ -58,12 +61,16 @@ async def conversations(engine, args, rng) -> list[dict]:
     users = [[rng.integers(0, vocab, args.user_len).tolist() for _ in range(args.turns)]
              for _ in range(args.conversations)]
     params = SamplingParams(max_tokens=args.answer_len, temperature=0, ignore_eos=True)
+    pauses = rng.exponential(args.think_ms / 1e3, (args.conversations, args.turns)) if args.think_ms else \
+        np.zeros((args.conversations, args.turns))
     gate, stats = asyncio.Semaphore(args.concurrency), []
 
     async def talk(c):
         async with gate:
             history = list(system)
             for t in range(args.turns):
+                if t:
+                    await asyncio.sleep(pauses[c, t])
                 history += users[c][t]
                 history += await one(engine, history, params, stats, t)
     await asyncio.gather(*(talk(c) for c in range(args.conversations)))
@@ -114,6 +121,7 @@ def main():
     ap.add_argument("--user-len", type=int, default=100)
     ap.add_argument("--answer-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--think-ms", type=float, default=0.0, help="mean pause between turns (exponential)")
     ap.add_argument("--random-requests", type=int, default=64, help="no-reuse workload: requests per phase")
     ap.add_argument("--random-len", type=int, default=2148, help="no-reuse workload: prompt tokens")
     ap.add_argument("--rounds", type=int, default=2, help="no-reuse workload: on / off pairs")

@@ -14,7 +14,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repo instead of bench/ (this script's directory), whose profile.py would shadow the standard library's: the
+# tokenizer's transformers import reaches cProfile through torch where torch is installed
+sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from bench import results  # noqa: E402
 from qwen35_jax import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
