@@ -659,12 +659,14 @@ class Engine:
         return records
 
     def _process(self, records):
-        t0 = time.perf_counter()
-        fetched = [(kind, rows, ex.fetch(out)) for kind, rows, out in records]
-        t1 = time.perf_counter()
-        self.stats.wait_seconds += t1 - t0
-        touched = set()
-        for kind, rows, out in fetched:
+        """Read back a step's records in dispatch order and stream each one's tokens before waiting for the next: a
+        prefill's first tokens go out as soon as the prefill is done, not after the decode dispatched behind it."""
+        for kind, rows, out in records:
+            t0 = time.perf_counter()
+            out = ex.fetch(out)
+            t1 = time.perf_counter()
+            self.stats.wait_seconds += t1 - t0
+            touched = set()
             if kind == "prompt_logprobs":
                 for i, row in enumerate(rows):
                     if row is not None:
@@ -683,11 +685,11 @@ class Engine:
                             break
                         self._append(req, out, (k, i))
                         touched.add(req.request_id)
-        for rid in touched:
-            group = self._groups.get(rid)
-            if group is not None and (group.stream or group.finished):
-                self._emit(group)
-        self.stats.host_seconds += time.perf_counter() - t1
+            for rid in touched:
+                group = self._groups.get(rid)
+                if group is not None and (group.stream or group.finished):
+                    self._emit(group)
+            self.stats.host_seconds += time.perf_counter() - t1
 
     # -- per token -----------------------------------------------------------------------------------------------
     def _decoder(self, params: SamplingParams):
