@@ -151,13 +151,26 @@ class PrefixCache:
             self._unref(p)
 
     # -- lookup --------------------------------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], limit: int) -> Hit:
+    def digests(self, tokens: list[int], n: int, memo: list | None = None) -> list[bytes]:
+        """The chained digests of the first n full pages of tokens; memo (a request's list) is extended in place,
+        so each page of a request is hashed once however often it is looked up or snapshotted."""
+        memo = [] if memo is None else memo
+        if len(memo) < n:
+            ps, have = self.ps, len(memo)
+            raw = np.asarray(tokens[have * ps:n * ps], np.int32).tobytes()
+            parent = memo[-1] if memo else self.root.digest
+            for i in range(n - have):
+                parent = page_digest(parent, raw[4 * i * ps:4 * (i + 1) * ps])
+                memo.append(parent)
+        return memo
+
+    def lookup(self, tokens: list[int], limit: int, memo: list | None = None) -> Hit:
         """The deepest snapshot at most `limit` tokens into `tokens` whose prefix is cached, and the chain of cached
-        leading pages (only full pages ending at or before `limit`)."""
+        leading pages (only full pages ending at or before `limit`). memo: as in `digests`."""
         if not self.enabled:
             return Hit(None, [])
         node, chain, best = self.root, [], None
-        raw = np.asarray(tokens[:limit], np.int32).tobytes()
+        digests = self.digests(tokens, limit // self.ps, memo)
         while True:
             start = node.depth * self.ps
             for partial, snap in node.snapshots.items():
@@ -168,7 +181,7 @@ class PrefixCache:
             if end > limit:
                 break
             page_tokens = tuple(tokens[start:end])
-            child = self.nodes.get(page_digest(node.digest, raw[4 * start:4 * end]))
+            child = self.nodes.get(digests[node.depth])
             if child is None or child.parent is not node or child.tokens != page_tokens:
                 break
             node = child
@@ -190,19 +203,20 @@ class PrefixCache:
         self.snapshots[snap] = None
 
     # -- snapshots -----------------------------------------------------------------------------------------------
-    def snapshot(self, slot: int, tokens: list[int], length: int, pages: list[int]) -> Copy | None:
+    def snapshot(self, slot: int, tokens: list[int], length: int, pages: list[int],
+                 memo: list | None = None) -> Copy | None:
         """Record the state of `slot` at position `length` (its K/V in `pages`, a request's page table; tokens:
-        at least its first `length` token ids) as a snapshot: registers its full pages and returns the device copy
-        to make, or None (cache off, already cached, or no room)."""
+        at least its first `length` token ids; memo: as in `digests`) as a snapshot: registers its full pages and
+        returns the device copy to make, or None (cache off, already cached, or no room)."""
         if not self.enabled or length < 1:
             return None
         ps = self.ps
         full = length // ps
         node, chain = self.root, []
-        raw = np.asarray(tokens[:full * ps], np.int32).tobytes()
+        digests = self.digests(tokens, full, memo)
         for i in range(full):                 # find or register the chain of full pages
             page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
-            digest = page_digest(node.digest, raw[4 * i * ps:4 * (i + 1) * ps])
+            digest = digests[i]
             child = self.nodes.get(digest)
             if child is None or child.parent is not node or child.tokens != page_tokens:
                 if child is not None:         # a digest collision: leave the older entry, cache nothing here

@@ -54,6 +54,7 @@ class Request:
     num_cached: int = 0                         # prompt tokens served from the prefix cache
     restore: Snapshot | None = None             # the snapshot to copy into its slot before its first chunk
     save_at: int | None = None                  # its branch point: a chunk ends there and leaves a snapshot
+    digests: list = dataclasses.field(default_factory=list)     # its pages' chained digests (prefix_cache.digests)
 
     @property
     def prompt_len(self) -> int:
@@ -179,7 +180,8 @@ class Scheduler:
                 pool.cache.restored(req.restore)
                 req.restore = None
             elif req.num_computed <= req.prompt_len + len(req.output_ids):
-                copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages)
+                copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages,
+                                           req.digests)
                 save = (req.replica, copy) if copy else None
             pool.free_slots.append(req.slot)
             pool.cache.release(req.pages)
@@ -203,7 +205,7 @@ class Scheduler:
         tried = []
         for i, p in enumerate(self.pools):
             if p.free_slots and p.running < self.decode_buckets[-1]:
-                hit = p.cache.lookup(req.prompt_ids, req.prompt_len - 1) if look else Hit(None, [])
+                hit = p.cache.lookup(req.prompt_ids, req.prompt_len - 1, req.digests) if look else Hit(None, [])
                 tried.append((-hit.length, p.running, i, hit))
         for _, _, i, hit in sorted(tried, key=lambda x: x[:3]):
             pool, snap = self.pools[i], hit.snapshot
@@ -273,7 +275,7 @@ class Scheduler:
             if end < r.prompt_len:     # a chunk end inside the prompt leaves a snapshot (after every admission)
                 if end == r.save_at:
                     r.save_at = None
-                copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages)
+                copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages, r.digests)
                 if copy:
                     plan.saves.append((r.replica, copy))
         return plan
