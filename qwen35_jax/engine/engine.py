@@ -199,6 +199,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     host_seconds: float = 0.0        # host work per step not hidden behind device work (schedule/build/detok)
+    sample_seconds: float = 0.0      # constrained decode: filling the masks and dispatching the sampler
     wait_seconds: float = 0.0        # time blocked reading back tokens (device busy)
     finished: dict = dataclasses.field(default_factory=dict)
 
@@ -605,9 +606,11 @@ class Engine:
         """A dispatched step's output; a constrained decode's sampler (a function: executor.run_decode) is
         dispatched here, after the steps before it were read back and its rows' grammars advanced."""
         if callable(out):
+            t0 = time.perf_counter()
             with jax.profiler.TraceAnnotation("sample_constrained"):
                 out = out()
             self._copy_ahead(out)
+            self.stats.sample_seconds += time.perf_counter() - t0
         return out
 
     def _copy_ahead(self, out):
