@@ -1,11 +1,12 @@
 """Decode throughput with a JSON-schema constraint on every row against none, same engine, same run.
 
-A constrained row costs a bitmask fill on the host before each step, the mask's copy to the device, and the
-engine reading each step back before dispatching the next (the next mask needs the token). This measures what
-that leaves of decode throughput: `rows` requests of `--tokens` tokens, unconstrained then constrained (a JSON array
-of at least 64 short strings, so no row can finish early), alternating for `--rounds`, reporting generated tokens
-per second and the ratio. At Qwen3.5's shapes (`--config`, random weights) the model directory needs a
-tokenizer of the full vocabulary: bench/grammar_mask.py builds one (`--tokenizer`).
+A constrained row costs a bitmask fill on the host before each sampler (the mask needs the previous token), the
+mask's copy to the device and a split decode step (the model step, then the sampler). This measures what that leaves
+of decode throughput: `rows` requests of `--tokens` tokens, unconstrained then constrained (a JSON array of at least
+64 strings, free or at most 12 characters long: `SCHEMAS`; no row can finish early), alternating for `--rounds`,
+reporting generated tokens per second, the ratio, and where the engine thread's time per step went. At Qwen3.5's
+shapes (`--config`, random weights) the model directory needs a tokenizer of the full vocabulary:
+bench/grammar_mask.py builds one (`--tokenizer`).
 """
 import argparse
 import os
@@ -20,7 +21,11 @@ sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from bench import results  # noqa: E402
 from qwen35_jax import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
-SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}
+# "strings": free string items, whose masks llguidance's precomputed token slices serve (~65 us per row at 248,320
+# tokens on the 2-core CPU machine); "short_strings": a maxLength defeats those slices and every string mask walks the
+# whole token trie (~1.7 ms per row there): the expensive case.
+SCHEMAS = {"strings": {"type": "array", "items": {"type": "string"}, "minItems": 64},
+           "short_strings": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 64}}
 
 
 def model_dir(config: str | None, tokenizer: str | None) -> str | None:
@@ -35,12 +40,12 @@ def model_dir(config: str | None, tokenizer: str | None) -> str | None:
     return d
 
 
-def run(llm, rows: int, tokens: int, constrained: bool) -> dict:
+def run(llm, rows: int, tokens: int, schema: dict | None) -> dict:
     """Tokens per second, and the engine thread's time per step: blocked reading results back (`wait_ms`), in
     host work not hidden behind the device (`host_ms`), and filling masks and dispatching the constrained sampler
     (`sample_ms`): a device-bound step from a host-bound one."""
-    spec = StructuredOutputsParams(json=SCHEMA) if constrained else None
-    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=not constrained,
+    spec = StructuredOutputsParams(json=schema) if schema else None
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=spec is None,
                             structured_outputs=spec)
     st = llm.engine.stats
     before = (st.steps, st.wait_seconds, st.host_seconds, st.sample_seconds)
@@ -59,6 +64,7 @@ def main():
     ap.add_argument("--config", help="a config.json at real shapes (random weights); default: the default model")
     ap.add_argument("--tokenizer", default="/tmp/qwen35-bench-tokenizer", help="directory of tokenizer.json")
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--schemas", nargs="+", default=list(SCHEMAS), choices=list(SCHEMAS))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
@@ -70,27 +76,30 @@ def main():
     rows_out = []
     with LLM(path, max_num_seqs=max(args.rows), dtype=args.dtype, max_model_len=1024, **kw) as llm:
         for rows in args.rows:
-            run(llm, rows, 8, False), run(llm, rows, 8, True)           # warm: compiles, grammar cache
-            llm.engine.executor.wait_split()      # the split decode steps, compiled from the first constrained run
-            free, masked = [], []
-            for _ in range(args.rounds):
-                free.append(run(llm, rows, args.tokens, False))
-                masked.append(run(llm, rows, args.tokens, True))
-            f, m = max(free, key=lambda x: x["tok_s"]), max(masked, key=lambda x: x["tok_s"])
-            r = {"rows": rows, "tokens_per_s": f["tok_s"], "constrained_tokens_per_s": m["tok_s"],
-                 "overhead": f["tok_s"] / m["tok_s"] - 1,
-                 **{f"{k}_{name}": v for name, x in (("free", f), ("constrained", m))
-                    for k, v in x.items() if k != "tok_s"}}
-            print(f"rows {rows:4d}: {r['tokens_per_s']:9.1f} tok/s free, {r['constrained_tokens_per_s']:9.1f} "
-                  f"constrained, overhead {100 * r['overhead']:+.1f}%; per step free / constrained: "
-                  f"{f['step_ms']:.2f} / {m['step_ms']:.2f} ms, waiting {f['wait_ms']:.2f} / {m['wait_ms']:.2f}, "
-                  f"host {f['host_ms']:.2f} / {m['host_ms']:.2f}, masks and sampler {m['sample_ms']:.2f}", flush=True)
-            rows_out.append(r)
-            body = results.table([{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in x.items()}
-                                  for x in rows_out], list(rows_out[0]))
-            if args.record:      # after each row count: a run cut short still leaves its record
-                results.record("Decode with a JSON-schema constraint on every row (bench/structured.py)", body,
-                               fields={"args": vars(args), "results": rows_out})
+            for name in args.schemas:
+                schema = SCHEMAS[name]
+                run(llm, rows, 8, None), run(llm, rows, 8, schema)       # warm: compiles, grammar cache
+                llm.engine.executor.wait_split()   # the split decode steps, compiled from the first constrained run
+                free, masked = [], []
+                for _ in range(args.rounds):
+                    free.append(run(llm, rows, args.tokens, None))
+                    masked.append(run(llm, rows, args.tokens, schema))
+                f, m = max(free, key=lambda x: x["tok_s"]), max(masked, key=lambda x: x["tok_s"])
+                r = {"rows": rows, "schema": name, "tokens_per_s": f["tok_s"], "constrained_tokens_per_s": m["tok_s"],
+                     "overhead": f["tok_s"] / m["tok_s"] - 1,
+                     **{f"{k}_{kind}": v for kind, x in (("free", f), ("constrained", m))
+                        for k, v in x.items() if k != "tok_s"}}
+                print(f"rows {rows:4d} {name}: {r['tokens_per_s']:9.1f} tok/s free, "
+                      f"{r['constrained_tokens_per_s']:9.1f} constrained, overhead {100 * r['overhead']:+.1f}%; per "
+                      f"step free / constrained: {f['step_ms']:.2f} / {m['step_ms']:.2f} ms, waiting "
+                      f"{f['wait_ms']:.2f} / {m['wait_ms']:.2f}, host {f['host_ms']:.2f} / {m['host_ms']:.2f}, masks "
+                      f"and sampler {m['sample_ms']:.2f}", flush=True)
+                rows_out.append(r)
+                body = results.table([{k: f"{v:.3f}" if isinstance(v, float) else v for k, v in x.items()}
+                                      for x in rows_out], list(rows_out[0]))
+                if args.record:      # after each case: a run cut short still leaves its record
+                    results.record("Decode with a JSON-schema constraint on every row (bench/structured.py)", body,
+                                   fields={"args": vars(args), "results": rows_out})
     print(body)
 
 
