@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import itertools
 
 import numpy as np
 
@@ -54,7 +53,6 @@ class Snapshot:
     length: int                 # P: the position the state was saved at
     pages: list[int]            # the full pages of its prefix (a ref each)
     page: int                   # its copy of the partial page (0 when P is page-aligned)
-    last_used: int = 0
     restoring: int = 0          # admitted requests yet to be restored from it (never evicted meanwhile)
 
 
@@ -94,7 +92,6 @@ class PrefixCache:
         self.snap_refs = collections.Counter()     # page -> refs held by snapshots
         self.reclaimable = set()                   # pages only snapshots hold (evicting them frees these)
         self.snapshots: dict[Snapshot, None] = {}  # LRU order: oldest first
-        self._tick = itertools.count(1)
 
     # -- pages ---------------------------------------------------------------------------------------------------
     def _ref(self, page: int, snap: bool = False):
@@ -198,7 +195,6 @@ class PrefixCache:
         snap.restoring -= 1
 
     def _touch(self, snap: Snapshot):
-        snap.last_used = next(self._tick)
         self.snapshots.pop(snap)
         self.snapshots[snap] = None
 
@@ -247,7 +243,7 @@ class PrefixCache:
         if page:
             self.snap_refs[page] += 1
             self._update(page)
-        snap = Snapshot(entry, node, partial, length, chain, page, next(self._tick))
+        snap = Snapshot(entry, node, partial, length, chain, page)
         node.snapshots[partial] = snap
         self.snapshots[snap] = None
         return Copy(slot, entry, pages[full] if page else 0, page)
