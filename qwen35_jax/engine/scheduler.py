@@ -104,7 +104,6 @@ class Pool:
     running: int = 0
 
 
-
 def next_bucket(x: int, buckets) -> int:
     for b in buckets:
         if b >= x:
