@@ -154,8 +154,9 @@ def test_branch_points_and_concurrent_requests(tp):
         same(h, ref)
 
 
-def test_eviction_and_slot_reuse():
-    model = llm(1)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eviction_and_slot_reuse(tp):
+    model = llm(tp)
     model.engine.reset_prefix_cache()
     prompts = [tokens(20 + k, seed=40 + k) for k in range(8)]      # 8 finish snapshots into a pool of 6: the
     outs = run(model, prompts)                                     # last two reuse the first two's entries
