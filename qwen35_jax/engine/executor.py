@@ -683,24 +683,19 @@ class Executor:
         first chunk) or "save" (slot -> snapshot), `copies` as (replica, prefix_cache.Copy); restores carry the
         prefix's token ids, whose prompt mask the sampler rows get."""
         from qwen35_jax.engine.prefix_cache import prefix_bits
-        while copies:
-            counts = [0] * self.dp
-            now, copies = [], list(copies)
-            for c in list(copies):
-                if counts[c[0]] < self.decode_buckets[-1]:
-                    counts[c[0]] += 1
-                    now.append(c)
-                    copies.remove(c)
-            b = next_bucket(max(counts), self.decode_buckets)
+        per_replica = [[c for r, c in copies if r == d] for d in range(self.dp)]
+        cap = self.decode_buckets[-1]
+        for start in range(0, max(map(len, per_replica), default=0), cap):     # at most a bucket's rows a call
+            parts = [p[start:start + cap] for p in per_replica]
+            b = next_bucket(max(map(len, parts)), self.decode_buckets)
             cols = np.zeros((4, self.dp * b), np.int32)
             bits = np.zeros((self.dp * b, self.mask_width), np.int32) if kind == "restore" else None
-            used = [0] * self.dp
-            for replica, c in now:
-                i = replica * b + used[replica]
-                used[replica] += 1
-                cols[:, i] = c.slot, c.entry, c.src_page, c.dst_page
-                if bits is not None:
-                    bits[i] = prefix_bits(c.tokens, self.mask_width)
+            for replica, part in enumerate(parts):
+                for j, c in enumerate(part):
+                    i = replica * b + j
+                    cols[:, i] = c.slot, c.entry, c.src_page, c.dst_page
+                    if bits is not None:
+                        bits[i] = prefix_bits(c.tokens, self.mask_width)
             self.copy_state(kind, b, *cols, bits)
 
     def copy_state(self, kind: str, bucket: int, slots, entries, src_pages, dst_pages, prompt_bits=None):

@@ -126,7 +126,9 @@ class PrefixCache:
         return len(self.free_pages) + len(self.reclaimable)
 
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh pages (one ref each), evicting snapshots as needed; None (nothing evicted) if they cannot be had."""
+        """n fresh pages (one ref each), evicting snapshots as needed; None if they cannot be had (when the free
+        and snapshot-only pages fall short, nothing is evicted; pages pinned by a snapshot awaiting its restore
+        can still make it fail after some evictions)."""
         if n > self.available():
             return None
         while len(self.free_pages) < n and self._evict_one():
