@@ -117,7 +117,7 @@ for s in $sections; do
     structured)   # needs the llguidance wheel in .whl; first the 248,320-token tokenizer (carried gzipped in
                   # .bench_tok/tokenizer.json.gz, else trained on the machine's Python sources, with the mask cost
                   # on this host's CPU), then decode with every row constrained
-             tok=/tmp/qwen35-bench-tokenizer; mkdir -p $tok
+             tok=/tmp/qwen35-bench-tokenizer; mkdir -p $tok; lscpu | grep -m1 "Model name"   # masks are host work
              [ -f .bench_tok/tokenizer.json.gz ] && gunzip -c .bench_tok/tokenizer.json.gz > $tok/tokenizer.json
              [ -f $tok/tokenizer.json ] || CUDA_VISIBLE_DEVICES=0 run grammar_mask 200 python3 bench/grammar_mask.py \
                --engines llguidance --threads 8 --out bench/runs/grammar-mask-h200-host.json
