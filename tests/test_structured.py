@@ -96,6 +96,23 @@ def test_invalid_grammars_are_refused(llm, kw, match):
     assert llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
 
 
+def test_each_sequence_gets_its_own_compiled_matcher(llm):
+    """Matchers are compiled per sequence, never copied (llguidance's copies share a lexer behind one lock, which
+    made the parallel batch mask fill a serial one); a caller may hand add_request matchers it compiled."""
+    import threading
+    engine, spec = llm.engine, constrained(choice=["yes", "no"])
+    a, b = engine.grammar(spec), engine.grammar(spec)
+    assert a is not b and a.consume_tokens(llm.tokenizer.encode("yes")) and a.is_accepting() and not b.is_accepting()
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4, structured_outputs=spec)
+    mine, done, final = [engine.grammar(spec) for _ in range(3)], threading.Event(), []
+    with pytest.raises(ValueError, match="2 compiled grammars for n=3"):
+        engine.add_request("q", params, lambda out: None, matchers=mine[:2])
+    engine.add_request("q", params, lambda out: (final.append(out), done.set()), stream=False, matchers=mine)
+    assert done.wait(120)
+    assert all(c.text in ("yes", "no") for c in final[0].outputs)
+    assert all(m.is_accepting() for m in mine)          # these matchers constrained the three sequences
+
+
 @pytest.mark.parametrize("kw", [{}, dict(regex="a", choice=["b"]), dict(choice=[]), dict(json="{not json")])
 def test_params_need_exactly_one_valid_constraint(kw):
     with pytest.raises(ValueError, match="structured outputs"):

@@ -302,7 +302,7 @@ def scripted(app_engine, monkeypatch):
     def use(text: str, finish: str = "stop") -> int:
         ids = tok.encode(text)
 
-        def add_request(prompt, params, callback, rid):
+        def add_request(prompt, params, callback, rid, matchers=None):
             def forward(out):
                 outs = []
                 for o in out.outputs:
@@ -311,7 +311,7 @@ def scripted(app_engine, monkeypatch):
                     outs.append(dataclasses.replace(o, text=tok.decode(ids[:k]), token_ids=ids[:k],
                                                     finish_reason=done, stop_reason=None))
                 callback(dataclasses.replace(out, outputs=outs))
-            return real(prompt, params, forward, rid)
+            return real(prompt, params, forward, rid, matchers=matchers)
 
         monkeypatch.setattr(engine, "add_request", add_request)
         return len(ids)

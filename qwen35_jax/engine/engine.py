@@ -375,10 +375,12 @@ class Engine:
         return None, [int(t) for t in prompt]
 
     def add_request(self, prompt, params: SamplingParams, callback: Callable[[RequestOutput], None],
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True, matchers: list | None = None) -> str:
         """Validate and enqueue; raises ValueError (nothing is enqueued) for a request that can never run.
         stream: the callback gets a cumulative RequestOutput after every step that adds tokens; False: only the
-        final one (as vLLM's FINAL_ONLY outputs: no per-step output objects for a caller that waits for the end)."""
+        final one (as vLLM's FINAL_ONLY outputs: no per-step output objects for a caller that waits for the end).
+        matchers: with structured outputs, one compiled grammar per sequence (`grammar`), from a caller that
+        compiles them on another thread (a server's event loop must not); by default they are compiled here."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error!r}")
         text, ids = self.encode_prompt(prompt)
@@ -393,24 +395,30 @@ class Engine:
         budget = self.max_model_len - len(ids)
         max_tokens = min(params.max_tokens or budget, budget)
         self.scheduler.check_fits(len(ids), max_tokens)
-        constraint = self.grammar(params.structured_outputs) if params.structured_outputs is not None else None
+        spec = params.structured_outputs
+        if spec is None:
+            matchers = [None] * params.n
+        elif matchers is None:
+            matchers = [self.grammar(spec) for _ in range(params.n)]
+        elif len(matchers) != params.n:
+            raise ValueError(f"{len(matchers)} compiled grammars for n={params.n} sequences")
         request_id = request_id or uuid.uuid4().hex
         seqs = []
-        for i in range(params.n):
+        for i, matcher in enumerate(matchers):
             seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._rng.integers(2**32))
             seqs.append(Request(request_id=request_id, prompt_ids=ids, params=params, seed=seed,
                                 max_tokens=max_tokens, index=i,
-                                matcher=None if constraint is None else constraint.deep_copy()))
+                                matcher=matcher))
         group = RequestGroup(request_id, text, ids, seqs, callback, stream)
         self._inbox.put(("add", group))
         self.start()
         return request_id
 
     def grammar(self, constraint):
-        """A matcher at the start of a constraint's grammar (StructuredOutputsParams, or llguidance grammar text);
-        ValueError where the grammar is invalid or the engine cannot constrain. Compiling a large schema takes a
-        while: a server calls this off its event loop first (compiled grammars are cached, so add_request then
-        only copies)."""
+        """A new matcher at the start of a constraint's grammar (StructuredOutputsParams, or llguidance grammar
+        text), compiled for one sequence (add_request compiles one per sequence); ValueError where the grammar is
+        invalid or the engine cannot constrain. Compiling a large grammar takes a while: a server validates it and
+        submits constrained requests off its event loop."""
         if self.tokenizer is None:
             raise ValueError("structured outputs need the tokenizer (this engine skipped it)")
         if self.args.decode_steps != 1:

@@ -1,8 +1,10 @@
 """Structured outputs: grammars compiled by llguidance, applied as a token bitmask inside the compiled sampler.
 
-Every constrained sequence holds an llguidance `LLMatcher`, its grammar's parser state. Before a step samples such a
-row the engine fills the row's bitmask (one bit per token of the padded vocabulary, int32 [rows, ceil(V / 32)], the
-layout llguidance writes) from the matcher, in parallel over rows on llguidance's own threads; the bitmask is an input
+Every constrained sequence holds an llguidance `LLMatcher`, its grammar's parser state, compiled for it alone: copies
+of one matcher (`deep_copy`) share its lexer behind one lock, and the batch fill of copies ran row after row
+(bench/RESULTS.md, structured outputs). Before a step samples such a row the engine fills the row's bitmask (one bit
+per token of the padded vocabulary, int32 [rows, ceil(V / 32)], the layout llguidance writes) from the matcher, in
+parallel over rows on llguidance's own threads; the bitmask is an input
 of every compiled step (sampler.allowed_tokens), and unconstrained rows carry an all-ones mask (how decode overlaps
 the mask with the model step: executor's docstring). After the step the sampled token advances the matcher.
 llguidance rather than xgrammar: it needs no torch, and its mask cost and JSON-schema coverage were measured side
@@ -13,9 +15,7 @@ blank lines until max_tokens and never close the object.
 """
 from __future__ import annotations
 
-import collections
 import json
-import threading
 
 import numpy as np
 
@@ -56,35 +56,23 @@ def lark_grammar(spec: StructuredOutputsParams, prefix: str = "") -> str:
 class Grammars:
     """The engine's grammar compiler and mask filler over one tokenizer (built on the first constrained request)."""
 
-    def __init__(self, tokenizer, vocab_padded: int, eos_token_ids, cache_size: int = 64):
+    def __init__(self, tokenizer, vocab_padded: int, eos_token_ids):
         import llguidance
         self.tokenizer = llguidance.LLTokenizer(tokenizer.hf.backend_tokenizer.to_str(), n_vocab=vocab_padded,
                                                 eos_token=sorted(eos_token_ids))
         self.width = -(-vocab_padded // 32)
         self.executor = llguidance.LLExecutor()
-        self._fresh: collections.OrderedDict = collections.OrderedDict()     # key -> matcher at the grammar's start
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputsParams | str):
-        """A new matcher at the start of the grammar (a StructuredOutputsParams, or llguidance grammar text);
-        ValueError for an invalid grammar. Compiled grammars are cached: a repeated one costs a copy."""
+        """A new matcher at the start of the grammar (a StructuredOutputsParams, or llguidance grammar text), compiled
+        afresh (a millisecond or two for a JSON schema at 248k tokens; never a copy: see the module docstring);
+        ValueError for an invalid grammar."""
         from llguidance import LLMatcher
-        key = spec if isinstance(spec, str) else spec.key()
-        with self._lock:
-            fresh = self._fresh.get(key)
-            if fresh is not None:
-                self._fresh.move_to_end(key)
-                return fresh.deep_copy()
         grammar = LLMatcher.grammar_from_lark(spec if isinstance(spec, str) else lark_grammar(spec))
-        fresh = LLMatcher(self.tokenizer, grammar, log_level=0)
-        if fresh.is_error():
-            raise ValueError(f"structured outputs: invalid grammar: {fresh.get_error()}")
-        with self._lock:
-            self._fresh[key] = fresh
-            while len(self._fresh) > self._cache_size:
-                self._fresh.popitem(last=False)
-        return fresh.deep_copy()
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured outputs: invalid grammar: {matcher.get_error()}")
+        return matcher
 
     def bitmask(self, matchers: list) -> np.ndarray | None:
         """int32 [len(matchers), width]: each row's allowed tokens (all ones for rows whose matcher is None); None

@@ -191,13 +191,15 @@ def check_length(engine, n_prompt: int, max_tokens: int | None, param: str):
                           f"shorten the prompt or max_tokens", param=param, code="context_length_exceeded")
 
 
-async def compile_constraint(engine, spec: StructuredOutputsParams | None, param: str | None):
-    """Compile (and cache) a request's grammar off the event loop, so add_request only copies it; an invalid
-    grammar, or an engine that cannot constrain, is a 400 naming `param`."""
+async def compile_constraint(engine, spec: StructuredOutputsParams | None, param: str | None, prompts: int,
+                             n: int) -> list | None:
+    """Compile a request's grammar off the event loop, once per sequence (`n` for each of `prompts`: Generation's
+    `matchers`); None without one. An invalid grammar, or an engine that cannot constrain, is a 400 naming
+    `param`."""
     if spec is None:
-        return
+        return None
     try:
-        await asyncio.to_thread(engine.grammar, spec)
+        return await asyncio.to_thread(lambda: [[engine.grammar(spec) for _ in range(n)] for _ in range(prompts)])
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
 
@@ -214,9 +216,9 @@ def chat_constraint(state, ids: list[int], spec: StructuredOutputsParams | None,
     return out, None if out is None else field or ("tool_choice" if must else "tools")
 
 
-def submit(engine, items, params, prefix, param) -> Generation:
+def submit(engine, items, params, prefix, param, matchers=None) -> Generation:
     try:
-        return Generation(engine, items, params, prefix)
+        return Generation(engine, items, params, prefix, matchers)
     except ValueError as e:          # token ids outside the vocabulary, more KV pages than the pool holds
         raise bad_request(str(e), param=param) from None
     except RuntimeError as e:
@@ -488,8 +490,8 @@ async def completions(request: Request, body: JSONBody):
     spec, field = constraint(req)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=k, prompt_logprobs=plp_k,
                              defaults=config.generation_defaults, structured=spec)
-    await compile_constraint(engine, spec, field)
-    gen = submit(engine, items, params, "cmpl", "prompt")
+    matchers = await compile_constraint(engine, spec, field, len(items), params.n)
+    gen = submit(engine, items, params, "cmpl", "prompt", matchers)
     prompt_lens = [len(it["prompt_token_ids"]) for it in items]
     echo_texts = [it["prompt"] if it["prompt"] is not None else
                   tokenizer.decode(it["prompt_token_ids"], skip_special_tokens=False) for it in items] \
@@ -584,8 +586,8 @@ async def chat_completions(request: Request, body: JSONBody):
                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                              defaults=config.generation_defaults, prompt_logprobs=req.prompt_logprobs,
                              structured=spec)
-    await compile_constraint(engine, spec, field)
-    gen = submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages")
+    matchers = await compile_constraint(engine, spec, field, 1, params.n)
+    gen = submit(engine, [{"prompt": text, "prompt_token_ids": ids}], params, "chatcmpl", "messages", matchers)
     head = {"id": gen.id, "object": "chat.completion", "created": int(time.time()),
             "model": req.model or state.model_name}
     k = req.top_logprobs or 0

@@ -16,9 +16,10 @@ from qwen35_jax.engine.sampling_params import SamplingParams
 
 
 class Generation:
-    def __init__(self, engine, prompts: list, params: SamplingParams, prefix: str):
+    def __init__(self, engine, prompts: list, params: SamplingParams, prefix: str, matchers: list | None = None):
         """Submit every prompt (a {"prompt", "prompt_token_ids"} dict or ids); raises the engine's ValueError for a
-        request that can never run, after aborting the ones already submitted."""
+        request that can never run, after aborting the ones already submitted. matchers: with structured outputs,
+        each prompt's compiled grammars (engine.add_request's `matchers`)."""
         self.engine = engine
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self._loop = asyncio.get_running_loop()
@@ -30,7 +31,8 @@ class Generation:
         self.stopped: str | None = None          # why stop() ended it early
         try:
             for i, prompt in enumerate(prompts):
-                rid = engine.add_request(prompt, params, functools.partial(self._put, i), f"{self.id}-{i}")
+                rid = engine.add_request(prompt, params, functools.partial(self._put, i), f"{self.id}-{i}",
+                                         matchers=matchers[i] if matchers else None)
                 self.request_ids.append(rid)
         except BaseException:
             self.abort()
