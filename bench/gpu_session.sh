@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured multiturn.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile multiturn.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -123,6 +123,13 @@ for s in $sections; do
                --engines llguidance --threads 8 --out bench/runs/grammar-mask-h200-host.json
              CUDA_VISIBLE_DEVICES=0 run structured ${ST_SHARE:-360} python3 bench/structured.py --record \
                --config bench/configs/qwen3.5-9b.json --tokenizer /tmp/qwen35-bench-tokenizer --rows 16 64 ;;
+    hostprofile)  # cProfile of the engine thread in 9B decode at 64 rows, unconstrained (HP_SCHEMA: a constrained
+                  # bench/structured.py schema instead); needs the bench tokenizer as structured does
+             tok=/tmp/qwen35-bench-tokenizer; mkdir -p $tok
+             [ -f .bench_tok/tokenizer.json.gz ] && gunzip -c .bench_tok/tokenizer.json.gz > $tok/tokenizer.json
+             CUDA_VISIBLE_DEVICES=0 run hostprofile ${HP_SHARE:-150} python3 bench/host_profile.py \
+               --config bench/configs/qwen3.5-9b.json --tokenizer $tok --rows ${HP_ROWS:-64} ${HP_SCHEMA:+--schema $HP_SCHEMA}
+             cp $work/hostprofile.log "$out/" ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \
