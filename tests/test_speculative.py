@@ -74,3 +74,61 @@ def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(backend, tp):
     for row in range(3):
         err = np.abs(got[row] - ref[row]).max()
         assert err <= 1e-5 * scale, f"row {row}: the step after the commit is off by {err:.2e}"
+
+
+# -- the acceptance sampler ----------------------------------------------------------------------------------------
+def batch(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, presence=0.0):
+    from qwen35_jax.engine.sampler import SamplingBatch
+    full = lambda x, dt: jnp.full((b,), x, dt)
+    return SamplingBatch(temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32),
+                         top_p=full(top_p, jnp.float32), min_p=full(min_p, jnp.float32),
+                         presence=full(presence, jnp.float32), frequency=full(0.0, jnp.float32),
+                         repetition=full(1.0, jnp.float32),
+                         seed=jnp.arange(b, dtype=jnp.uint32) if seed is None else full(seed, jnp.uint32),
+                         step=full(step, jnp.int32), logprobs=full(False, jnp.bool_))
+
+
+def test_greedy_acceptance_is_the_argmax_chain():
+    """Greedy rows keep drafts while each equals the argmax at its position, then take the argmax."""
+    from qwen35_jax.engine.sampler import accept_drafts
+    v, t = 11, 4
+    logits = jax.random.normal(jax.random.key(0), (3, t, v))
+    best = np.asarray(jnp.argmax(logits, -1))
+    drafts = np.array([best[0, :3],                                  # all accepted: bonus = argmax at position 3
+                       [best[1, 0], (best[1, 1] + 1) % v, 0],        # second draft rejected
+                       [(best[2, 0] + 1) % v, best[2, 1], best[2, 2]]])   # first rejected
+    z = jnp.zeros((3, v), jnp.int32)
+    tokens, count, _ = accept_drafts(logits, jnp.asarray(drafts, jnp.int32), batch(3, temperature=0.0), z,
+                                     z.astype(bool), extras=False)
+    tokens, count = np.asarray(tokens), np.asarray(count)
+    assert count.tolist() == [4, 2, 1]
+    assert tokens[0].tolist() == best[0].tolist()
+    assert tokens[1, :2].tolist() == [best[1, 0], best[1, 1]] and tokens[2, 0] == best[2, 0]
+
+
+@pytest.mark.parametrize("draft,filters", [(0, {}), (3, {}), (5, dict(top_k=3)), (1, dict(top_p=0.7, min_p=0.05))],
+                         ids=["likely", "unlikely", "filtered-out", "top-p-min-p"])
+def test_first_token_keeps_the_target_distribution(draft, filters):
+    """Chi-square: over 40,000 seeds, the first new token of a row (the draft if accepted, else the draw without
+    it) follows the row's own filtered, tempered distribution, whatever the draft."""
+    from scipy.stats import chisquare
+
+    from qwen35_jax.engine.sampler import accept_drafts, sample
+    rows, v = 40_000, 6
+    base = jnp.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0])
+    logits = jnp.broadcast_to(base, (rows, 2, v))
+    p = batch(rows, temperature=0.8, **filters)
+    z = jnp.zeros((rows, v), jnp.int32)
+    tokens, _, _ = jax.jit(accept_drafts, static_argnames=("full_vocab", "extras"))(
+        logits, jnp.full((rows, 1), draft, jnp.int32), p, z, z.astype(bool), extras=False)
+    got = np.bincount(np.asarray(tokens[:, 0]), minlength=v)
+    # the target: the plain sampler's distribution of the same row (its exact probabilities, from its support)
+    ref, _ = sample(logits[:, 0], p, z, z.astype(bool), extras=False)
+    support = np.bincount(np.asarray(ref), minlength=v) > 0
+    x = np.asarray(base, np.float64) / 0.8
+    probs = np.where(support, np.exp(x - x.max()), 0.0)
+    probs /= probs.sum()
+    assert not got[~support].any(), f"tokens outside the filtered support: {got}"
+    expected = rows * probs[support]
+    stat = chisquare(got[support].astype(np.float64), expected)
+    assert stat.pvalue > 1e-3, (got, rows * probs)
