@@ -1,5 +1,6 @@
 """Speculative decoding's model passes (issue 38): a verify pass over T tokens per row, then the commit of each
 row's accepted prefix, must leave the model exactly where a plain prefill of those tokens would."""
+import dataclasses
 import functools
 
 import jax
@@ -132,3 +133,111 @@ def test_first_token_keeps_the_target_distribution(draft, filters):
     expected = rows * probs[support]
     stat = chisquare(got[support].astype(np.float64), expected)
     assert stat.pvalue > 1e-3, (got, rows * probs)
+
+
+# -- the whole speculative loop at the model level, on the trained default model and its MTP head ---------------
+def _programs(cfg, mesh, layout, kernels, k, w_specs, s_specs):
+    """SPMD programs over (weights, state): a greedy prefill that also drafts, a speculative step (verify, accept,
+    commit, draft), and a plain greedy decode step."""
+    from qwen35_jax.engine.sampler import accept_drafts
+    full = lambda logits: jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True)
+    kv = lambda state: (state.k_pages[-1], state.v_pages[-1])
+
+    def with_mtp(state, kp, vp):
+        return dataclasses.replace(state, k_pages=state.k_pages[:-1] + [kp], v_pages=state.v_pages[:-1] + [vp])
+
+    def prefill(weights, state, batch, next_tokens):
+        x, state = fw.decoder(cfg, layout, kernels, weights, state, batch)
+        first = jnp.argmax(full(fw.lm_head(cfg, weights, fw.last_real(x, batch.lens))), -1).astype(jnp.int32)
+        at_end = jnp.arange(next_tokens.shape[1])[None, :] == (batch.lens - 1)[:, None]
+        nxt = jnp.where(at_end, first[:, None], next_tokens)
+        drafts, kp, vp = fw.draft(cfg, layout, kernels, weights, x, nxt, *kv(state), batch, k)
+        return first, drafts, with_mtp(state, kp, vp)
+
+    def spec(weights, state, last, drafts, batch):
+        verify = dataclasses.replace(batch, tokens=jnp.concatenate([last[:, None], drafts], 1),
+                                     lens=jnp.where(batch.lens > 0, k + 1, 0))
+        x, state, pending = fw.decoder(cfg, layout, kernels, weights, state, verify, verify=True)
+        logits = full(fw.lm_head(cfg, weights, x))
+        z = jnp.zeros((x.shape[0], logits.shape[-1]), jnp.int32)
+        tokens, count, _ = accept_drafts(logits, drafts, batch_params(x.shape[0]), z, z.astype(bool), extras=False)
+        count = jnp.where(batch.lens > 0, count, 0)
+        state = fw.commit(cfg, kernels, weights, state, pending, batch.slots, count)
+        mtp_batch = dataclasses.replace(batch, tokens=tokens, lens=count)
+        drafts, kp, vp = fw.draft(cfg, layout, kernels, weights, x, tokens, *kv(state), mtp_batch, k)
+        return tokens, count, drafts, with_mtp(state, kp, vp)
+
+    def plain(weights, state, batch):
+        x, state = fw.decoder(cfg, layout, kernels, weights, state, batch)
+        return jnp.argmax(full(fw.lm_head(cfg, weights, x[:, 0])), -1).astype(jnp.int32), state
+
+    sm = lambda f, ins, outs: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False),
+                                      donate_argnums=1)
+    b = fw.BATCH_SPEC
+    return (sm(prefill, (w_specs, s_specs, b, P(DP)), (P(DP), P(DP), s_specs)),
+            sm(spec, (w_specs, s_specs, P(DP), P(DP), b), (P(DP), P(DP), P(DP), s_specs)),
+            sm(plain, (w_specs, s_specs, b), (P(DP), s_specs)))
+
+
+def batch_params(n):
+    return batch(n, temperature=0.0, seed=0)
+
+
+@pytest.mark.parametrize("tp,k", [(1, 3), (2, 2)])
+def test_greedy_speculative_loop_equals_greedy_decoding(tp, k):
+    """Prefill, then speculative steps (verify k + 1 tokens, accept greedily, commit, draft k with the trained MTP
+    head) produce exactly the tokens of plain greedy decoding, for rows of different prompt lengths; the MTP head
+    drafts well enough that steps gain more than one token."""
+    from qwen35_jax.model.hub import default_model_dir
+    from qwen35_jax.model.state import abstract_state, init_state, state_specs
+    from qwen35_jax.model.weights import abstract_weights, weight_specs
+    model = default_model_dir()
+    cfg = load_config(model)
+    mesh, layout = make_mesh(tp), Layout.build(cfg, tp)
+    weights = load_weights(model, cfg, mesh, jnp.float32, mtp=True)
+    kernels = make_kernels(KernelConfig(backend="reference").resolved())
+    n, pages, page_size, steps = 3, 8, 16, 40
+    abstract = abstract_state(cfg, layout, n, 1 + n * pages, page_size, jnp.float32, mtp=True)
+    w_specs, s_specs = weight_specs(abstract_weights(cfg, layout, jnp.float32, mtp=True)), state_specs(abstract)
+    prefill, spec, plain = _programs(cfg, mesh, layout, kernels, k, w_specs, s_specs)
+    from qwen35_jax.engine.tokenizer import Tokenizer
+    tok = Tokenizer(model)
+    texts = ["The list type supports", "Return a new dictionary initialized from an optional positional argument",
+             "def"]
+    prompts = [tok.encode(t) for t in texts]
+    lens = [len(p) for p in prompts]
+    t = max(lens)
+    ids = np.zeros((n, t), np.int32)
+    nxt = np.zeros((n, t), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)], nxt[i, :len(p) - 1] = p, p[1:]
+    table = np.array([1 + i * pages + np.arange(pages) for i in range(n)])
+    slots = np.arange(1, n + 1)
+
+    state = init_state(abstract, mesh)
+    first, drafts, state = prefill(weights, state, make_batch(ids, [0] * n, lens, slots, table), jnp.asarray(nxt))
+    got = [[int(x)] for x in np.asarray(first)]
+    last, pos, gained = first, np.array(lens), []
+    while min(len(g) for g in got) < steps:
+        tokens, count, drafts, state = spec(weights, state, last, drafts, make_batch(ids[:, :1], pos, [1] * n,
+                                                                                     slots, table))
+        tokens, count = np.asarray(tokens), np.asarray(count)
+        for i in range(n):
+            got[i] += tokens[i, :count[i]].tolist()
+        gained += count.tolist()
+        last = jnp.asarray(tokens[np.arange(n), count - 1])
+        pos = pos + count
+
+    plain_state = init_state(abstract, mesh)
+    first, _, plain_state = prefill(weights, plain_state, make_batch(ids, [0] * n, lens, slots, table),
+                                    jnp.asarray(nxt))
+    want, cur, pos = [[int(x)] for x in np.asarray(first)], np.asarray(first), np.array(lens)
+    for _ in range(steps - 1):
+        cur, plain_state = plain(weights, plain_state, make_batch(cur[:, None], pos, [1] * n, slots, table))
+        cur = np.asarray(cur)
+        for i in range(n):
+            want[i].append(int(cur[i]))
+        pos = pos + 1
+    for i in range(n):
+        assert got[i][:steps] == want[i], f"row {i}: speculative {got[i][:steps]} != greedy {want[i]}"
+    assert np.mean(gained) > 1.2, f"mean tokens per step {np.mean(gained):.2f}: the MTP head barely drafts"
