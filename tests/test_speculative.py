@@ -241,3 +241,100 @@ def test_greedy_speculative_loop_equals_greedy_decoding(tp, k):
     for i in range(n):
         assert got[i][:steps] == want[i], f"row {i}: speculative {got[i][:steps]} != greedy {want[i]}"
     assert np.mean(gained) > 1.2, f"mean tokens per step {np.mean(gained):.2f}: the MTP head barely drafts"
+
+
+# -- through the engine (LLM with speculative_config, the trained default model) ---------------------------------
+PROMPTS = ["The list type supports", "Return a new dictionary initialized from an optional positional argument",
+           "def", "Sockets are"]
+SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+def _llm(**kw):
+    from conftest import engine_args
+    from qwen35_jax.llm import LLM
+    return LLM(None, **engine_args(precompile=False, **kw))
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    with _llm(speculative_config=SPEC) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    with _llm() as llm:
+        yield llm
+
+
+def _texts(llm, prompts, params):
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+def test_engine_greedy_output_is_unchanged(spec_llm, plain_llm):
+    """Greedy outputs with MTP drafts equal plain greedy decoding, with max_tokens off the step grid, a stop string,
+    logprobs (the extras sampler) and a repeated prompt served from the prefix cache; the drafts are accepted
+    often enough that steps gain more than one token, position 1 at least as often as position 3."""
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    cases = [SamplingParams(max_tokens=23, temperature=0.0),
+             SamplingParams(max_tokens=40, temperature=0.0, stop=[" the"]),
+             SamplingParams(max_tokens=17, temperature=0.0, logprobs=2)]
+    before = spec_llm.engine.stats.spec_steps
+    for params in cases:
+        assert _texts(spec_llm, PROMPTS, params) == _texts(plain_llm, PROMPTS, params)
+    # the next turn of a conversation resumes from the first turn's snapshot (its state ends exactly at its last
+    # token: a step keeps no more tokens than max_tokens leaves)
+    ids = spec_llm.engine.tokenizer.encode(PROMPTS[1])
+    first = spec_llm.generate([ids], cases[0])[0].outputs[0].token_ids
+    turn2 = ids + list(first) + spec_llm.engine.tokenizer.encode(" and then")
+    hits = spec_llm.engine.scheduler.prefix_hits
+    assert _texts(spec_llm, [turn2], cases[0]) == _texts(plain_llm, [turn2], cases[0])
+    assert spec_llm.engine.scheduler.prefix_hits > hits
+    lp_spec = spec_llm.generate(PROMPTS[:2], cases[2])
+    lp_plain = plain_llm.generate(PROMPTS[:2], cases[2])
+    for a, b in zip(lp_spec, lp_plain):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    st = spec_llm.engine.stats
+    assert st.spec_steps > before and st.spec_accepted[0] >= st.spec_accepted[-1] > 0
+
+
+def test_seeded_sampling_repeats_and_stays_in_the_filters(spec_llm):
+    """Sampled rows (temperature, top-k, penalties) repeat under the same seed run to run; top_k=1 is greedy."""
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, n=2, presence_penalty=0.5)
+    first = _texts(spec_llm, PROMPTS, params)
+    assert first == _texts(spec_llm, PROMPTS, params)
+    assert first != _texts(spec_llm, PROMPTS, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=8, n=2,
+                                                             presence_penalty=0.5))
+    greedy = _texts(spec_llm, PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    assert _texts(spec_llm, PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=3)) == greedy
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 5}, "1..4"),
+    ({"method": "mtp"}, "1..4"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_model": "x"}, "method")])
+def test_bad_speculative_configs_are_refused(config, match):
+    from qwen35_jax.engine.engine import EngineArgs
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(speculative_config=config).validate()
+    with pytest.raises(ValueError, match="decode_steps"):
+        EngineArgs(speculative_config=SPEC, decode_steps=2).validate()
+
+
+def test_structured_outputs_are_refused_with_drafts(spec_llm):
+    from qwen35_jax.engine.sampling_params import SamplingParams, StructuredOutputsParams
+    with pytest.raises(ValueError, match="speculative"):
+        spec_llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])))
+
+
+def test_engine_greedy_output_is_unchanged_at_tp2():
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=14, temperature=0.0)
+    with _llm(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        spec = _texts(llm, PROMPTS, params)
+    with _llm(tensor_parallel_size=2) as llm:
+        assert spec == _texts(llm, PROMPTS, params)

@@ -43,15 +43,16 @@ class SamplerState:
     last_token: Any     # [S+1] int32: the token each slot's next decode step feeds in
     counts: Any         # [S+1, V] int32: generated-token counts
     prompt_mask: Any    # [S+1, V] bool: tokens present in the prompt
+    drafts: Any = None  # [S+1, k] int32: speculative decoding's drafts for the next step (None without it)
 
 
-def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1) -> SamplerState:
+def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1, drafts: int = 0) -> SamplerState:
     """Zeros, made on the devices (works for meshes spanning several processes). With dp replicas the slot axis
-    holds dp * (num_slots + 1) rows and `sharding` should split it over dp."""
+    holds dp * (num_slots + 1) rows and `sharding` should split it over dp. drafts: k, the drafts kept per slot."""
     n = dp * (num_slots + 1)
     z = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     return SamplerState(last_token=z((n,), jnp.int32), counts=z((n, vocab), jnp.int32),
-                        prompt_mask=z((n, vocab), jnp.bool_))
+                        prompt_mask=z((n, vocab), jnp.bool_), drafts=z((n, drafts), jnp.int32) if drafts else None)
 
 
 def host_batch(rows: list, size: int) -> SamplingBatch:
