@@ -318,7 +318,8 @@ class Engine:
         probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
         fixed = (nbytes(probe) + self.num_snapshots * bytes_per_slot(self.cfg, self.dtype)) / self.layout.tp
         # ^ one replica's state and snapshot pool, split over its tp ranks
-        per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
+        pools = len(self.cfg.attn_layers) + (1 if self.spec_tokens else 0)        # + the MTP layer's
+        per_page = 2 * pools * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
             jnp.dtype(self.dtype).itemsize
         sampler = 5 * (num_slots + 1) * self.layout.vocab_padded
         fit = int((free - fixed - sampler) // max(per_page, 1))
