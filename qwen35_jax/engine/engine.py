@@ -643,6 +643,12 @@ class Engine:
                     return True
         return False
 
+    def _stop_ids(self, req) -> list[int]:
+        """The token ids that end this request (the engine's EOS unless ignore_eos first, then its stop_token_ids),
+        as _append decides."""
+        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + [t for t in req.params.stop_token_ids if t not in eos]
+
     def _bitmask(self, rows):
         """The token bitmask of a step's sampling rows (requests or None), or None if none is constrained."""
         return self._grammars.bitmask([None if r is None or r.finished else r.matcher for r in rows])
@@ -695,7 +701,8 @@ class Engine:
         if plan.decode:
             constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
-                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None)
+                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None,
+                                                     stops=self._stop_ids)
             if not callable(out):
                 self._copy_ahead(out)
             k = self.args.decode_steps

@@ -83,6 +83,9 @@ class StepOutput:
     top_ids: jax.Array
 
 
+STOP_IDS = 8     # stop token ids a speculative step checks per row (EOS first); a row with more may overshoot
+
+
 def _pack_out(out: StepOutput, extras: bool) -> jax.Array:
     """One int32 [..., W] array per step (one device-to-host copy instead of five): the token, then with extras the
     logprob (fp32 bits), rank, MAX_LOGPROBS top logprobs (fp32 bits) and their ids."""
@@ -214,13 +217,16 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
 
 
 def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerState, bitmask, slots, positions, pages,
-              sp: SamplingBatch, budget):
+              sp: SamplingBatch, limits):
     """Per shard: one speculative decoding step (docs/speculative.md) for this replica's rows: the main model
     verifies each row's last token and its k drafts, `accept_drafts` keeps an exact prefix and draws one more
-    token, the GDN state advances by the tokens kept (forward.commit), and the MTP head drafts the next k. A row
-    keeps at most budget[n] tokens (what max_tokens leaves), so its state ends exactly at its last token. The
+    token, the GDN state advances by the tokens kept (forward.commit), and the MTP head drafts the next k.
+    limits = (budget [B], stop_ids [B, STOP_IDS], stop_from [B]): a row keeps at most budget tokens (what
+    max_tokens leaves) and none after its first stop token (-1 pads stop_ids) at a new-token index >= stop_from
+    (min_tokens), so a finished row's state ends exactly at its last token (its prefix-cache snapshot). The
     output is decode_step's packed [T = k + 1, B, W], row j holding each row's j-th new token, -1 past the last
     (the host reads a row's count from it). bitmask: unused (structured outputs refuse speculative decoding)."""
+    budget, stop_ids, stop_from = limits
     del bitmask
     active = slots > 0
     drafts = sstate.drafts[slots]
@@ -231,6 +237,10 @@ def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerStat
         tokens, count, lp = accept_drafts(_full_logits(lm_head(cfg, weights, x)), drafts, sp, sstate.counts[slots],
                                           sstate.prompt_mask[slots], full_vocab=mode == "full",
                                           extras=mode in EXTRAS_MODES)
+        idx = jnp.arange(k + 1)[None, :]
+        stop = (tokens[:, :, None] == stop_ids[:, None, :]).any(-1) & (idx >= stop_from[:, None]) & \
+            (idx < count[:, None])
+        count = jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1) + 1, count)
         count = jnp.where(active, jnp.clip(count, 1, jnp.maximum(budget, 1)), 0)
     state = commit(cfg, kernels, weights, state, pending, slots, count)
     mtp_batch = dataclasses.replace(batch, tokens=tokens, lens=count)
@@ -492,7 +502,8 @@ class Executor:
             if kind == "sample":
                 return (z(b), host_batch_rows([None] * b))
             sp = (host_batch_rows([None] * b),) if kind != "logits" else ()
-            return (z(b), z(b), z(b, self.pages_per_seq)) + sp + ((z(b),) if kind == "spec" else ())
+            return (z(b), z(b), z(b, self.pages_per_seq)) + sp + (((z(b), z(b, STOP_IDS), z(b)),)
+                                                                  if kind == "spec" else ())
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
         targets = (z(n, t),) if kind == "prompt_logprobs" else (None,) if self.spec_tokens else ()
@@ -694,7 +705,8 @@ class Executor:
         mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
         return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask, following)
 
-    def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array | Callable]:
+    def run_decode(self, requests, bitmask: Callable | None = None, stops: Callable | None = None
+                   ) -> tuple[list, jax.Array | Callable]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
         it. Returns the rows (request or None) and the packed output. With bitmask (as in run_prefill: some rows
         are constrained) and the split steps ready (`split_ready`), only the model step is dispatched, and the
@@ -716,9 +728,16 @@ class Executor:
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
         sp = host_batch_rows(rows)
-        if self.spec_tokens:        # each row's tokens left (max_tokens): a step keeps no more
+        if self.spec_tokens:        # a step keeps no more than max_tokens leaves, and nothing after a stop token
             budget = np.array([0 if r is None else r.max_tokens - r.num_sampled for r in rows], np.int32)
-            return rows, self.decode(b, slots, positions, pages, sp, budget=budget)
+            stop_ids = np.full((len(rows), STOP_IDS), -1, np.int32)
+            stop_from = np.zeros(len(rows), np.int32)
+            for i, r in enumerate(rows):
+                if r is not None and stops is not None:
+                    ids = stops(r)[:STOP_IDS]
+                    stop_ids[i, :len(ids)] = ids
+                    stop_from[i] = max(0, r.params.min_tokens - r.num_sampled)
+            return rows, self.decode(b, slots, positions, pages, sp, budget=(budget, stop_ids, stop_from))
         if bitmask is None or not self.split_ready:
             return rows, self.decode(b, slots, positions, pages, sp, bitmask(rows) if bitmask else None)
         if self.decode_steps != 1:
@@ -773,7 +792,7 @@ class Executor:
 
     def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None, budget=None) -> jax.Array:
         """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`; budget: with
-        speculative decoding, the most tokens each row may keep (spec_step). Returns the step's packed output
+        speculative decoding, the tokens each row may keep (spec_step's limits). Returns the step's packed output
         (`fetch`)."""
         if (budget is None) != (not self.spec_tokens):
             raise ValueError("budget (tokens each row may keep) is needed exactly when decoding speculatively")
