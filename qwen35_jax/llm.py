@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import numpy as np
 
@@ -33,6 +34,9 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.cfg, self.mesh, self.weights = self.engine.cfg, self.engine.mesh, self.engine.weights
         self._runner = None
+        # Dropping the LLM stops the engine's loop thread, the one holder of the engine beyond this object, so that
+        # its weights, state and executables are freed with it.
+        self._stop = weakref.finalize(self, self.engine.shutdown)
 
     @property
     def max_model_len(self) -> int:
@@ -117,8 +121,8 @@ class LLM:
 
     def shutdown(self):
         """Stop the engine's loop thread (idempotent; also done at interpreter exit). `with LLM(...) as llm:` calls
-        it on leaving the block."""
-        self.engine.shutdown()
+        it on leaving the block, and dropping the LLM does too."""
+        self._stop()
 
     def __enter__(self):
         return self

@@ -2,8 +2,10 @@
 serving, chunked prefill."""
 import contextlib
 import functools
+import gc
 import os
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -70,8 +72,13 @@ def test_recycled_slot_matches_fresh_engine():
                                                                       ignore_eos=True))
     p = prompts(1, seed=22)[0]
     used = model.generate([p], GREEDY)[0].outputs[0].token_ids
-    fresh = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False)).generate([p], GREEDY)
-    assert used == fresh[0].outputs[0].token_ids
+    fresh = LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False))
+    assert used == fresh.generate([p], GREEDY)[0].outputs[0].token_ids
+    # A dropped LLM frees its engine: weights, state and compiled executables (notebooks rebuild engines).
+    executor = weakref.ref(fresh.engine.executor)
+    del fresh
+    gc.collect()
+    assert executor() is None
 
 
 def test_abort_frees_slot_and_pages_at_once():

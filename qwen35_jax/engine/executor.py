@@ -356,6 +356,7 @@ class Executor:
         no prefix caching), sharded as state's slots."""
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.snaps = snapshots
+        self._packings: dict = {}
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
         self.dp = mesh.shape[DP]
@@ -443,11 +444,13 @@ class Executor:
         targets = (z(n, t),) if kind == "prompt_logprobs" else ()
         return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n), *targets)
 
-    @functools.lru_cache(maxsize=None)
     def _packing(self, key) -> tuple[tuple, tuple]:
-        """(packed shape, rows layout) of the bucket's step inputs."""
-        packed, rows_layout = pack_rows(self._example_inputs(key))
-        return packed.shape, rows_layout
+        """(packed shape, rows layout) of the bucket's step inputs, memoized on the executor (a class-level
+        lru_cache would hold every executor, with its weights, state and executables, for the process's life)."""
+        if key not in self._packings:
+            packed, rows_layout = pack_rows(self._example_inputs(key))
+            self._packings[key] = packed.shape, rows_layout
+        return self._packings[key]
 
     def _abstract(self, tree):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
