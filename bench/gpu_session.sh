@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile multiturn.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost multiturn.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -130,6 +130,9 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run hostprofile ${HP_SHARE:-150} python3 bench/host_profile.py \
                --config bench/configs/qwen3.5-9b.json --tokenizer $tok --rows ${HP_ROWS:-64} ${HP_SCHEMA:+--schema $HP_SCHEMA}
              cp $work/hostprofile.log "$out/" ;;
+    speccost)    # speculative decoding's step against a plain one at 9B shapes (SC_K drafts, batches 1 16 64)
+             CUDA_VISIBLE_DEVICES=0 run speccost ${SC_SHARE:-420} python3 bench/spec_cost.py --record \
+               --config bench/configs/qwen3.5-9b.json --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \

@@ -673,3 +673,66 @@ def gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots, *, config: DecodeC
         raise ValueError(f"qkv {qkv.shape} / proj {proj.shape} do not match the state pool {pool.shape}")
     return _decode_call(qkv, qkv, qkv, proj, proj, A_log, dt_bias, pool, slots,
                         (0, hk * dk, 2 * hk * dk, gate_col + hv, gate_col), hk, config, interpret)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Several tokens per row from the pool's state (speculative decoding): the verify pass reads the state and writes
+# none (its tokens may be rejected); the commit pass advances it by the accepted tokens only.
+
+
+def _tokens_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_ref, pool_ref, o_ref, *out,
+                   ratio, bv, cols, tokens):
+    """_decode_kernel over `tokens` tokens per row ([N, T, columns] refs), the state block kept in registers:
+    every token's output, and with `out` (the aliased pool) the state after the row's first len tokens."""
+    vb, hv, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = hv // ratio
+    slot, length = slot_ref[n], len_ref[n]
+    dk = pool_ref.shape[-1]
+    q0, k0, v0, a0, b0 = cols
+    g0, b_log = alog_ref[hv], dtb_ref[hv]
+    vcols = pl.ds(vb * bv, bv)
+    s = pool_ref[slot, hv, vcols, :]                          # [BV, dk] fp32
+    for t in range(tokens):
+        q = _l2norm(q_ref[n, t, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
+        k = _l2norm(k_ref[n, t, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
+        g, beta = _gates(a_ref[n, t, a0 + hv], b_ref[n, t, b0 + hv], g0, b_log)
+        alpha = jnp.exp(g)
+        v = v_ref[n, t, pl.ds(v0 + hv * pool_ref.shape[2] + vb * bv, bv)].astype(jnp.float32)
+        u = beta * (v - alpha * jnp.sum(s * k[None, :], axis=1))
+        o_ref[n, t, hv, vcols] = (alpha * jnp.sum(s * q[None, :], axis=1) + jnp.sum(q * k) * u).astype(o_ref.dtype)
+        s = jnp.where(t < length, alpha * s + u[:, None] * k[None, :], s)
+    if out:
+        out[0][slot, hv, vcols, :] = s                         # aliased: in place
+
+
+def gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, *, write: bool,
+                             config: DecodeConfig = DEFAULT_DECODE, interpret=False):
+    """T tokens per row from pool[slots] on the layer's packed activations (qkv [N, T, 2*Hk*dk + Hv*dv], proj
+    [N, T, P] ending in [b | a]; as gdn_decode_packed). Returns (o [N, T, Hv, dv], pool): with write, each row's
+    state after its first lens[n] tokens is written back in place; without, the pool is only read (returned as
+    given). Padded rows must use the null slot 0."""
+    config = DEFAULT_DECODE if config is None else config
+    n, tokens = qkv.shape[:2]
+    hv, dv, dk = pool.shape[1:]
+    hk, rem = divmod(qkv.shape[2] - hv * dv, 2 * dk)
+    gate_col = proj.shape[2] - 2 * hv
+    if rem or hk < 1 or gate_col < 0 or proj.shape[:2] != (n, tokens):
+        raise ValueError(f"qkv {qkv.shape} / proj {proj.shape} do not match the state pool {pool.shape}")
+    _check_dims(dk, dv, hk, hv)
+    if pool.dtype != jnp.float32:
+        raise ValueError(f"the GDN state pool must be float32, got {pool.dtype}")
+    bv = min(config.bv, dv)
+    if dv % bv or bv & (bv - 1):
+        raise ValueError(f"decode V-block {bv} must be a power of two dividing dv={dv}")
+    o_shape = jax.ShapeDtypeStruct((n, tokens, hv, dv), qkv.dtype)
+    res = pl.pallas_call(
+        functools.partial(_tokens_kernel, ratio=hv // hk, bv=bv, cols=(0, hk * dk, 2 * hk * dk, gate_col + hv,
+                                                                       gate_col), tokens=tokens),
+        out_shape=(o_shape, jax.ShapeDtypeStruct(pool.shape, pool.dtype)) if write else (o_shape,),
+        grid=(dv // bv, hv, n),
+        input_output_aliases={9: 1} if write else {},
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="gdn_decode_tokens",
+    )(jnp.asarray(slots).astype(jnp.int32), jnp.asarray(lens).astype(jnp.int32), qkv, qkv, qkv, proj, proj,
+      A_log.astype(jnp.float32), dt_bias.astype(jnp.float32), pool)
+    return (res[0], res[1]) if write else (res[0], pool)

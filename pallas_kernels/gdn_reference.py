@@ -147,14 +147,38 @@ def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots):
     return o.astype(v.dtype), pool.at[slots].set(s)
 
 
+def gdn_decode_tokens(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, *, write: bool):
+    """T tokens per row continuing the state in pool[slots] (speculative decoding: a verify pass, write False, and
+    the commit of its accepted tokens, write True): q,k [N,T,Hk,dk], v [N,T,Hv,dv], a,b [N,T,Hv]. Returns o
+    [N,T,Hv,dv] for every token and the pool, holding each row's state after its first lens[n] tokens where write
+    (the tokens after them are inert), unchanged otherwise."""
+    hv = v.shape[-2]
+    g, beta = _mask_padding(*gates(a, b, A_log, dt_bias), lens)
+    qf, kf, vf = _prepare(q, k, v, hv)
+    o, final = recurrent_scan(qf, kf, vf, g, beta, pool[slots])
+    return o.astype(v.dtype), pool.at[slots].set(final) if write else pool
+
+
+def _unpack(qkv, proj, hv, dv, dk):
+    """[.., 2*Hk*dk + Hv*dv] = [q | k | v] and proj [.., P] ending in [b | a] -> q, k [.., Hk, dk], v [.., Hv, dv],
+    a, b [.., Hv]."""
+    lead = qkv.shape[:-1]
+    kl = (qkv.shape[-1] - hv * dv) // 2
+    gate_col = proj.shape[-1] - 2 * hv
+    q, k, v = qkv[..., :kl], qkv[..., kl:2 * kl], qkv[..., 2 * kl:]
+    b, a = proj[..., gate_col:gate_col + hv], proj[..., gate_col + hv:gate_col + 2 * hv]
+    return q.reshape(*lead, -1, dk), k.reshape(*lead, -1, dk), v.reshape(*lead, hv, dv), a, b
+
+
+def gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, *, write: bool):
+    """gdn_decode_tokens on packed activations (qkv [N, T, 2*Hk*dk + Hv*dv], proj [N, T, P]; as
+    gdn_decode_packed)."""
+    q, k, v, a, b = _unpack(qkv, proj, *pool.shape[1:])
+    return gdn_decode_tokens(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, write=write)
+
+
 def gdn_decode_packed(qkv, proj, A_log, dt_bias, pool, slots):
     """gdn_decode on packed activations (the kernels' contract, pallas_kernels.gdn.gdn_decode_packed): qkv
     [N, 2*Hk*dk + Hv*dv] = [q | k | v]; proj ends in [b | a], Hv columns each."""
-    n = qkv.shape[0]
-    hv, dv, dk = pool.shape[1:]
-    gate_col = proj.shape[1] - 2 * hv
-    kl = (qkv.shape[1] - hv * dv) // 2
-    q, k, v = qkv[:, :kl], qkv[:, kl:2 * kl], qkv[:, 2 * kl:]
-    b, a = proj[:, gate_col:gate_col + hv], proj[:, gate_col + hv:gate_col + 2 * hv]
-    return gdn_decode(q.reshape(n, -1, dk), k.reshape(n, -1, dk), v.reshape(n, hv, dv), a, b, A_log, dt_bias, pool,
-                      slots)
+    q, k, v, a, b = _unpack(qkv, proj, *pool.shape[1:])
+    return gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)

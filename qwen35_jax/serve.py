@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-state-snapshots", type=int, default=None,
                    help="GDN state snapshots the prefix cache keeps (default: two per sequence, within a tenth of "
                         "the free device memory)")
+    e.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='speculative decoding as vLLM spells it, e.g. \'{"method": "mtp", "num_speculative_tokens": '
+                        '3}\': the checkpoint\'s MTP head drafts k = 1..4 tokens per step (docs/speculative.md)')
     e.add_argument("--kernel-backend", default=None, choices=BACKENDS,
                    help="default: pallas on GPU, reference elsewhere")
     e.add_argument("--kernel-config", default=None,
@@ -100,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object (EngineArgs.validate checks its fields)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def engine_args(args) -> EngineArgs:
     """EngineArgs from the CLI (the tiny default model fills the unset ones with a small bucket set)."""
     kernel_config = KernelConfig.parse(args.kernel_config or "", KernelConfig(backend=args.kernel_backend))
@@ -112,7 +127,7 @@ def engine_args(args) -> EngineArgs:
               kernel_config=kernel_config, compilation_cache_dir=args.compilation_cache_dir,
               precompile=not args.no_precompile, seed=args.seed, load_format=args.load_format,
               skip_tokenizer_init=args.skip_tokenizer_init, converted_weights_dir=args.converted_weights_dir,
-              revision=args.revision)
+              revision=args.revision, speculative_config=args.speculative_config)
     if args.model is None:
         kw = {k: (TINY_DEFAULTS[k] if v is None and k in TINY_DEFAULTS else v) for k, v in kw.items()}
     return EngineArgs(**{k: v for k, v in kw.items() if v is not None})      # unset: EngineArgs' default

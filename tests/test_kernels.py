@@ -262,6 +262,41 @@ def test_gdn_decode_packed_reads_the_layer_arrays_in_place(config):
         gdn.gdn_decode_packed(qkv[:, 1:], proj, A_log, dt_bias, pool, slots, interpret=True)
 
 
+@pytest.mark.parametrize("config", [gdn.DEFAULT_DECODE, gdn.DecodeConfig(bv=16)], ids=["default", "bv16"])
+def test_gdn_decode_tokens_verify_then_commit(config):
+    """Speculative decoding's GDN passes on packed activations: verify (write False) gives every token's output
+    and leaves the pool as it was; commit (write True, lens = accepted) leaves each row's state after its first
+    lens tokens: the state T = lens single decode steps reach. The reference agrees; untouched slots stay."""
+    n, t, hk, ratio, dk, dv = 4, 4, 2, 2, 32, 16
+    q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(41, n, t, hk, hk * ratio, dk, dv)
+    qkv = jnp.concatenate([q.reshape(n, t, -1), k.reshape(n, t, -1), v.reshape(n, t, -1)], axis=2)
+    z = jax.random.normal(jax.random.key(6), (n, t, hk * ratio * dv))
+    proj = jnp.concatenate([qkv - 1.0, z, b, a], axis=2)
+    slots, lens = jnp.array([4, 1, 0, 7]), jnp.array([3, 4, 0, 1])        # row 2: padding on the null slot
+    fn = jax.jit(functools.partial(gdn.gdn_decode_tokens_packed, config=config, interpret=True),
+                 static_argnames="write")
+    o, same = fn(qkv, proj, A_log, dt_bias, pool, slots, jnp.full(n, t), write=False)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(pool))
+    _, new = fn(qkv, proj, A_log, dt_bias, pool, slots, lens, write=True)
+    step = lambda p, i: gdn_reference.gdn_decode(q[:, i], k[:, i], v[:, i], a[:, i], b[:, i], A_log, dt_bias, p,
+                                                 slots)
+    chain, steps, want_o = pool, pool, []       # T single decode steps: all of them, and each row's first lens
+    for i in range(t):
+        o_i, chain = step(chain, i)
+        want_o.append(o_i)
+        keep = (i < lens)[:, None, None, None]
+        steps = steps.at[slots].set(jnp.where(keep, step(steps, i)[1][slots], steps[slots]))
+    live = jnp.array([0, 1, 3])
+    assert rel(o[live], jnp.stack(want_o, 1)[live]) <= 1e-5
+    assert rel(new[slots[live]], steps[slots[live]]) <= 1e-5
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
+    o_r, new_r = gdn_reference.gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, write=True)
+    assert rel(new_r[slots[live]], steps[slots[live]]) <= 1e-5
+    _, same_r = gdn_reference.gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, write=False)
+    np.testing.assert_array_equal(np.asarray(same_r), np.asarray(pool))
+
+
 def test_conv_prefill_and_decode_exact():
     n, c = 8, 160                                        # channels not a power of two (ratio-3 layout)
     lens = jnp.array([1, 2, 3, 63, 64, 65, 200, 0])
@@ -446,6 +481,11 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     dcfgs = kernel_sweeps.decode_sweep()
     text = lower_for_cuda(lambda *x: [gdn.gdn_decode(*x, config=cfg) for cfg in dcfgs], *decode)
     assert text.count("__gpu$xla.gpu.triton") == len(dcfgs)
+    width = 2 * hk * dk + hv * dv
+    tokens = (S((n, 4, width), bf), S((n, 4, width + hv * dv + 2 * hv), bf), S((hv,), f32), S((hv,), f32),
+              S((slots, hv, dv, dk), f32), S((n,), i32), S((n,), i32))
+    text = lower_for_cuda(lambda *x: [gdn.gdn_decode_tokens_packed(*x, write=w) for w in (False, True)], *tokens)
+    assert text.count("__gpu$xla.gpu.triton") == 2
     conv = (S((n, t, conv_ch), bf), S((4, conv_ch), bf), S((slots, 3, conv_ch), bf), S((n,), i32), S((n,), i32),
             S((n,), jnp.bool_))
     ccfgs = kernel_sweeps.conv_prefill_sweep()

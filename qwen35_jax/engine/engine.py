@@ -67,6 +67,13 @@ class EngineArgs:
     skip_tokenizer_init: bool = False        # no tokenizer: prompts are token ids, outputs carry no text
     converted_weights_dir: str | None = None  # orbax copy of the re-laid-out weights, saved once, then restored
     revision: str | None = None              # of a Hugging Face repo id model: branch, tag or commit (None: main)
+    # {"method": "mtp", "num_speculative_tokens": k}: k drafts per step from the checkpoint's MTP head (vLLM's
+    # spelling; docs/speculative.md), k in 1..4; None: one token per step
+    speculative_config: dict | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return int(self.speculative_config["num_speculative_tokens"]) if self.speculative_config else 0
 
     def validate(self):
         checks = [(self.tensor_parallel_size in (1, 2, 4, 8),
@@ -85,6 +92,17 @@ class EngineArgs:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        spec = self.speculative_config
+        if spec is not None:
+            if not isinstance(spec, dict) or spec.get("method") != "mtp" or set(spec) - {"method",
+                                                                                       "num_speculative_tokens"}:
+                raise ValueError(f"speculative_config must be {{\"method\": \"mtp\", \"num_speculative_tokens\": "
+                                 f"k}} (the checkpoint's MTP head drafts), got {spec!r}")
+            k = spec.get("num_speculative_tokens")
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 4:
+                raise ValueError(f"num_speculative_tokens must be an integer in 1..4, got {k!r}")
+            if self.decode_steps != 1:
+                raise ValueError("speculative decoding runs one verify step per dispatch (decode_steps=1)")
 
     def prefill_floor(self, platform: str | None = None) -> int:
         """The smallest prefill bucket (tokens per row). Default: 128 on GPU, where a forward of that few tokens
@@ -130,10 +148,16 @@ def build_engine(model: str, args: EngineArgs | None = None, *, devices=None, we
                          f"tokenizer in {model} knows {tokenizer.vocab_size}; skip the tokenizer "
                          "(skip_tokenizer_init, --skip-tokenizer-init)")
     dtype = resolve_dtype(args.dtype)
+    mtp = args.num_speculative_tokens > 0
+    if mtp and cfg.mtp_layers != 1:
+        raise ValueError(f"speculative_config method 'mtp' needs the checkpoint's MTP head (mtp_num_hidden_layers "
+                         f"= 1 in config.json); this model declares {cfg.mtp_layers}")
+    if mtp and jax.process_count() > 1:
+        raise ValueError("speculative decoding is not supported in multi-process engines yet")
     if weights is None and args.load_format == "dummy":
-        weights = random_weights(cfg, mesh, dtype, seed=args.seed)
+        weights = random_weights(cfg, mesh, dtype, seed=args.seed, mtp=mtp)
     elif weights is None:
-        weights = load_or_restore(model, cfg, mesh, dtype, args.converted_weights_dir)
+        weights = load_or_restore(model, cfg, mesh, dtype, args.converted_weights_dir, mtp=mtp)
     leader = None
     if jax.process_count() > 1 and jax.process_index() == 0:
         from qwen35_jax.engine.multihost import Leader
@@ -202,6 +226,8 @@ class EngineStats:
     sample_seconds: float = 0.0      # constrained decode: filling the masks and dispatching the sampler
     wait_seconds: float = 0.0        # time blocked reading back tokens (device busy)
     finished: dict = dataclasses.field(default_factory=dict)
+    spec_steps: int = 0              # speculative decoding: row-steps verified (each with k drafts)
+    spec_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))   # per position
 
 
 class Observer:
@@ -236,34 +262,39 @@ class Engine:
         cache_dir = setup_compilation_cache(args.compilation_cache_dir)
 
         ps = args.page_size
-        self.pages_per_seq = -(-self.max_model_len // ps)
+        k = self.spec_tokens = args.num_speculative_tokens
+        # a speculative step writes K/V up to 2k - 1 positions past a row's last committed token (verify up to
+        # p + k, the chained drafts up to p + m + k - 1): its page table covers them
+        self.lookahead = 2 * k
+        self.pages_per_seq = -(-(self.max_model_len + self.lookahead) // ps)
         num_slots = args.max_num_seqs
         self.num_snapshots = self._auto_snapshots(num_slots) if args.enable_prefix_caching else 0
         num_pages = args.num_kv_pages or self._auto_pages(num_slots)
         if jax.process_count() > 1:      # every process must build identical shapes: take the smallest pool
             from jax.experimental import multihost_utils
             num_pages = int(np.min(multihost_utils.process_allgather(np.array([num_pages]))))
-        self.abstract_state = abstract_state(cfg, layout, num_slots, num_pages, ps, self.dtype, self.dp)
+        self.abstract_state = abstract_state(cfg, layout, num_slots, num_pages, ps, self.dtype, self.dp, mtp=k > 0)
         state = init_state(self.abstract_state, mesh)
         snapshots = (init_state(abstract_snapshots(cfg, self.num_snapshots, self.dtype, self.dp), mesh)
                      if self.num_snapshots else None)
-        sstate = init_sampler_state(num_slots, layout.vocab_padded, NamedSharding(mesh, PartitionSpec(DP)), self.dp)
+        sstate = init_sampler_state(num_slots, layout.vocab_padded, NamedSharding(mesh, PartitionSpec(DP)), self.dp,
+                                    drafts=k)
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
         self.executor = ex.Executor(
             cfg, mesh, layout, weights, state, sstate, self.kernels, self.kernel_config,
-            weight_specs(abstract_weights(cfg, layout, self.dtype)), state_specs(self.abstract_state),
+            weight_specs(abstract_weights(cfg, layout, self.dtype, mtp=k > 0)), state_specs(self.abstract_state),
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
-            decode_steps=args.decode_steps, lazy=not args.precompile,
+            decode_steps=args.decode_steps, spec_tokens=k, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
             on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp,
-                                   num_snapshots=self.num_snapshots)
+                                   num_snapshots=self.num_snapshots, lookahead=self.lookahead)
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_accepted=np.zeros(k, np.int64))
         self._rng = np.random.default_rng(args.seed)
         self._inbox: queue.Queue = queue.Queue()
         self._groups: dict[str, RequestGroup] = {}
@@ -287,7 +318,8 @@ class Engine:
         probe = abstract_state(self.cfg, self.layout, num_slots, 1, self.args.page_size, self.dtype)
         fixed = (nbytes(probe) + self.num_snapshots * bytes_per_slot(self.cfg, self.dtype)) / self.layout.tp
         # ^ one replica's state and snapshot pool, split over its tp ranks
-        per_page = 2 * len(self.cfg.attn_layers) * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
+        pools = len(self.cfg.attn_layers) + (1 if self.spec_tokens else 0)        # + the MTP layer's
+        per_page = 2 * pools * self.layout.kv_heads * self.args.page_size * self.cfg.head_dim * \
             jnp.dtype(self.dtype).itemsize
         sampler = 5 * (num_slots + 1) * self.layout.vocab_padded
         fit = int((free - fixed - sampler) // max(per_page, 1))
@@ -426,6 +458,8 @@ class Engine:
                              f"before), this engine runs {self.args.decode_steps}")
         if jax.process_count() > 1:
             raise ValueError("structured outputs are not supported in multi-process engines")
+        if self.spec_tokens:
+            raise ValueError("structured outputs are not supported with speculative decoding (speculative_config)")
         with self._grammars_lock:
             if self._grammars is None:
                 from qwen35_jax.engine.structured import Grammars
@@ -568,7 +602,7 @@ class Engine:
             with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
                 t0 = time.perf_counter()
                 records = []
-                if pending and self._grammars is not None and self._sync_needed(pending):
+                if pending and self._sync_needed(pending):
                     with jax.profiler.TraceAnnotation("process_outputs"):
                         self._process(pending)
                     pending = None      # (never with a multi-host leader: engine.grammar refuses constraints)
@@ -593,11 +627,14 @@ class Engine:
             np.asarray(out)
 
     def _sync_needed(self, records) -> bool:
-        """Must the steps in flight be read back before the next is dispatched? Only while the split decode steps
-        are not compiled and one of them samples a token for a constrained request: its next bitmask is then filled
-        at dispatch. With them, the bitmask of a constrained row (which always decodes next: the scheduler never
-        preempts) is filled after its model step is dispatched (_sampled)."""
-        if self.executor.split_ready:
+        """Must the steps in flight be read back before the next is dispatched? After a speculative decode step:
+        how far each row got is known only from its tokens. And while the split decode steps are not compiled and
+        one of them samples a token for a constrained request: its next bitmask is then filled at dispatch. With
+        them, the bitmask of a constrained row (which always decodes next: the scheduler never preempts) is filled
+        after its model step is dispatched (_sampled)."""
+        if self.spec_tokens and any(kind == "decode" for kind, _, _ in records):
+            return True
+        if self._grammars is None or self.executor.split_ready:
             return False
         for kind, rows, _ in records:
             for row in rows:
@@ -605,6 +642,12 @@ class Engine:
                 if req is not None and req.matcher is not None and not req.finished:
                     return True
         return False
+
+    def _stop_ids(self, req) -> list[int]:
+        """The token ids that end this request (the engine's EOS unless ignore_eos first, then its stop_token_ids),
+        as _append decides."""
+        eos = [] if req.params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + [t for t in req.params.stop_token_ids if t not in eos]
 
     def _bitmask(self, rows):
         """The token bitmask of a step's sampling rows (requests or None), or None if none is constrained."""
@@ -658,11 +701,12 @@ class Engine:
         if plan.decode:
             constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
-                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None)
+                rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None,
+                                                     stops=self._stop_ids)
             if not callable(out):
                 self._copy_ahead(out)
             k = self.args.decode_steps
-            for r in plan.decode:
+            for r in plan.decode if not self.spec_tokens else ():     # speculative rows advance as read (_process)
                 r.num_computed += k
                 r.num_sampled += k
             records.append(("decode", rows, out))
@@ -691,8 +735,14 @@ class Engine:
                 for i, req in enumerate(rows):
                     if req is None:
                         continue
+                    if self.spec_tokens:        # the tokens this row gained (-1 past them), in the state now
+                        gained = int(np.sum(out.tokens[:, i] >= 0))
+                        req.num_computed += gained
+                        req.num_sampled += gained
+                        self.stats.spec_steps += 1
+                        self.stats.spec_accepted[:gained - 1] += 1
                     for k in range(out.tokens.shape[0]):
-                        if req.finished:
+                        if req.finished or out.tokens[k, i] < 0:
                             break
                         self._append(req, out, (k, i))
                         touched.add(req.request_id)

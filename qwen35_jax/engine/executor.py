@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 from qwen35_jax import env
 from qwen35_jax.engine.sampler import (
     EXTRAS_MODES,
+    accept_drafts,
     MAX_LOGPROBS,
     SAMPLER_MODES,
     SamplerState,
@@ -63,7 +64,7 @@ from qwen35_jax.engine.sampler import (
 from qwen35_jax.engine.scheduler import next_bucket
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.model.config import ModelConfig
-from qwen35_jax.model.forward import Batch, Kernels, decoder, forward, last_real, lm_head
+from qwen35_jax.model.forward import Batch, Kernels, commit, decoder, draft, forward, last_real, lm_head
 from qwen35_jax.model.sharding import DP, TP, Layout
 from qwen35_jax.model.state import State
 
@@ -80,6 +81,9 @@ class StepOutput:
     rank: jax.Array            # its rank (1 = most likely)
     top_logprobs: jax.Array    # [..., MAX_LOGPROBS]
     top_ids: jax.Array
+
+
+STOP_IDS = 8     # stop token ids a speculative step checks per row (EOS first); a row with more may overshoot
 
 
 def _pack_out(out: StepOutput, extras: bool) -> jax.Array:
@@ -101,9 +105,8 @@ def _sample_into(sstate: SamplerState, logits, slots, sp: SamplingBatch, write, 
                         full_vocab=mode == "full",
                         extras=mode in EXTRAS_MODES, greedy_only=mode == "greedy")
     target = jnp.where(write, slots, 0)                       # rows not written go to the null slot
-    sstate = SamplerState(last_token=sstate.last_token.at[target].set(tokens),
-                          counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)),
-                          prompt_mask=sstate.prompt_mask)
+    sstate = dataclasses.replace(sstate, last_token=sstate.last_token.at[target].set(tokens),
+                                 counts=sstate.counts.at[target, tokens].add(jnp.where(write, 1, 0)))
     return sstate, StepOutput(tokens, lp["logprob"], lp["rank"], lp["top_logprobs"], lp["top_ids"])
 
 
@@ -140,29 +143,41 @@ def unpack_rows(x, layout):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def prefill_step(cfg, layout, kernels, weights, state, sstate: SamplerState, bitmask, batch: Batch, finishing,
-                 sp: SamplingBatch, targets=None):
+def prefill_step(cfg, layout, kernels, spec_tokens, weights, state, sstate: SamplerState, bitmask, batch: Batch,
+                 finishing, sp: SamplingBatch, targets=None, next_tokens=None):
     """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
     prompt completes here sample their first token. Returns the packed [N, W] output (`_pack_out`).
 
     targets [N, T] (the prompt-logprobs variant): each position's next prompt token. The output is then
     [N, 1 + T, W]: row 0 as above, row 1 + p the logprob, rank and top alternatives of targets[:, p] under the raw
-    (full-vocabulary, unpenalized) distribution at position p (`token_logprobs`)."""
+    (full-vocabulary, unpenalized) distribution at position p (`token_logprobs`).
+
+    spec_tokens k > 0 (speculative decoding): the MTP head runs over the chunk too (forward.draft), pairing each
+    position with next_tokens [N, T] (the prompt's next token; at a completing row's last position, the token just
+    sampled), and a completing row's k drafts are kept for its first speculative step."""
     with jax.named_scope("sampling"):
         fresh = jnp.where(batch.start == 0, batch.slots, 0)
         mask = sstate.prompt_mask.at[fresh].set(False)
         t = batch.tokens.shape[1]
         real = jnp.arange(t)[None, :] < batch.lens[:, None]
         mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
-        sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
-    if targets is None:
+        sstate = dataclasses.replace(sstate, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
+    if targets is None and not spec_tokens:
         logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
-    else:       # as forward(all_logits=False) for the samples, plus the head at every position
+    else:       # as forward(all_logits=False) for the samples, with the hidden states kept
         x, state = decoder(cfg, layout, kernels, weights, state, batch)
         logits = lm_head(cfg, weights, last_real(x, batch.lens))
-        every = _full_logits(lm_head(cfg, weights, x))
+        if targets is not None:     # the head at every position
+            every = _full_logits(lm_head(cfg, weights, x))
     with jax.named_scope("sampling"):
         sstate, out = _sample_into(sstate, _full_logits(logits), batch.slots, sp, finishing, bitmask)
+    if spec_tokens:
+        at_end = jnp.arange(batch.tokens.shape[1])[None, :] == (batch.lens - 1)[:, None]
+        nxt = jnp.where(at_end & finishing[:, None], out.tokens[:, None], next_tokens)
+        drafts, kp, vp = draft(cfg, layout, kernels, weights, x, nxt, state.k_pages[-1], state.v_pages[-1], batch,
+                               spec_tokens)
+        state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + [kp], v_pages=state.v_pages[:-1] + [vp])
+        sstate = dataclasses.replace(sstate, drafts=sstate.drafts.at[jnp.where(finishing, batch.slots, 0)].set(drafts))
     packed = _pack_out(_gather_rows(out, 0), extras=True)
     if targets is None:
         return state, sstate, packed
@@ -201,6 +216,50 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
     return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode in EXTRAS_MODES)
 
 
+def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerState, bitmask, slots, positions, pages,
+              sp: SamplingBatch, limits):
+    """Per shard: one speculative decoding step (docs/speculative.md) for this replica's rows: the main model
+    verifies each row's last token and its k drafts, `accept_drafts` keeps an exact prefix and draws one more
+    token, the GDN state advances by the tokens kept (forward.commit), and the MTP head drafts the next k.
+    limits = (budget [B], stop_ids [B, STOP_IDS], stop_from [B]): a row keeps at most budget tokens (what
+    max_tokens leaves) and none after its first stop token (-1 pads stop_ids) at a new-token index >= stop_from
+    (min_tokens), so a finished row's state ends exactly at its last token (its prefix-cache snapshot). The
+    output is decode_step's packed [T = k + 1, B, W], row j holding each row's j-th new token, -1 past the last
+    (the host reads a row's count from it). bitmask: unused (structured outputs refuse speculative decoding)."""
+    budget, stop_ids, stop_from = limits
+    del bitmask
+    active = slots > 0
+    drafts = sstate.drafts[slots]
+    batch = Batch(tokens=jnp.concatenate([sstate.last_token[slots][:, None], drafts], axis=1), start=positions,
+                  lens=jnp.where(active, k + 1, 0), slots=slots, pages=pages)
+    x, state, pending = decoder(cfg, layout, kernels, weights, state, batch, verify=True)
+    with jax.named_scope("sampling"):
+        tokens, count, lp = accept_drafts(_full_logits(lm_head(cfg, weights, x)), drafts, sp, sstate.counts[slots],
+                                          sstate.prompt_mask[slots], full_vocab=mode == "full",
+                                          extras=mode in EXTRAS_MODES)
+        idx = jnp.arange(k + 1)[None, :]
+        stop = (tokens[:, :, None] == stop_ids[:, None, :]).any(-1) & (idx >= stop_from[:, None]) & \
+            (idx < count[:, None])
+        count = jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1) + 1, count)
+        count = jnp.where(active, jnp.clip(count, 1, jnp.maximum(budget, 1)), 0)
+    state = commit(cfg, kernels, weights, state, pending, slots, count)
+    mtp_batch = dataclasses.replace(batch, tokens=tokens, lens=count)
+    new_drafts, kp, vp = draft(cfg, layout, kernels, weights, x, tokens, state.k_pages[-1], state.v_pages[-1],
+                               mtp_batch, k)
+    state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + [kp], v_pages=state.v_pages[:-1] + [vp])
+    with jax.named_scope("sampling"):
+        kept = jnp.arange(k + 1)[None, :] < count[:, None]
+        target = jnp.where(active, slots, 0)
+        last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        rows = jnp.broadcast_to(target[:, None], tokens.shape)
+        sstate = dataclasses.replace(sstate, last_token=sstate.last_token.at[target].set(last),
+                                     counts=sstate.counts.at[rows, tokens].add(kept.astype(jnp.int32)),
+                                     drafts=sstate.drafts.at[target].set(new_drafts))
+    out = StepOutput(jnp.where(kept, tokens, -1), lp["logprob"], lp["rank"], lp["top_logprobs"], lp["top_ids"])
+    out = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out)            # [T, B, ...] as decode_step's
+    return state, sstate, _pack_out(_gather_rows(out, 1), extras=mode in EXTRAS_MODES)
+
+
 def decode_logits_step(cfg, layout, kernels, weights, state, sstate: SamplerState, slots, positions, pages):
     """Per shard: one decode model step (as decode_step's) up to its logits over the whole padded vocabulary; the
     constrained path, whose sampler (`sample_step`) is dispatched once the host has the bitmask."""
@@ -231,8 +290,8 @@ def restore_step(state: State, sstate: SamplerState, snaps: State, prompt_bits, 
     state = State(conv=conv, recurrent=rec, k_pages=[page(k) for k in state.k_pages],
                   v_pages=[page(v) for v in state.v_pages])
     vocab = sstate.counts.shape[1]
-    sstate = SamplerState(last_token=sstate.last_token, counts=sstate.counts.at[slots].set(0),
-                          prompt_mask=sstate.prompt_mask.at[slots].set(allowed_tokens(prompt_bits, vocab)))
+    sstate = dataclasses.replace(sstate, counts=sstate.counts.at[slots].set(0),
+                                 prompt_mask=sstate.prompt_mask.at[slots].set(allowed_tokens(prompt_bits, vocab)))
     return state, sstate
 
 
@@ -346,7 +405,7 @@ class Executor:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, layout: Layout, weights, state: State, sstate: SamplerState,
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
-                 decode_buckets, prefill_buckets, decode_steps: int = 1, lazy: bool = False,
+                 decode_buckets, prefill_buckets, decode_steps: int = 1, spec_tokens: int = 0, lazy: bool = False,
                  exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
                  snapshots: State | None = None):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
@@ -358,14 +417,16 @@ class Executor:
         self.snaps = snapshots
         self._packings: dict = {}
         self.kernels, self.kernel_config = kernels, kernel_config
-        self.pages_per_seq, self.decode_steps = pages_per_seq, decode_steps
+        self.pages_per_seq, self.decode_steps, self.spec_tokens = pages_per_seq, decode_steps, spec_tokens
+        self.decode_kind = "spec" if spec_tokens else "decode"      # the decode buckets' executables
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
         self.replicated = NamedSharding(mesh, P())
         self.rows = NamedSharding(mesh, P(DP))
         self.vocab_padded = layout.vocab_padded
         self.mask_width = -(-layout.vocab_padded // 32)     # int32 words of a row's token bitmask
-        sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP))
+        sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP),
+                                     drafts=P(DP) if spec_tokens else None)
         out_specs = P()                                    # the packed StepOutput (_pack_out), replicated
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -403,8 +464,11 @@ class Executor:
             if kind == "decode":
                 body = lambda w, s, ss, x, m: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss, m,
                                                           *unpack_rows(x, rows_layout))
+            elif kind == "spec":
+                body = lambda w, s, ss, x, m: spec_step(cfg, layout, kernels, spec_tokens, mode, w, s, ss, m,
+                                                        *unpack_rows(x, rows_layout))
             else:
-                body = lambda w, s, ss, x, m: prefill_step(cfg, layout, kernels, w, s, ss, m,
+                body = lambda w, s, ss, x, m: prefill_step(cfg, layout, kernels, spec_tokens, w, s, ss, m,
                                                            *unpack_rows(x, rows_layout))
             step = jax.shard_map(body, mesh=mesh, check_vma=False,
                                  in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP)),
@@ -434,15 +498,18 @@ class Executor:
         z = lambda *sh, dtype=np.int32: np.zeros(sh, dtype)
         if kind in ("restore", "save"):
             return tuple(z(self.dp * shape[0]) for _ in range(4))      # slots, entries, src and dst pages
-        if kind in ("decode", "logits", "sample"):
+        if kind in ("decode", "spec", "logits", "sample"):
             b = self.dp * shape[0]
             if kind == "sample":
                 return (z(b), host_batch_rows([None] * b))
-            return (z(b), z(b), z(b, self.pages_per_seq)) + ((host_batch_rows([None] * b),) if kind == "decode" else ())
+            sp = (host_batch_rows([None] * b),) if kind != "logits" else ()
+            return (z(b), z(b), z(b, self.pages_per_seq)) + sp + (((z(b), z(b, STOP_IDS), z(b)),)
+                                                                  if kind == "spec" else ())
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
-        targets = (z(n, t),) if kind == "prompt_logprobs" else ()
-        return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n), *targets)
+        targets = (z(n, t),) if kind == "prompt_logprobs" else (None,) if self.spec_tokens else ()
+        nxt = (z(n, t),) if self.spec_tokens else ()
+        return (batch, z(n, dtype=np.bool_), host_batch_rows([None] * n), *targets, *nxt)
 
     def _packing(self, key) -> tuple[tuple, tuple]:
         """(packed shape, rows layout) of the bucket's step inputs, memoized on the executor (a class-level
@@ -457,7 +524,7 @@ class Executor:
 
     def _lower(self, key):
         shape, rows_layout = self._packing(key)
-        fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "sample") else None, rows_layout)
+        fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "spec", "sample") else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
         rows = lambda *sh, dtype=jnp.int32: jax.ShapeDtypeStruct((shape[0], *sh), dtype, sharding=self.rows)
         if key[0] == "restore":
@@ -476,7 +543,7 @@ class Executor:
         prompt-logprobs variants of the prefill buckets and the split decode steps of structured outputs are not
         among them (compiled on first use; `prepare_split`)."""
         copies = [(k, b) for k in ("restore", "save") for b in self.decode_buckets] if self.snaps is not None else []
-        return ([("decode", b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
+        return ([(self.decode_kind, b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
                 + [("prefill", n, t) for n, t in self.prefill_buckets] + copies)
 
     def split_keys(self):
@@ -519,7 +586,7 @@ class Executor:
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
         cost = lambda k: ((1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
-                          if k[0] == "decode" else (-1, k[1]))
+                          if k[0] in ("decode", "spec") else (-1, k[1]))
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
@@ -618,6 +685,7 @@ class Executor:
         total = self.dp * n
         tokens = np.zeros((total, t), np.int32)
         targets = np.zeros((total, t), np.int32) if prompt_logprobs else None
+        following = np.zeros((total, t), np.int32) if self.spec_tokens else None     # the MTP head's next tokens
         start, lens, slots = (np.zeros(total, np.int32) for _ in range(3))
         pages = np.zeros((total, self.pages_per_seq), np.int32)
         finishing = np.zeros(total, np.bool_)
@@ -628,18 +696,20 @@ class Executor:
             i = r.replica * n + used[r.replica]
             used[r.replica] += 1
             tokens[i, :c.length] = r.prompt_ids[c.start:c.start + c.length]
-            if targets is not None:     # none after the prompt's last token
-                nxt = r.prompt_ids[c.start + 1:c.start + c.length + 1]
-                targets[i, :len(nxt)] = nxt
+            nxt = r.prompt_ids[c.start + 1:c.start + c.length + 1]     # none after the prompt's last token
+            for a in (targets, following):
+                if a is not None:
+                    a[i, :len(nxt)] = nxt
             start[i], lens[i], slots[i] = c.start, c.length, r.slot
             pages[i, :len(r.pages)] = r.pages
             finishing[i] = c.completes_prompt
             rows[i] = (r, bool(finishing[i]), c)
         sp = host_batch_rows([x[0] if x else None for x in rows])
         mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
-        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask)
+        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask, following)
 
-    def run_decode(self, requests, bitmask: Callable | None = None) -> tuple[list, jax.Array | Callable]:
+    def run_decode(self, requests, bitmask: Callable | None = None, stops: Callable | None = None
+                   ) -> tuple[list, jax.Array | Callable]:
         """Lay out the decoding requests in the smallest decode bucket that holds each replica's rows and dispatch
         it. Returns the rows (request or None) and the packed output. With bitmask (as in run_prefill: some rows
         are constrained) and the split steps ready (`split_ready`), only the model step is dispatched, and the
@@ -661,6 +731,16 @@ class Executor:
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
         sp = host_batch_rows(rows)
+        if self.spec_tokens:        # a step keeps no more than max_tokens leaves, and nothing after a stop token
+            budget = np.array([0 if r is None else r.max_tokens - r.num_sampled for r in rows], np.int32)
+            stop_ids = np.full((len(rows), STOP_IDS), -1, np.int32)
+            stop_from = np.zeros(len(rows), np.int32)
+            for i, r in enumerate(rows):
+                if r is not None and stops is not None:
+                    ids = stops(r)[:STOP_IDS]
+                    stop_ids[i, :len(ids)] = ids
+                    stop_from[i] = max(0, r.params.min_tokens - r.num_sampled)
+            return rows, self.decode(b, slots, positions, pages, sp, budget=(budget, stop_ids, stop_from))
         if bitmask is None or not self.split_ready:
             return rows, self.decode(b, slots, positions, pages, sp, bitmask(rows) if bitmask else None)
         if self.decode_steps != 1:
@@ -669,14 +749,19 @@ class Executor:
         return rows, lambda: self._run(("sample", b, sampler_mode(sp)), (slots, sp), bitmask(rows), logits)
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,
-                targets=None, bitmask=None) -> jax.Array:
+                targets=None, bitmask=None, following=None) -> jax.Array:
         """shape = (rows per replica, tokens per row); arrays hold dp * rows rows. targets [rows, tokens]: run the
         prompt-logprobs variant (`prefill_step`). bitmask: int32 [rows, mask_width] of the tokens each row may
-        sample (None: any). Returns the step's packed output (read it with `fetch`)."""
+        sample (None: any). following [rows, tokens]: with speculative decoding, each position's next prompt token
+        (prefill_step's next_tokens). Returns the step's packed output (read it with `fetch`)."""
+        if (following is None) != (not self.spec_tokens):
+            raise ValueError("following (the next prompt tokens) is needed exactly when decoding speculatively")
         inputs = (Batch(tokens=tokens, start=start, lens=lens, slots=slots, pages=pages), finishing, sp)
         kind = "prefill" if targets is None else "prompt_logprobs"
-        if targets is not None:
+        if targets is not None or following is not None:
             inputs += (targets,)
+        if following is not None:
+            inputs += (following,)
         if self.on_dispatch is not None:
             self.on_dispatch(kind, shape, inputs)
         return self._run((kind, *shape), inputs, bitmask)
@@ -708,13 +793,16 @@ class Executor:
             self.on_dispatch(kind, (bucket,), inputs + ((prompt_bits,) if kind == "restore" else ()))
         self._run((kind, bucket), inputs, prompt_bits)
 
-    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None) -> jax.Array:
-        """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`. Returns the step's
-        packed output (`fetch`)."""
-        inputs = (slots, positions, pages, sp)
+    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None, budget=None) -> jax.Array:
+        """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`; budget: with
+        speculative decoding, the tokens each row may keep (spec_step's limits). Returns the step's packed output
+        (`fetch`)."""
+        if (budget is None) != (not self.spec_tokens):
+            raise ValueError("budget (tokens each row may keep) is needed exactly when decoding speculatively")
+        inputs = (slots, positions, pages, sp) + ((budget,) if budget is not None else ())
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
-        return self._run(("decode", bucket, sampler_mode(sp)), inputs, bitmask)
+        return self._run((self.decode_kind, bucket, sampler_mode(sp)), inputs, bitmask)
 
     def _stage(self, name: str, key, host):
         """Host array -> a device input; staged: copied into the device buffer kept for (bucket, input name)."""

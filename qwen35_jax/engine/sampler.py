@@ -43,15 +43,16 @@ class SamplerState:
     last_token: Any     # [S+1] int32: the token each slot's next decode step feeds in
     counts: Any         # [S+1, V] int32: generated-token counts
     prompt_mask: Any    # [S+1, V] bool: tokens present in the prompt
+    drafts: Any = None  # [S+1, k] int32: speculative decoding's drafts for the next step (None without it)
 
 
-def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1) -> SamplerState:
+def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1, drafts: int = 0) -> SamplerState:
     """Zeros, made on the devices (works for meshes spanning several processes). With dp replicas the slot axis
-    holds dp * (num_slots + 1) rows and `sharding` should split it over dp."""
+    holds dp * (num_slots + 1) rows and `sharding` should split it over dp. drafts: k, the drafts kept per slot."""
     n = dp * (num_slots + 1)
     z = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
     return SamplerState(last_token=z((n,), jnp.int32), counts=z((n, vocab), jnp.int32),
-                        prompt_mask=z((n, vocab), jnp.bool_))
+                        prompt_mask=z((n, vocab), jnp.bool_), drafts=z((n, drafts), jnp.int32) if drafts else None)
 
 
 def host_batch(rows: list, size: int) -> SamplingBatch:
@@ -245,3 +246,58 @@ def token_logprobs(logits, tokens) -> dict:
     top_v, top_i = top_k_desc(logits, n)
     return {"logprob": (chosen - lse)[:, 0], "rank": 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32),
             "top_logprobs": top_v - lse, "top_ids": top_i.astype(jnp.int32)}
+
+
+def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True,
+                  extras: bool = True):
+    """Speculative verification. logits [B, T, V] fp32 at a row's T = k + 1 verify positions (its last token,
+    then its drafts), drafts [B, k] int32 (the MTP head's argmax). Returns (tokens [B, T], count [B], logprob
+    info [B, T, ...]): the row's new tokens are tokens[:, :count], its accepted drafts then the token drawn where
+    the first draft was rejected (or the bonus token after the last).
+
+    Exact: a greedy draft's distribution is a point mass, so accepting draft d with probability p(d) and, where it
+    is rejected, drawing from p without d samples p itself. Each position's p is the row's own distribution
+    there: the penalties count the drafts accepted before it, and the filters, temperature and draw are
+    `sample`'s. Greedy rows accept a draft equal to the argmax. Position j is keyed on (seed, step + j), as
+    `sample` keys a row's step, with its own streams for the accept test and the draw, so a seeded request
+    repeats run to run. full_vocab and extras as in `sample`."""
+    b, t, v = logits.shape
+    pos = lambda x: jnp.repeat(x, t, axis=0)                                 # [B] -> [B * T], row-major
+    pt = jax.tree.map(pos, p)
+    pt = dataclasses.replace(pt, step=pt.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), b))
+    if extras:          # the counts at position j include drafts 1..j
+        xs, c = [], counts
+        for j in range(t):
+            xs.append(apply_penalties(logits[:, j], p, c, prompt_mask))
+            if j < t - 1:
+                c = c.at[jnp.arange(b), drafts[:, j]].add(1)
+        x = jnp.stack(xs, 1).reshape(b * t, v)
+    else:
+        x = logits.reshape(b * t, v)
+    nxt = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).reshape(b * t)    # the draft after j
+    best = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    x_t = x / jnp.where(pt.temperature <= 0, 1.0, pt.temperature)[:, None]
+    cut, m = _cut(x_t, pt, full_vocab)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(pt.seed, pt.step)
+    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (3,), jnp.float32))(keys)
+    d_logit = jnp.take_along_axis(x_t, nxt[:, None], axis=-1)
+    z = jnp.sum(jnp.where(x_t >= cut, jnp.exp(x_t - m), 0.0), axis=-1, keepdims=True)
+    p_draft = jnp.where(d_logit >= cut, jnp.exp(d_logit - m), 0.0)[:, 0] / z[:, 0]
+    accept = jnp.where(pt.temperature <= 0, nxt == best, u[:, 2] < p_draft).reshape(b, t)[:, :t - 1]
+    without = jnp.where(jnp.arange(v)[None, :] == nxt[:, None], -jnp.inf, x_t)         # p with the draft removed
+    last = (jnp.arange(b * t) % t) == t - 1                                  # the bonus position keeps every token
+    drawn = draw(jnp.where(last[:, None], x_t, without), cut, m, u[:, :2])
+    drawn = jnp.where(pt.temperature <= 0, best, drawn).reshape(b, t)
+    n_acc = jnp.where(accept.all(-1), t - 1, jnp.argmin(accept, axis=-1)).astype(jnp.int32)
+    idx = jnp.arange(t)[None, :]
+    tokens = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                       jnp.take_along_axis(drawn, n_acc[:, None], axis=1))
+    n = min(MAX_LOGPROBS, v)
+    if not extras:
+        zeros = lambda *s, dt=jnp.float32: jnp.zeros((b, t, *s), dt)
+        info = {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
+                "top_ids": zeros(n, dt=jnp.int32)}
+    else:
+        info = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]),
+                            token_logprobs(logits.reshape(b * t, v), tokens.reshape(b * t)))
+    return tokens, n_acc + 1, info

@@ -113,9 +113,12 @@ def next_bucket(x: int, buckets) -> int:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0):
+                 max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0,
+                 lookahead: int = 0):
         """num_slots, num_pages and num_snapshots (GDN state snapshots of the prefix cache; 0: no prefix caching)
-        are per data-parallel replica."""
+        are per data-parallel replica. lookahead: positions past its last token that a request's step may write
+        (speculative decoding), given pages with the rest."""
+        self.lookahead = lookahead
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
@@ -130,7 +133,7 @@ class Scheduler:
 
     # -- capacity ------------------------------------------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-        return -(-(prompt_len + max_tokens) // self.page_size)
+        return -(-(prompt_len + max_tokens + self.lookahead) // self.page_size)
 
     def check_fits(self, prompt_len: int, max_tokens: int):
         """Raise if this request could never be admitted, however empty the engine is."""

@@ -169,6 +169,7 @@ def _replace_path(obj, path: list[str], value: str):
 
 def _reference(config: KernelConfig) -> Kernels:
     return Kernels(gdn_prefill=gdn_reference.gdn_prefill, gdn_decode=gdn_reference.gdn_decode_packed,
+                   gdn_tokens=gdn_reference.gdn_decode_tokens_packed,
                    conv_prefill=conv1d_reference.conv_prefill, conv_decode=conv1d_reference.conv_decode,
                    attention_decode=decode_attention, gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from)
@@ -188,6 +189,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=config.gdn_prefill),
                    gdn_decode=p(gdn.gdn_decode_packed, config=config.gdn_decode),
+                   gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
                    conv_prefill=p(conv1d.conv_prefill, static=("split",), config=config.conv),
                    conv_decode=p(conv1d.conv_decode),
                    attention_decode=attention, gate_up_rounds_from=config.gate_up_rounds_from,

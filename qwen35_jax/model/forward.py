@@ -47,6 +47,9 @@ class Kernels:
     conv_decode: Callable
     attention_decode: Callable
     attention_prefill: Callable = attn_ops.paged_attention    # contract: attention.paged_attention
+    # several tokens per row from the slot's state, the state written or only read (speculative decoding's verify
+    # and commit); contract: pallas_kernels.gdn.gdn_decode_tokens_packed
+    gdn_tokens: Callable | None = None
     gate_up_rounds_from: int = 64       # decode rows from which gate_up's GEMM rounds its result (mlp_block)
     # decode batches from split_k_from rows: the row-parallel GEMMs as one batched dot over split_k ranges of K
     # (row_parallel), compiled with XLA's own K splits off (Executor._compiler_options: in_proj runs unsplit)
@@ -193,6 +196,52 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
         return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pending:
+    """What commit needs of one GDN layer's verify pass: the conv state before it [N, K-1, C], the pass's conv
+    inputs [N, T, C] and outputs (q | k | v) [N, T, C], and the gates' raw projections (b | a) [N, T, 2 Hv]."""
+    conv_state: Any
+    conv_in: Any
+    qkv: Any
+    gates: Any
+
+
+def gdn_verify(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
+               batch: Batch):
+    """gdn_block over T tokens per row of which only a prefix will be kept (a speculative verify pass): every
+    token's output from the row's state, the recurrent state only read. The conv writes its state as prefill
+    does; `commit` rewrites it. Returns (out, conv_pool, Pending)."""
+    n, t, _ = x.shape
+    hv, dv = layout.v_heads, cfg.linear_value_head_dim
+    width = 2 * layout.k_heads * cfg.linear_key_head_dim + hv * dv
+    with jax.named_scope("in_proj"):
+        proj = project(x, w.in_proj)                   # [q | k | v | z | b | a] per rank
+    z, gates = proj[..., width:width + hv * dv], proj[..., width + hv * dv:]
+    before = conv_pool[batch.slots]
+    with jax.named_scope("conv1d"):
+        qkv, conv_pool = kernels.conv_prefill(proj, w.conv, conv_pool, batch.slots, batch.lens, batch.lens >= 0)
+    with jax.named_scope("gated_delta_rule"):
+        o, _ = kernels.gdn_tokens(qkv, gates, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens, write=False)
+    with jax.named_scope("gated_norm"):
+        o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, hv * dv)
+    with jax.named_scope("out_proj"):
+        out = row_parallel(kernels, o, w.out_proj)
+    return out, conv_pool, Pending(conv_state=before, conv_in=proj[..., :width], qkv=qkv, gates=gates)
+
+
+def gdn_commit(w: GatedDeltaNet, kernels: Kernels, conv_pool, rec_pool, pending: Pending, slots, accepted):
+    """Advance one GDN layer's state by each row's first `accepted` tokens of its verify pass: the conv state
+    becomes the last K-1 inputs up to them, the recurrence runs them from the state the pass read."""
+    km1 = pending.conv_state.shape[1]
+    ext = jnp.concatenate([pending.conv_state, pending.conv_in.astype(pending.conv_state.dtype)], axis=1)
+    state = jax.vmap(lambda e, m: jax.lax.dynamic_slice_in_dim(e, m, km1, axis=0))(ext, accepted)
+    conv_pool = conv_pool.at[slots].set(state)
+    _, rec_pool = kernels.gdn_tokens(pending.qkv, pending.gates, w.A_log, w.dt_bias, rec_pool, slots, accepted,
+                                     write=True)
+    return conv_pool, rec_pool
+
+
 def mlp_block(kernels: Kernels, w, x):
     with jax.named_scope("gate_up"):
         # Prefill, and decode from kernels.gate_up_rounds_from rows: x.dtype from the GEMM itself (as HF rounds
@@ -208,13 +257,18 @@ def mlp_block(kernels: Kernels, w, x):
 
 
 def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, x, cache, batch: Batch,
-                  positions):
+                  positions, verify: bool = False):
     """One pre-norm layer (mixer, then MLP, each added to the residual). cache: (k_pages, v_pages) of a
-    full-attention layer, (conv, recurrent) of a GDN layer; returns (x, new cache)."""
+    full-attention layer, (conv, recurrent) of a GDN layer; returns (x, new cache). verify: a speculative verify
+    pass (gdn_verify: a GDN layer's cache comes back as (conv, recurrent, Pending))."""
     h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
     if kind == "full_attention":
         with jax.named_scope("attention"):
             h, *cache = attention_block(cfg, layout, kernels, layer.mixer, h, *cache, batch, positions)
+    elif verify:
+        with jax.named_scope("gdn"):
+            h, conv, pending = gdn_verify(cfg, layout, kernels, layer.mixer, h, cache[0], cache[1], batch)
+            cache = (conv, cache[1], pending)
     else:
         with jax.named_scope("gdn"):
             h, *cache = gdn_block(cfg, layout, kernels, layer.mixer, h, *cache, batch)
@@ -224,14 +278,17 @@ def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str,
     return x, tuple(cache)
 
 
-def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch):
+def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
+            verify: bool = False):
     """Embedding and every decoder layer: (hidden states after the final norm [N, T, H], new state). The MTP head
-    starts from these hidden states."""
+    starts from these hidden states. verify: a speculative verify pass, whose GDN recurrent state is only read;
+    returns (hidden, state, [Pending per GDN layer]) for `commit`."""
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     with jax.named_scope("embed"):
         x = embed(cfg, weights.embed, batch.tokens)
     conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
+    pending = []
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
@@ -240,12 +297,26 @@ def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
                                                     positions)
                 ai += 1
             else:
-                x, (conv[gi], rec[gi]) = decoder_layer(cfg, layout, kernels, kind, layer, x, (conv[gi], rec[gi]),
-                                                       batch, positions)
+                x, (conv[gi], rec[gi], *p) = decoder_layer(cfg, layout, kernels, kind, layer, x, (conv[gi], rec[gi]),
+                                                           batch, positions, verify)
+                pending += p
                 gi += 1
     with jax.named_scope("lm_head"):         # the final norm is profiled with the head, as before the split
         x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
-    return x, State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
+    state = State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
+    return (x, state, pending) if verify else (x, state)
+
+
+def commit(cfg: ModelConfig, kernels: Kernels, weights: Weights, state: State, pending: list, slots, accepted):
+    """After a verify pass (`decoder(..., verify=True)`): advance every GDN layer's state by each row's first
+    `accepted` tokens of the pass (0 leaves it). Its K/V stays written; positions past the accepted ones are
+    never read before the next pass writes them again."""
+    conv, rec = list(state.conv), list(state.recurrent)
+    gdn = [layer for kind, layer in zip(cfg.layer_types, weights.layers) if kind != "full_attention"]
+    with jax.named_scope("commit"):
+        for i, (layer, p) in enumerate(zip(gdn, pending)):
+            conv[i], rec[i] = gdn_commit(layer.mixer, kernels, conv[i], rec[i], p, slots, accepted)
+    return dataclasses.replace(state, conv=conv, recurrent=rec)
 
 
 def lm_head(cfg: ModelConfig, weights: Weights, x):
@@ -263,7 +334,8 @@ def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hi
     """Qwen3.5's multi-token-prediction head: from the hidden state at position p (`decoder`'s output) and the
     token at p + 1 (next_tokens), logits for the token at p + 2. fc(concat[norm_e(embed(next)), norm_h(hidden)]),
     one full-attention decoder layer with its own K/V pages (at the positions of `batch`), mtp.norm, the shared
-    head. Returns (logits [N, T, V/tp], k_pages, v_pages)."""
+    head. Returns (logits [N, T, V/tp], the normed hidden state [N, T, H] that the head reads and a chained draft
+    step starts from (as vLLM chains it), k_pages, v_pages)."""
     w = weights.mtp
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -274,7 +346,28 @@ def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hi
         x, (k_pages, v_pages) = decoder_layer(cfg, layout, kernels, "full_attention", w.layer, x, (k_pages, v_pages),
                                               batch, positions)
         x = rms_norm_1p(x, w.norm, cfg.rms_norm_eps)
-    return lm_head(cfg, weights, x), k_pages, v_pages
+    return lm_head(cfg, weights, x), x, k_pages, v_pages
+
+
+def draft(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hidden, next_tokens, k_pages,
+          v_pages, batch: Batch, k: int):
+    """k greedy drafts per row from the MTP head. It first runs over each row's positions batch.start ..
+    + lens - 1 (hidden [N, T, H]: the main model's final-normed states there; next_tokens [N, T]: the token after
+    each), filling the MTP layer's K/V there; its argmax at the last real position is the first draft (the token
+    two after that position). Each further draft is one more MTP step, one position on, chained on the MTP's own
+    hidden state and the draft before it. Returns (drafts [N, k] int32, k_pages, v_pages)."""
+    argmax = lambda logits: jnp.argmax(jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True),
+                                       axis=-1).astype(jnp.int32)
+    logits, h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, hidden, next_tokens, k_pages, v_pages, batch)
+    tok, h = argmax(last_real(logits, batch.lens)), last_real(h, batch.lens)
+    out, live = [tok], (batch.lens > 0).astype(jnp.int32)
+    for i in range(1, k):
+        step = dataclasses.replace(batch, tokens=tok[:, None], start=batch.start + batch.lens + i - 1, lens=live)
+        logits, h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, h[:, None], tok[:, None], k_pages, v_pages,
+                                          step)
+        tok, h = argmax(logits[:, 0]), h[:, 0]
+        out.append(tok)
+    return jnp.stack(out, axis=1), k_pages, v_pages
 
 
 def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,

@@ -31,10 +31,11 @@ class State:
 
 
 def abstract_state(cfg: ModelConfig, layout: Layout, num_slots: int, num_pages: int, page_size: int,
-                   dtype=jnp.bfloat16, dp: int = 1) -> State:
+                   dtype=jnp.bfloat16, dp: int = 1, mtp: bool = False) -> State:
     """Per data-parallel replica: num_slots live request slots (+1 null slot) and num_pages KV pages (page 0 is
-    the null page). With dp replicas the pools are stacked along the slot / page axis, which is sharded on dp."""
-    n_attn = len(cfg.attn_layers)
+    the null page). With dp replicas the pools are stacked along the slot / page axis, which is sharded on dp.
+    mtp: one more K/V pool, the last, for the MTP head's attention layer (paged by the same page tables)."""
+    n_attn = len(cfg.attn_layers) + int(mtp)
     kv = Param((layout.kv_total, dp * num_pages, page_size, cfg.head_dim), dtype,
                ("kv_heads", "pages", "page", "head_dim"))
     return dataclasses.replace(abstract_snapshots(cfg, num_slots, dtype, dp), k_pages=[kv] * n_attn,

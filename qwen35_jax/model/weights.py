@@ -384,24 +384,26 @@ def save_converted(weights: Weights, path: str):
         ckptr.save(path, weights)
 
 
-def restore_converted(path: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16) -> Weights:
+def restore_converted(path: str, cfg: ModelConfig, mesh: Mesh, dtype=jnp.bfloat16, mtp: bool = False) -> Weights:
     import orbax.checkpoint as ocp
-    abstract = abstract_weights(cfg, Layout.build(cfg, mesh.shape["tp"]), dtype)
+    abstract = abstract_weights(cfg, Layout.build(cfg, mesh.shape["tp"]), dtype, mtp)
     target = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=named(mesh, p.axes)),
                           abstract, is_leaf=_leaf)
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path, target)
 
 
-def load_or_restore(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype, converted_dir: str | None = None) -> Weights:
-    """Checkpoint -> sharded weights; with converted_dir, restore the re-laid-out shards an earlier start saved
-    there (orbax), or save them there after this load."""
+def load_or_restore(model_dir: str, cfg: ModelConfig, mesh: Mesh, dtype, converted_dir: str | None = None,
+                    mtp: bool = False) -> Weights:
+    """Checkpoint -> sharded weights (mtp: with the MTP head); with converted_dir, restore the re-laid-out shards an
+    earlier start saved there (orbax), or save them there after this load."""
     if not converted_dir:
-        return load_weights(model_dir, cfg, mesh, dtype, progress=True)
-    path = os.path.abspath(os.path.join(converted_dir, f"tp{mesh.shape['tp']}-{jnp.dtype(dtype).name}"))
+        return load_weights(model_dir, cfg, mesh, dtype, progress=True, mtp=mtp)
+    name = f"tp{mesh.shape['tp']}-{jnp.dtype(dtype).name}" + ("-mtp" if mtp else "")
+    path = os.path.abspath(os.path.join(converted_dir, name))
     if os.path.exists(path):
         log.info("restoring converted weights from %s", path)
-        return restore_converted(path, cfg, mesh, dtype)
-    weights = load_weights(model_dir, cfg, mesh, dtype, progress=True)
+        return restore_converted(path, cfg, mesh, dtype, mtp=mtp)
+    weights = load_weights(model_dir, cfg, mesh, dtype, progress=True, mtp=mtp)
     save_converted(weights, path)
     return weights

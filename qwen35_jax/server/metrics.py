@@ -95,6 +95,17 @@ class _EngineCollector:
         yield counter("generation_tokens", "Tokens generated.", e.stats.generation_tokens)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).", s.prefix_hits)
+        if e.spec_tokens:      # vLLM's spec_decode counters
+            k, st = e.spec_tokens, e.stats
+            yield counter("spec_decode_num_drafts", "Speculative row-steps verified.", st.spec_steps)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", k * st.spec_steps)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", int(st.spec_accepted.sum()))
+            per_pos = CounterMetricFamily("qwen35:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by position in the draft.",
+                                          labels=["model_name", "position"])
+            for pos, n in enumerate(st.spec_accepted):
+                per_pos.add_metric(labels + [str(pos)], int(n))
+            yield per_pos
         yield counter("engine_steps", "Engine steps dispatched.", e.stats.steps)
         yield counter("engine_host_seconds", "Engine-thread host work not hidden behind the device (schedule, "
                       "build inputs, detokenize, stream).", e.stats.host_seconds)
