@@ -6,7 +6,8 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost multiturn.
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost specmodel
+#   multiturn.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -130,9 +131,13 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run hostprofile ${HP_SHARE:-150} python3 bench/host_profile.py \
                --config bench/configs/qwen3.5-9b.json --tokenizer $tok --rows ${HP_ROWS:-64} ${HP_SCHEMA:+--schema $HP_SCHEMA}
              cp $work/hostprofile.log "$out/" ;;
-    speccost)    # speculative decoding's step against a plain one at 9B shapes (SC_K drafts, batches 1 16 64)
+    speccost)    # speculative decoding's step and its parts against a plain one (SC_CONFIG shapes, default 9B;
+                 # SC_K drafts; SC_BATCHES)
              CUDA_VISIBLE_DEVICES=0 run speccost ${SC_SHARE:-420} python3 bench/spec_cost.py --record \
-               --config bench/configs/qwen3.5-9b.json --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} ;;
+               --config bench/configs/${SC_CONFIG:-qwen3.5-9b.json} --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} ;;
+    specmodel)   # the trained default model: acceptance and LLM.generate wall clock with and without drafts
+             CUDA_VISIBLE_DEVICES=0 run specmodel ${SM_SHARE:-240} python3 bench/speculative.py --record \
+               --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \

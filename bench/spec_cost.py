@@ -7,9 +7,14 @@ declare it). Random drafts are almost never accepted, so each speculative step h
 verify k + 1 tokens, commit, draft k. Both steps are measured through `Engine.generate`, each as the slope between
 a long and a short generate of `rows` token-id prompts (the prefill phase cancels), with the same weights. From the
 two step times the decode tokens per second at an accept length L (mean tokens a row gains per step) is
-L / spec step against 1 / plain step. The `--accept-lengths` are the figures to project at: Qwen3.5's published
-MTP accept lengths (../shared/reference/serving-anchors.md) and the default model's own
-(bench/RESULTS.md, "Speculative decoding"). Each is labelled as what it is.
+L / spec step against 1 / plain step. The accept lengths projected at are Qwen3.5's published MTP accept lengths
+(../shared/reference/serving-anchors.md) and the default model's own (bench/RESULTS.md, "Speculative decoding").
+Each is labelled as what it is.
+
+The parts of a step (`phase_ms`) are also timed alone, each its own jitted program on the same weights with
+`--prompt` tokens of context per row: the plain model step (1 token per row, its logits), the verify pass (k + 1
+tokens per row, `decoder(verify=True)` and the logits of every position), the commit of k + 1 tokens and the k
+drafts. Sampling is in none of them.
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ from bench import results  # noqa: E402
 from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.model import forward as fw  # noqa: E402
+from qwen35_jax.model.runner import make_batch  # noqa: E402
+from qwen35_jax.model.state import abstract_state, init_state, state_specs  # noqa: E402
+from qwen35_jax.model.weights import abstract_weights, weight_specs  # noqa: E402
 
 ACCEPT_LENGTHS = {"published k=3, SGLang 397B batch 1": 3.12, "published k=3, small models": 2.7,
                   "default model k=3, greedy (CPU)": 2.166}
@@ -61,6 +70,70 @@ def step_ms(engine, rows: int, prompt: int, long: int, short: int, vocab: int, r
     return float(np.median(slopes)), gained
 
 
+def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> dict:
+    """ms per call of each part of a speculative step and of the plain model step (see the module docstring), on a
+    fresh state of `rows` slots whose rows sit at position `context`. Each program donates the state it writes and
+    is called `iters` times back to back after a warm-up; tp = 1 (every array whole on the one device)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    cfg, layout, mesh, kernels, dtype = engine.cfg, engine.layout, engine.mesh, engine.kernels, engine.dtype
+    assert layout.tp == 1 and engine.dp == 1, "phase_ms runs on one device"
+    ps = engine.args.page_size
+    per_row = -(-(context + 2 * k + 1) // ps)
+    abstract = abstract_state(cfg, layout, rows, 1 + rows * per_row, ps, dtype, mtp=True)
+    state = init_state(abstract, mesh)
+    w_specs, s_specs = weight_specs(abstract_weights(cfg, layout, dtype, mtp=True)), state_specs(abstract)
+    rng = np.random.default_rng(0)
+    slots = 1 + np.arange(rows)
+    pages = 1 + np.arange(rows * per_row).reshape(rows, per_row)
+
+    def batch(t):
+        return make_batch(rng.integers(0, cfg.vocab_size, (rows, t)), [context] * rows, [t] * rows, slots, pages)
+
+    one, many = batch(1), batch(k + 1)
+    accepted = jax.numpy.full((rows,), k + 1, jax.numpy.int32)
+    smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
+
+    plain = jax.jit(smap(lambda w, s, b: fw.forward(cfg, layout, kernels, w, s, b, all_logits=False),
+                         (w_specs, s_specs, fw.BATCH_SPEC), (P(), s_specs)), donate_argnums=1)
+
+    def verify_body(w, s, b):
+        x, s, pending = fw.decoder(cfg, layout, kernels, w, s, b, verify=True)
+        return fw.lm_head(cfg, w, x), x, s, pending
+
+    verify = jax.jit(smap(verify_body, (w_specs, s_specs, fw.BATCH_SPEC), (P(), P(), s_specs, P())),
+                     donate_argnums=1)
+    commit = jax.jit(smap(lambda w, s, pend, sl, acc: fw.commit(cfg, kernels, w, s, pend, sl, acc),
+                          (w_specs, s_specs, P(), P(), P()), s_specs), donate_argnums=1)
+
+    def draft_body(w, s, x, b):
+        drafts, kp, vp = fw.draft(cfg, layout, kernels, w, x, b.tokens, s.k_pages[-1], s.v_pages[-1], b, k)
+        return drafts, dataclasses.replace(s, k_pages=s.k_pages[:-1] + [kp], v_pages=s.v_pages[:-1] + [vp])
+
+    draft = jax.jit(smap(draft_body, (w_specs, s_specs, P(), fw.BATCH_SPEC), (P(), s_specs)), donate_argnums=1)
+    w, out = engine.weights, {}
+
+    def timed(name, call):
+        nonlocal state
+        for i in range(iters + 2):
+            if i == 2:
+                jax.block_until_ready(state)
+                t0 = time.perf_counter()
+            res, state = call()
+        jax.block_until_ready((res, state))
+        out[name] = 1e3 * (time.perf_counter() - t0) / iters
+        return res
+
+    timed("plain_ms", lambda: plain(w, state, one))
+    logits, x, state, pending = verify(w, state, many)
+    timed("verify_ms", lambda: (lambda r: ((r[0], r[1], r[3]), r[2]))(verify(w, state, many)))
+    timed("commit_ms", lambda: (None, commit(w, state, pending, jax.numpy.asarray(slots, jax.numpy.int32),
+                                             accepted)))
+    timed("draft_ms", lambda: draft(w, state, x, many))
+    out["verify_over_plain"] = out["verify_ms"] / out["plain_ms"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -70,6 +143,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=160, help="the long generate's tokens per row")
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--phase-iters", type=int, default=20, help="calls timed per part of the step (phase_ms)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
@@ -89,6 +163,7 @@ def main():
         s_ms, gained = step_ms(spec, b, args.prompt, args.tokens, args.short, vocab, args.rounds)
         row = {"batch": b, "plain_step_ms": p_ms, "spec_step_ms": s_ms, "spec_over_plain": s_ms / p_ms,
                "tokens_per_step_here": gained}
+        row.update(phase_ms(spec, b, args.k, args.prompt, args.phase_iters))
         row.update({f"tok_s_ratio_at_{L}": L * p_ms / s_ms for L in ACCEPT_LENGTHS.values()})
         print(row, flush=True)
         rows.append(row)
@@ -97,7 +172,9 @@ def main():
             f"k = {args.k}, prompts of {args.prompt} tokens, greedy; steps are slopes between generates of "
             f"{args.tokens} and {args.short} tokens (median of {args.rounds}). tok_s_ratio_at_L: decode tokens/s "
             f"with speculation at accept length L over plain decoding, L from: "
-            + "; ".join(f"{v} = {k}" for k, v in ACCEPT_LENGTHS.items()) + ".\n\n"
+            + "; ".join(f"{v} = {k}" for k, v in ACCEPT_LENGTHS.items()) + ". plain_ms / verify_ms / commit_ms / "
+            f"draft_ms: each part alone (phase_ms, {args.phase_iters} calls, no sampling), verify of k + 1 tokens."
+            + "\n\n"
             + results.table([{c: fmt(v) for c, v in r.items()} for r in rows], list(rows[0])))
     print(body)
     if args.record:
