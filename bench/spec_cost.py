@@ -70,7 +70,34 @@ def step_ms(engine, rows: int, prompt: int, long: int, short: int, vocab: int, r
     return float(np.median(slopes)), gained
 
 
-def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> dict:
+def scope_profile(calls: dict, out_dir: str, n: int = 3) -> dict:
+    """Device ms per scope ("gdn/in_proj", "attention/attention", "lm_head", ...) of each named call, traced n
+    times under jax.profiler (each call in its own StepTraceAnnotation) and resolved against its executable's HLO
+    (qwen35_jax.tools.profile_trace). calls: name -> (jitted fn, args) run as fn(*args), the state not donated
+    (each traced call works on copies)."""
+    import jax
+    from qwen35_jax.tools import profile_trace as pt
+    texts = {name: fn.lower(*args).compile().as_text() for name, (fn, args) in calls.items()}
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(out_dir):
+        for name, (fn, args) in calls.items():
+            for i in range(n):
+                with jax.profiler.StepTraceAnnotation(name, step_num=i):
+                    jax.block_until_ready(fn(*args))
+    trace = pt.load_trace(out_dir, list(calls), device=0)
+    pt.assign(trace.events, trace.annotations)
+    out = {}
+    for name in calls:
+        windows = [w for w in trace.annotations if w.name == name]
+        events = [e for w in windows for e in pt.resolve(w.events, pt.HloIndex([texts[name]]))]
+        out[name] = {scope: ms / len(windows) for scope, ms in sorted(pt.by_scope(events).items(),
+                                                                      key=lambda kv: -kv[1])}
+        out[name]["(device span)"] = sum(w.device_span_ms for w in windows) / len(windows)
+    return out
+
+
+def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20, profile: str | None = None) -> dict:
     """ms per call of each part of a speculative step and of the plain model step (see the module docstring), on a
     fresh state of `rows` slots whose rows sit at position `context`. Each program donates the state it writes and
     is called `iters` times back to back after a warm-up; tp = 1 (every array whole on the one device)."""
@@ -131,6 +158,16 @@ def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> dict:
                                              accepted)))
     timed("draft_ms", lambda: draft(w, state, x, many))
     out["verify_over_plain"] = out["verify_ms"] / out["plain_ms"]
+    if profile:
+        undonated = lambda f, outs: jax.jit(smap(f, (w_specs, s_specs, fw.BATCH_SPEC), outs))
+        scopes = scope_profile({
+            "plain": (undonated(lambda w, s, b: fw.forward(cfg, layout, kernels, w, s, b, all_logits=False),
+                                (P(), s_specs)), (w, state, one)),
+            "verify": (undonated(verify_body, (P(), P(), s_specs, P())), (w, state, many))}, profile)
+        for name, table in scopes.items():
+            print(f"batch {rows}, {name}: device ms per scope", {s_: round(v, 3) for s_, v in table.items()},
+                  flush=True)
+        out["profile"] = scopes
     return out
 
 
@@ -144,6 +181,9 @@ def main():
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phase-iters", type=int, default=20, help="calls timed per part of the step (phase_ms)")
+    ap.add_argument("--profile", default=None, help="trace the plain step and the verify pass here and print "
+                    "their device time per scope")
+    ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
@@ -157,13 +197,18 @@ def main():
                                                                             "num_speculative_tokens": args.k}))
     plain = random_engine(raw, base, weights=dataclasses.replace(spec.weights, mtp=None))
     vocab = spec.cfg.vocab_size
-    rows = []
+    rows, profiles = [], {}
     for b in args.batches:
         p_ms, _ = step_ms(plain, b, args.prompt, args.tokens, args.short, vocab, args.rounds)
         s_ms, gained = step_ms(spec, b, args.prompt, args.tokens, args.short, vocab, args.rounds)
         row = {"batch": b, "plain_step_ms": p_ms, "spec_step_ms": s_ms, "spec_over_plain": s_ms / p_ms,
                "tokens_per_step_here": gained}
-        row.update(phase_ms(spec, b, args.k, args.prompt, args.phase_iters))
+        profile = os.path.join(args.profile, f"batch{b}") if args.profile and b in args.profile_batches else None
+        parts = phase_ms(spec, b, args.k, args.prompt, args.phase_iters, profile)
+        scopes = parts.pop("profile", None)
+        row.update(parts)
+        if scopes:
+            profiles[b] = scopes
         row.update({f"tok_s_ratio_at_{L}": L * p_ms / s_ms for L in ACCEPT_LENGTHS.values()})
         print(row, flush=True)
         rows.append(row)
@@ -179,7 +224,7 @@ def main():
     print(body)
     if args.record:
         results.record("Speculative decoding: step cost at real shapes (bench/spec_cost.py)", body,
-                       fields={"args": vars(args), "results": rows})
+                       fields={"args": vars(args), "results": rows, "profiles": profiles})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Paged attention (blocked online softmax) against a dense causal reference, across several blocks."""
+"""Paged attention (blocked online softmax) against a dense causal reference, across several blocks; a few queries
+per row as rows of the decode kernel (speculative passes) against the same reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,3 +49,7 @@ def test_blocked_paged_attention_matches_dense(monkeypatch, g):
     real = (jnp.arange(t)[None] < lens[:, None])[..., None, None]
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=1e-5)
     assert np.all(np.asarray(got[2]) == 0)                        # padded row: zeros, no NaN
+    few = attention.few_token_attention(attention.decode_attention, q, k_pages, v_pages, jnp.asarray(perm), starts,
+                                        lens)
+    np.testing.assert_allclose(np.where(real, few, 0), np.where(real, want, 0), atol=1e-5)
+    assert np.isfinite(np.asarray(few)).all()

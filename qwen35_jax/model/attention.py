@@ -66,6 +66,17 @@ def paged_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *, bounded:
     return jnp.moveaxis(o, 3, 1).reshape(n, t, hq, d).astype(q.dtype)
 
 
+def few_token_attention(decode, q, k_pages, v_pages, pages, start, lens):
+    """paged_attention of a few queries per row (q [N, T, Hq, D] at positions start .. start + T - 1, the first
+    lens[n] real) through a decode attention kernel (`decode`, with decode_attention's contract): each query is a
+    row of its own whose context ends at its position, so only the pages a row's context covers are read. Queries
+    past lens see the row's last real position (their output is not used)."""
+    n, t, hq, d = q.shape
+    seen = start[:, None] + jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], lens[:, None])
+    o = decode(q.reshape(n * t, hq, d), k_pages, v_pages, jnp.repeat(pages, t, axis=0), seen.reshape(n * t))
+    return o.reshape(n, t, hq, d)
+
+
 def decode_attention(q, k_pages, v_pages, pages, ctx_lens):
     """One query token per row (q [N, Hq, D], at position ctx_lens - 1): the contract of
     pallas_kernels/paged_attention.py, whose reference this is."""

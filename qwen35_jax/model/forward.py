@@ -129,6 +129,12 @@ def embed(cfg: ModelConfig, table, tokens):
     return jax.lax.psum(x, TP)
 
 
+# Up to this many tokens per row (a speculative verify pass of k + 1, the MTP head over a step's kept tokens), the
+# attention runs each query as a row of the paged decode kernel (attention.few_token_attention); longer passes
+# (prefill chunks) take kernels.attention_prefill.
+FEW_TOKENS = 8
+
+
 def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, x, k_pages, v_pages,
                     batch: Batch, positions):
     n, t, _ = x.shape
@@ -156,6 +162,9 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
         with jax.named_scope("attention"):
             if t == 1:
                 o = kernels.attention_decode(q[:, 0], k_pages, v_pages, batch.pages, ctx)[:, None]
+            elif t <= FEW_TOKENS:
+                o = attn_ops.few_token_attention(kernels.attention_decode, q, k_pages, v_pages, batch.pages,
+                                                 batch.start, batch.lens)
             else:
                 o = kernels.attention_prefill(q, k_pages, v_pages, batch.pages, positions, ctx)
     with jax.named_scope("attention"):
