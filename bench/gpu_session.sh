@@ -134,7 +134,8 @@ for s in $sections; do
     speccost)    # speculative decoding's step and its parts against a plain one (SC_CONFIG shapes, default 9B;
                  # SC_K drafts; SC_BATCHES)
              CUDA_VISIBLE_DEVICES=0 run speccost ${SC_SHARE:-420} python3 bench/spec_cost.py --record \
-               --config bench/configs/${SC_CONFIG:-qwen3.5-9b.json} --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} ;;
+               --config bench/configs/${SC_CONFIG:-qwen3.5-9b.json} --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} \
+               ${SC_PROFILE:+--profile /tmp/specprof --profile-batches $SC_PROFILE} ;;   # SC_PROFILE: batches to trace
     specmodel)   # the trained default model: acceptance and LLM.generate wall clock with and without drafts
              CUDA_VISIBLE_DEVICES=0 run specmodel ${SM_SHARE:-240} python3 bench/speculative.py --record \
                --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;
