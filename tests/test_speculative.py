@@ -89,8 +89,10 @@ def batch(b, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, step=0, 
                          step=full(step, jnp.int32), logprobs=full(False, jnp.bool_))
 
 
-def test_greedy_acceptance_is_the_argmax_chain():
-    """Greedy rows keep drafts while each equals the argmax at its position, then take the argmax."""
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_greedy_acceptance_is_the_argmax_chain(greedy_only):
+    """Greedy rows keep drafts while each equals the argmax at its position, then take the argmax: in a batch of
+    mixed rows and in the all-greedy variant."""
     from qwen35_jax.engine.sampler import accept_drafts
     v, t = 11, 4
     logits = jax.random.normal(jax.random.key(0), (3, t, v))
@@ -100,7 +102,7 @@ def test_greedy_acceptance_is_the_argmax_chain():
                        [(best[2, 0] + 1) % v, best[2, 1], best[2, 2]]])   # first rejected
     z = jnp.zeros((3, v), jnp.int32)
     tokens, count, _ = accept_drafts(logits, jnp.asarray(drafts, jnp.int32), batch(3, temperature=0.0), z,
-                                     z.astype(bool), extras=False)
+                                     z.astype(bool), extras=False, greedy_only=greedy_only)
     tokens, count = np.asarray(tokens), np.asarray(count)
     assert count.tolist() == [4, 2, 1]
     assert tokens[0].tolist() == best[0].tolist()

@@ -236,7 +236,7 @@ def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerStat
     with jax.named_scope("sampling"):
         tokens, count, lp = accept_drafts(_full_logits(lm_head(cfg, weights, x)), drafts, sp, sstate.counts[slots],
                                           sstate.prompt_mask[slots], full_vocab=mode == "full",
-                                          extras=mode in EXTRAS_MODES)
+                                          extras=mode in EXTRAS_MODES, greedy_only=mode == "greedy")
         idx = jnp.arange(k + 1)[None, :]
         stop = (tokens[:, :, None] == stop_ids[:, None, :]).any(-1) & (idx >= stop_from[:, None]) & \
             (idx < count[:, None])

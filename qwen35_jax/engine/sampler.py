@@ -249,7 +249,7 @@ def token_logprobs(logits, tokens) -> dict:
 
 
 def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vocab: bool = True,
-                  extras: bool = True):
+                  extras: bool = True, greedy_only: bool = False):
     """Speculative verification. logits [B, T, V] fp32 at a row's T = k + 1 verify positions (its last token,
     then its drafts), drafts [B, k] int32 (the MTP head's argmax). Returns (tokens [B, T], count [B], logprob
     info [B, T, ...]): the row's new tokens are tokens[:, :count], its accepted drafts then the token drawn where
@@ -260,8 +260,16 @@ def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vo
     there: the penalties count the drafts accepted before it, and the filters, temperature and draw are
     `sample`'s. Greedy rows accept a draft equal to the argmax. Position j is keyed on (seed, step + j), as
     `sample` keys a row's step, with its own streams for the accept test and the draw, so a seeded request
-    repeats run to run. full_vocab and extras as in `sample`."""
+    repeats run to run. full_vocab, extras and greedy_only as in `sample` (greedy_only: the argmaxes alone)."""
     b, t, v = logits.shape
+    n = min(MAX_LOGPROBS, v)
+    zeros = lambda *s, dt=jnp.float32: jnp.zeros((b, t, *s), dt)
+    if greedy_only:     # drafts equal to the argmax are kept; the argmax after them is the step's last token
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        accept = drafts == best[:, :t - 1]
+        n_acc = jnp.where(accept.all(-1), t - 1, jnp.argmin(accept, axis=-1)).astype(jnp.int32)
+        return best, n_acc + 1, {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
+                                 "top_ids": zeros(n, dt=jnp.int32)}
     pos = lambda x: jnp.repeat(x, t, axis=0)                                 # [B] -> [B * T], row-major
     pt = jax.tree.map(pos, p)
     pt = dataclasses.replace(pt, step=pt.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), b))
@@ -292,9 +300,7 @@ def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vo
     idx = jnp.arange(t)[None, :]
     tokens = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                        jnp.take_along_axis(drawn, n_acc[:, None], axis=1))
-    n = min(MAX_LOGPROBS, v)
     if not extras:
-        zeros = lambda *s, dt=jnp.float32: jnp.zeros((b, t, *s), dt)
         info = {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
                 "top_ids": zeros(n, dt=jnp.int32)}
     else:
