@@ -341,10 +341,10 @@ def lm_head(cfg: ModelConfig, weights: Weights, x):
 def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hidden, next_tokens, k_pages, v_pages,
         batch: Batch):
     """Qwen3.5's multi-token-prediction head: from the hidden state at position p (`decoder`'s output) and the
-    token at p + 1 (next_tokens), logits for the token at p + 2. fc(concat[norm_e(embed(next)), norm_h(hidden)]),
+    token at p + 1 (next_tokens), the state whose logits predict the token at p + 2. fc(concat[norm_e(embed(next)), norm_h(hidden)]),
     one full-attention decoder layer with its own K/V pages (at the positions of `batch`), mtp.norm, the shared
-    head. Returns (logits [N, T, V/tp], the normed hidden state [N, T, H] that the head reads and a chained draft
-    step starts from (as vLLM chains it), k_pages, v_pages)."""
+    head (`lm_head` of what this returns). Returns (the normed hidden state [N, T, H] that the head reads and a
+    chained draft step starts from, as vLLM chains it; k_pages, v_pages)."""
     w = weights.mtp
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -355,7 +355,7 @@ def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hi
         x, (k_pages, v_pages) = decoder_layer(cfg, layout, kernels, "full_attention", w.layer, x, (k_pages, v_pages),
                                               batch, positions)
         x = rms_norm_1p(x, w.norm, cfg.rms_norm_eps)
-    return lm_head(cfg, weights, x), x, k_pages, v_pages
+    return x, k_pages, v_pages
 
 
 def draft(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hidden, next_tokens, k_pages,
@@ -367,14 +367,15 @@ def draft(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, 
     hidden state and the draft before it. Returns (drafts [N, k] int32, k_pages, v_pages)."""
     argmax = lambda logits: jnp.argmax(jax.lax.all_gather(logits, TP, axis=logits.ndim - 1, tiled=True),
                                        axis=-1).astype(jnp.int32)
-    logits, h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, hidden, next_tokens, k_pages, v_pages, batch)
-    tok, h = argmax(last_real(logits, batch.lens)), last_real(h, batch.lens)
+    h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, hidden, next_tokens, k_pages, v_pages, batch)
+    h = last_real(h, batch.lens)                 # the head runs at the last real position only
+    tok = argmax(lm_head(cfg, weights, h))
     out, live = [tok], (batch.lens > 0).astype(jnp.int32)
     for i in range(1, k):
         step = dataclasses.replace(batch, tokens=tok[:, None], start=batch.start + batch.lens + i - 1, lens=live)
-        logits, h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, h[:, None], tok[:, None], k_pages, v_pages,
-                                          step)
-        tok, h = argmax(logits[:, 0]), h[:, 0]
+        h, k_pages, v_pages = mtp(cfg, layout, kernels, weights, h[:, None], tok[:, None], k_pages, v_pages, step)
+        h = h[:, 0]
+        tok = argmax(lm_head(cfg, weights, h))
         out.append(tok)
     return jnp.stack(out, axis=1), k_pages, v_pages
 

@@ -123,7 +123,8 @@ def _model(cfg, page_size):
         hidden, _ = fw.decoder(cfg, layout, kernels, weights, state, batch)
         logits = fw.lm_head(cfg, weights, hidden)
         kp, vp = state.k_pages[0], state.v_pages[0]
-        mtp_logits, _, _, _ = fw.mtp(cfg, layout, kernels, weights, hidden, tokens[:, 1:t + 1], kp, vp, batch)
+        mtp_hidden, _, _ = fw.mtp(cfg, layout, kernels, weights, hidden, tokens[:, 1:t + 1], kp, vp, batch)
+        mtp_logits = fw.lm_head(cfg, weights, mtp_hidden)
         return logits, mtp_logits
 
     return heads
