@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost specmodel
+#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
 #   multiturn.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
@@ -136,6 +136,9 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run speccost ${SC_SHARE:-420} python3 bench/spec_cost.py --record \
                --config bench/configs/${SC_CONFIG:-qwen3.5-9b.json} --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} \
                ${SC_PROFILE:+--profile /tmp/specprof --profile-batches $SC_PROFILE} ;;   # SC_PROFILE: batches to trace
+    speccost27)  # the same at 27B shapes, batches 1 16 (64 rows of three state pools do not fit beside the weights)
+             CUDA_VISIBLE_DEVICES=0 run speccost27 ${SC27_SHARE:-420} python3 bench/spec_cost.py --record \
+               --config bench/configs/qwen3.5-27b.json --k ${SC_K:-3} --batches 1 16 ;;
     specmodel)   # the trained default model: acceptance and LLM.generate wall clock with and without drafts
              CUDA_VISIBLE_DEVICES=0 run specmodel ${SM_SHARE:-240} python3 bench/speculative.py --record \
                --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;

@@ -59,11 +59,14 @@ def main():
     ap.add_argument("--schema", choices=list(SCHEMAS), help="constrain every row (default: none)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="k MTP drafts per step (0: none)")
     args = ap.parse_args()
     path = model_dir(args.config, args.tokenizer)
     kw = dict(load_format="dummy") if path else {}
     spec = StructuredOutputsParams(json=SCHEMAS[args.schema]) if args.schema else None
     Engine._process = _profiled_process
+    if args.speculative_tokens:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.speculative_tokens}
     with LLM(path, max_num_seqs=args.rows, dtype=args.dtype, max_model_len=1024, precompile=False, **kw) as llm:
         timed(llm, args.rows, 8, spec)
         if spec is not None:

@@ -42,7 +42,8 @@ def main():
     with open(os.path.join(model, "heldout.jsonl")) as f:
         docs = [json.loads(line)["text"] for line in f][:args.docs]
     engine = dict(max_num_seqs=len(docs), max_model_len=args.prompt_tokens + args.max_tokens + 16, dtype=args.dtype,
-                  max_num_batched_tokens=max(256, args.prompt_tokens), precompile=False)
+                  max_num_batched_tokens=max(256, args.prompt_tokens), precompile=False,
+                  enable_prefix_caching=False)      # the timed generate repeats the warm-up's prompts
     rows = []
 
     def run(llm, temperature):

@@ -341,10 +341,10 @@ def lm_head(cfg: ModelConfig, weights: Weights, x):
 def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hidden, next_tokens, k_pages, v_pages,
         batch: Batch):
     """Qwen3.5's multi-token-prediction head: from the hidden state at position p (`decoder`'s output) and the
-    token at p + 1 (next_tokens), the state whose logits predict the token at p + 2. fc(concat[norm_e(embed(next)), norm_h(hidden)]),
-    one full-attention decoder layer with its own K/V pages (at the positions of `batch`), mtp.norm, the shared
-    head (`lm_head` of what this returns). Returns (the normed hidden state [N, T, H] that the head reads and a
-    chained draft step starts from, as vLLM chains it; k_pages, v_pages)."""
+    token at p + 1 (next_tokens), the state whose logits predict the token at p + 2:
+    fc(concat[norm_e(embed(next)), norm_h(hidden)]), one full-attention decoder layer with its own K/V pages (at
+    the positions of `batch`), mtp.norm; the shared head (`lm_head`) reads what this returns. Returns (that normed
+    hidden state [N, T, H], from which a chained draft step also starts, as vLLM chains it; k_pages, v_pages)."""
     w = weights.mtp
     t = batch.tokens.shape[1]
     positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
