@@ -37,10 +37,6 @@ class StructuredOutputsParams:
             if not ok:
                 raise ValueError(f"structured outputs: {message}")
 
-    def key(self) -> str:
-        """A canonical text of the constraint (compiled grammars are cached by it)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
 
 @dataclasses.dataclass
 class SamplingParams:
