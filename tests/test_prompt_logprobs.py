@@ -74,11 +74,12 @@ def test_mixed_batch_and_n(llm):
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
     n = llm.generate(PROMPT[:17], SamplingParams(n=2, prompt_logprobs=2, max_tokens=2, seed=1))[0]
     assert len(n.outputs) == 2
-    # the same tokens and ranks; logprobs equal up to float noise (other batch shapes, other matmul blockings)
+    # the same tokens and ranks; logprobs equal up to float noise (other batch shapes, other matmul blockings: which
+    # bucket a request lands in depends on when the engine thread picks it up; 1.07e-4 was seen on a logprob of -2.78)
     assert len(n.prompt_logprobs) == len(mixed[0].prompt_logprobs) and n.prompt_logprobs[0] is None
     for got, want in zip(n.prompt_logprobs[1:], mixed[0].prompt_logprobs[1:]):
         assert {t: e.rank for t, e in got.items()} == {t: e.rank for t, e in want.items()}
-        assert [got[t].logprob for t in want] == pytest.approx([e.logprob for e in want.values()], abs=1e-4)
+        assert [got[t].logprob for t in want] == pytest.approx([e.logprob for e in want.values()], abs=5e-4)
 
 
 @pytest.mark.parametrize("bad", [21, -1, "3"])
