@@ -264,12 +264,13 @@ def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vo
     b, t, v = logits.shape
     n = min(MAX_LOGPROBS, v)
     zeros = lambda *s, dt=jnp.float32: jnp.zeros((b, t, *s), dt)
+    no_info = lambda: {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
+                       "top_ids": zeros(n, dt=jnp.int32)}
+    # drafts kept: those before the first rejected one (accept [B, k])
+    kept = lambda accept: jnp.where(accept.all(-1), t - 1, jnp.argmin(accept, axis=-1)).astype(jnp.int32)
     if greedy_only:     # drafts equal to the argmax are kept; the argmax after them is the step's last token
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        accept = drafts == best[:, :t - 1]
-        n_acc = jnp.where(accept.all(-1), t - 1, jnp.argmin(accept, axis=-1)).astype(jnp.int32)
-        return best, n_acc + 1, {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
-                                 "top_ids": zeros(n, dt=jnp.int32)}
+        return best, kept(drafts == best[:, :t - 1]) + 1, no_info()
     pos = lambda x: jnp.repeat(x, t, axis=0)                                 # [B] -> [B * T], row-major
     pt = jax.tree.map(pos, p)
     pt = dataclasses.replace(pt, step=pt.step + jnp.tile(jnp.arange(t, dtype=jnp.int32), b))
@@ -296,13 +297,12 @@ def accept_drafts(logits, drafts, p: SamplingBatch, counts, prompt_mask, full_vo
     last = (jnp.arange(b * t) % t) == t - 1                                  # the bonus position keeps every token
     drawn = draw(jnp.where(last[:, None], x_t, without), cut, m, u[:, :2])
     drawn = jnp.where(pt.temperature <= 0, best, drawn).reshape(b, t)
-    n_acc = jnp.where(accept.all(-1), t - 1, jnp.argmin(accept, axis=-1)).astype(jnp.int32)
+    n_acc = kept(accept)
     idx = jnp.arange(t)[None, :]
     tokens = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                        jnp.take_along_axis(drawn, n_acc[:, None], axis=1))
     if not extras:
-        info = {"logprob": zeros(), "rank": zeros(dt=jnp.int32), "top_logprobs": zeros(n),
-                "top_ids": zeros(n, dt=jnp.int32)}
+        info = no_info()
     else:
         info = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]),
                             token_logprobs(logits.reshape(b * t, v), tokens.reshape(b * t)))
