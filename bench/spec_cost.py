@@ -14,7 +14,8 @@ Each is labelled as what it is.
 The parts of a step (`phase_ms`) are also timed alone, each its own jitted program on the same weights with
 `--prompt` tokens of context per row: the plain model step (1 token per row, its logits), the verify pass (k + 1
 tokens per row, `decoder(verify=True)` and the logits of every position), the commit of k + 1 tokens and the k
-drafts. Sampling is in none of them.
+drafts. Sampling is in none of them. `exe_ms` times the engine's whole speculative step executable (sampling
+included) dispatched back to back with nothing read back: the step's device time, where the host keeps ahead.
 """
 from __future__ import annotations
 
@@ -97,6 +98,30 @@ def scope_profile(calls: dict, out_dir: str, n: int = 3) -> dict:
     return out
 
 
+def exe_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> float:
+    """ms per call of the engine's speculative step executable for `rows` greedy rows (slots 1..rows, set to
+    position `context`), dispatched `iters` times back to back without reading anything back."""
+    import jax
+    from qwen35_jax.engine.executor import STOP_IDS
+    from qwen35_jax.engine.sampler import host_batch_rows
+    ex = engine.executor
+    slots = np.arange(1, rows + 1, dtype=np.int32)
+    per_row = -(-(context + (iters + 2) * (k + 1) + 2 * k) // engine.args.page_size)
+    pages = np.zeros((rows, ex.pages_per_seq), np.int32)
+    pages[:, :per_row] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
+    ex.sstate = dataclasses.replace(ex.sstate, position=ex.sstate.position.at[slots].set(context),
+                                    sampled=ex.sstate.sampled.at[slots].set(1))
+    sp = host_batch_rows([None] * rows)
+    limits = (np.full(rows, 1 << 30, np.int32), np.zeros(rows, np.int32), np.full((rows, STOP_IDS), -1, np.int32))
+    for i in range(iters + 2):
+        if i == 2:
+            jax.block_until_ready(ex.state)
+            t0 = time.perf_counter()
+        out = ex.decode(rows, slots, None, pages, sp, limits=limits)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
 def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20, profile: str | None = None) -> dict:
     """ms per call of each part of a speculative step and of the plain model step (see the module docstring), on a
     fresh state of `rows` slots whose rows sit at position `context`. Each program donates the state it writes and
@@ -163,7 +188,12 @@ def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20, profile: 
         scopes = scope_profile({
             "plain": (undonated(lambda w, s, b: fw.forward(cfg, layout, kernels, w, s, b, all_logits=False),
                                 (P(), s_specs)), (w, state, one)),
-            "verify": (undonated(verify_body, (P(), P(), s_specs, P())), (w, state, many))}, profile)
+            "verify": (undonated(verify_body, (P(), P(), s_specs, P())), (w, state, many)),
+            "commit": (jax.jit(smap(lambda w, s, pend, sl, acc: fw.commit(cfg, kernels, w, s, pend, sl, acc),
+                                    (w_specs, s_specs, P(), P(), P()), s_specs)),
+                       (w, state, pending, jax.numpy.asarray(slots, jax.numpy.int32), accepted)),
+            "draft": (jax.jit(smap(draft_body, (w_specs, s_specs, P(), fw.BATCH_SPEC), (P(), s_specs))),
+                      (w, state, x, many))}, profile)
         for name, table in scopes.items():
             print(f"batch {rows}, {name}: device ms per scope", {s_: round(v, 3) for s_, v in table.items()},
                   flush=True)
@@ -181,8 +211,8 @@ def main():
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--phase-iters", type=int, default=20, help="calls timed per part of the step (phase_ms)")
-    ap.add_argument("--profile", default=None, help="trace the plain step and the verify pass here and print "
-                    "their device time per scope")
+    ap.add_argument("--profile", default=None, help="trace the plain step and each part of the speculative one "
+                    "here and print their device time per scope")
     ap.add_argument("--profile-batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--record", action="store_true")
@@ -204,6 +234,7 @@ def main():
         row = {"batch": b, "plain_step_ms": p_ms, "spec_step_ms": s_ms, "spec_over_plain": s_ms / p_ms,
                "tokens_per_step_here": gained}
         profile = os.path.join(args.profile, f"batch{b}") if args.profile and b in args.profile_batches else None
+        row["spec_exe_ms"] = exe_ms(spec, b, args.k, args.prompt, args.phase_iters)
         parts = phase_ms(spec, b, args.k, args.prompt, args.phase_iters, profile)
         scopes = parts.pop("profile", None)
         row.update(parts)
@@ -218,7 +249,9 @@ def main():
             f"{args.tokens} and {args.short} tokens (median of {args.rounds}). tok_s_ratio_at_L: decode tokens/s "
             f"with speculation at accept length L over plain decoding, L from: "
             + "; ".join(f"{v} = {k}" for k, v in ACCEPT_LENGTHS.items()) + ". plain_ms / verify_ms / commit_ms / "
-            f"draft_ms: each part alone (phase_ms, {args.phase_iters} calls, no sampling), verify of k + 1 tokens."
+            f"draft_ms: each part alone (phase_ms, {args.phase_iters} calls, no sampling), verify of k + 1 tokens. "
+            f"spec_exe_ms: the engine's whole speculative step, {args.phase_iters} calls back to back, nothing read "
+            f"back."
             + "\n\n"
             + results.table([{c: fmt(v) for c, v in r.items()} for r in rows], list(rows[0])))
     print(body)

@@ -317,6 +317,27 @@ def test_a_stop_token_ends_the_step_so_the_next_turn_hits_the_cache(spec_llm, pl
     assert spec_llm.engine.scheduler.prefix_hits - hits >= len(ids) + len(out.token_ids) - 1
 
 
+def test_rows_that_end_while_a_step_is_in_flight_keep_exact_state(spec_llm, plain_llm):
+    """The host dispatches each speculative step before reading the one before it back. A row that ended in the
+    step being read is still in the next one: where the device can tell (a stop token, max_tokens), that step
+    keeps nothing for it; where it cannot (a stop string), its snapshot is dropped. Either way the conversation's
+    next turn, from the prefix cache or not, equals plain decoding's."""
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    tok = spec_llm.engine.tokenizer
+    ids = tok.encode(PROMPTS[2])
+    free = spec_llm.generate([ids], SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0].token_ids
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    stops = [text for at in range(1, 12) if (text := tok.decode(free[at:at + 2]).strip())]
+    assert len(stops) >= 4
+    for stop in stops:      # stop strings completing at several places in a step
+        first = SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])
+        out = spec_llm.generate([ids], first)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids == plain_llm.generate([ids], first)[0].outputs[0].token_ids
+        turn2 = ids + list(out.token_ids) + tok.encode(" and so")
+        assert _texts(spec_llm, [turn2], params) == _texts(plain_llm, [turn2], params), stop
+    assert not spec_llm.engine.scheduler.running
+
+
 def test_seeded_sampling_repeats(spec_llm):
     """Sampled rows (temperature, top-k, penalties, n = 2) repeat under the same seed run to run, and differ under
     another."""

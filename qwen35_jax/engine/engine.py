@@ -627,13 +627,11 @@ class Engine:
             np.asarray(out)
 
     def _sync_needed(self, records) -> bool:
-        """Must the steps in flight be read back before the next is dispatched? After a speculative decode step:
-        how far each row got is known only from its tokens. And while the split decode steps are not compiled and
-        one of them samples a token for a constrained request: its next bitmask is then filled at dispatch. With
-        them, the bitmask of a constrained row (which always decodes next: the scheduler never preempts) is filled
-        after its model step is dispatched (_sampled)."""
-        if self.spec_tokens and any(kind == "decode" for kind, _, _ in records):
-            return True
+        """Must the steps in flight be read back before the next is dispatched? While the split decode steps are
+        not compiled and one of them samples a token for a constrained request: its next bitmask is then filled at
+        dispatch. With them, the bitmask of a constrained row (which always decodes next: the scheduler never
+        preempts) is filled after its model step is dispatched (_sampled). (A speculative step need not be read:
+        each row's position and budget are on the device, spec_step.)"""
         if self._grammars is None or self.executor.split_ready:
             return False
         for kind, rows, _ in records:
@@ -706,9 +704,12 @@ class Engine:
             if not callable(out):
                 self._copy_ahead(out)
             k = self.args.decode_steps
-            for r in plan.decode if not self.spec_tokens else ():     # speculative rows advance as read (_process)
-                r.num_computed += k
-                r.num_sampled += k
+            for r in plan.decode:
+                if self.spec_tokens:        # speculative rows advance as read (_process)
+                    r.steps_in_flight += 1
+                else:
+                    r.num_computed += k
+                    r.num_sampled += k
             records.append(("decode", rows, out))
         self.stats.steps += 1
         return records
@@ -736,7 +737,10 @@ class Engine:
                     if req is None:
                         continue
                     if self.spec_tokens:        # the tokens this row gained (-1 past them), in the state now
+                        req.steps_in_flight -= 1
                         gained = int(np.sum(out.tokens[:, i] >= 0))
+                        if req.finished or not gained:
+                            continue
                         req.num_computed += gained
                         req.num_sampled += gained
                         self.stats.spec_steps += 1
@@ -829,11 +833,23 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason=None):
         req.finish_reason, req.stop_reason = reason, stop_reason
-        save = self.scheduler.free(req)
+        save = self.scheduler.free(req, exact=self._state_final(req))
         if save is not None:
             self._saves.append(save)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.observer.on_finish(req)
+
+    def _state_final(self, req: Request) -> bool:
+        """Does req's state on the device end for good at the tokens the host has read? Not where a speculative
+        step dispatched before this finish is still in flight and the device cannot tell that the row ended (a
+        stop string, an abort): that step may feed it more tokens. Where the device can tell (its last token is a
+        stop it checks, or max_tokens is reached), spec_step keeps nothing more for it."""
+        if req.steps_in_flight == 0:
+            return True
+        if not req.output_ids:
+            return False
+        n, last = len(req.output_ids), req.output_ids[-1]
+        return n >= req.max_tokens or (last in self._stop_ids(req)[:ex.STOP_IDS] and n > req.params.min_tokens)
 
     def _output(self, group: RequestGroup, error: bool = False) -> RequestOutput:
         outs = []

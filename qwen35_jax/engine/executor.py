@@ -177,7 +177,10 @@ def prefill_step(cfg, layout, kernels, spec_tokens, weights, state, sstate: Samp
         drafts, kp, vp = draft(cfg, layout, kernels, weights, x, nxt, state.k_pages[-1], state.v_pages[-1], batch,
                                spec_tokens)
         state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + [kp], v_pages=state.v_pages[:-1] + [vp])
-        sstate = dataclasses.replace(sstate, drafts=sstate.drafts.at[jnp.where(finishing, batch.slots, 0)].set(drafts))
+        done = jnp.where(finishing, batch.slots, 0)         # rows whose first speculative step comes next
+        sstate = dataclasses.replace(sstate, drafts=sstate.drafts.at[done].set(drafts),
+                                     position=sstate.position.at[done].set(batch.start + batch.lens),
+                                     sampled=sstate.sampled.at[done].set(1))
     packed = _pack_out(_gather_rows(out, 0), extras=True)
     if targets is None:
         return state, sstate, packed
@@ -216,19 +219,28 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
     return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode in EXTRAS_MODES)
 
 
-def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerState, bitmask, slots, positions, pages,
+def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerState, bitmask, slots, pages,
               sp: SamplingBatch, limits):
     """Per shard: one speculative decoding step (docs/speculative.md) for this replica's rows: the main model
     verifies each row's last token and its k drafts, `accept_drafts` keeps an exact prefix and draws one more
     token, the GDN state advances by the tokens kept (forward.commit), and the MTP head drafts the next k.
-    limits = (budget [B], stop_ids [B, STOP_IDS], stop_from [B]): a row keeps at most budget tokens (what
-    max_tokens leaves) and none after its first stop token (-1 pads stop_ids) at a new-token index >= stop_from
-    (min_tokens), so a finished row's state ends exactly at its last token (its prefix-cache snapshot). The
-    output is decode_step's packed [T = k + 1, B, W], row j holding each row's j-th new token, -1 past the last
-    (the host reads a row's count from it). bitmask: unused (structured outputs refuse speculative decoding)."""
-    budget, stop_ids, stop_from = limits
+    Each row's position and sampled count are the device's (SamplerState), so the host can dispatch a step before
+    reading the one before it back. limits = (max_tokens [B], min_tokens [B], stop_ids [B, STOP_IDS], -1 padded):
+    a row keeps no more tokens than max_tokens leaves and none after its first stop token counted from min_tokens
+    on (as the host's stop test), and a row whose last token ended it keeps nothing (it stays a padded row), so a
+    finished row's state ends exactly at its last token (its prefix-cache snapshot) even with a step in flight.
+    sp.step is replaced by the device's count. The output is decode_step's packed [T = k + 1, B, W], row j holding
+    each row's j-th new token, -1 past the last (the host reads a row's count from it). bitmask: unused
+    (structured outputs refuse speculative decoding)."""
+    max_tokens, min_tokens, stop_ids = limits
     del bitmask
-    active = slots > 0
+    sampled, positions = sstate.sampled[slots], sstate.position[slots]
+    is_stop = lambda t: (t[..., None] == jnp.expand_dims(stop_ids, tuple(range(1, t.ndim)))).any(-1)
+    ended = (is_stop(sstate.last_token[slots]) & (sampled > min_tokens)) | (sampled >= max_tokens)
+    active = (slots > 0) & ~ended
+    slots, positions, pages = (jnp.where(active, slots, 0), jnp.where(active, positions, 0),
+                               jnp.where(active[:, None], pages, 0))
+    sp = dataclasses.replace(sp, step=sampled)
     drafts = sstate.drafts[slots]
     batch = Batch(tokens=jnp.concatenate([sstate.last_token[slots][:, None], drafts], axis=1), start=positions,
                   lens=jnp.where(active, k + 1, 0), slots=slots, pages=pages)
@@ -237,11 +249,10 @@ def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerStat
         tokens, count, lp = accept_drafts(_full_logits(lm_head(cfg, weights, x)), drafts, sp, sstate.counts[slots],
                                           sstate.prompt_mask[slots], full_vocab=mode == "full",
                                           extras=mode in EXTRAS_MODES, greedy_only=mode == "greedy")
-        idx = jnp.arange(k + 1)[None, :]
-        stop = (tokens[:, :, None] == stop_ids[:, None, :]).any(-1) & (idx >= stop_from[:, None]) & \
-            (idx < count[:, None])
+        idx = jnp.arange(k + 1)[None, :]        # token j of the step is the row's (sampled + j)-th
+        stop = is_stop(tokens) & (sampled[:, None] + idx >= min_tokens[:, None]) & (idx < count[:, None])
         count = jnp.where(stop.any(-1), jnp.argmax(stop, axis=-1) + 1, count)
-        count = jnp.where(active, jnp.clip(count, 1, jnp.maximum(budget, 1)), 0)
+        count = jnp.where(active, jnp.clip(count, 1, jnp.maximum(max_tokens - sampled, 1)), 0)
     state = commit(cfg, kernels, weights, state, pending, slots, count)
     mtp_batch = dataclasses.replace(batch, tokens=tokens, lens=count)
     new_drafts, kp, vp = draft(cfg, layout, kernels, weights, x, tokens, state.k_pages[-1], state.v_pages[-1],
@@ -254,7 +265,9 @@ def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerStat
         rows = jnp.broadcast_to(target[:, None], tokens.shape)
         sstate = dataclasses.replace(sstate, last_token=sstate.last_token.at[target].set(last),
                                      counts=sstate.counts.at[rows, tokens].add(kept.astype(jnp.int32)),
-                                     drafts=sstate.drafts.at[target].set(new_drafts))
+                                     drafts=sstate.drafts.at[target].set(new_drafts),
+                                     position=sstate.position.at[target].set(positions + count),
+                                     sampled=sstate.sampled.at[target].set(sampled + count))
     out = StepOutput(jnp.where(kept, tokens, -1), lp["logprob"], lp["rank"], lp["top_logprobs"], lp["top_ids"])
     out = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), out)            # [T, B, ...] as decode_step's
     return state, sstate, _pack_out(_gather_rows(out, 1), extras=mode in EXTRAS_MODES)
@@ -425,8 +438,9 @@ class Executor:
         self.rows = NamedSharding(mesh, P(DP))
         self.vocab_padded = layout.vocab_padded
         self.mask_width = -(-layout.vocab_padded // 32)     # int32 words of a row's token bitmask
-        sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP),
-                                     drafts=P(DP) if spec_tokens else None)
+        spec = P(DP) if spec_tokens else None
+        sampler_specs = SamplerState(last_token=P(DP), counts=P(DP), prompt_mask=P(DP), drafts=spec, position=spec,
+                                     sampled=spec)
         out_specs = P()                                    # the packed StepOutput (_pack_out), replicated
         # Outputs keep the input layouts, so each step's state feeds the next compiled call unchanged.
         shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
@@ -503,8 +517,9 @@ class Executor:
             if kind == "sample":
                 return (z(b), host_batch_rows([None] * b))
             sp = (host_batch_rows([None] * b),) if kind != "logits" else ()
-            return (z(b), z(b), z(b, self.pages_per_seq)) + sp + (((z(b), z(b, STOP_IDS), z(b)),)
-                                                                  if kind == "spec" else ())
+            if kind == "spec":
+                return (z(b), z(b, self.pages_per_seq)) + sp + ((z(b), z(b), z(b, STOP_IDS)),)
+            return (z(b), z(b), z(b, self.pages_per_seq)) + sp
         n, t = self.dp * shape[0], shape[1]
         batch = Batch(tokens=z(n, t), start=z(n), lens=z(n), slots=z(n), pages=z(n, self.pages_per_seq))
         targets = (z(n, t),) if kind == "prompt_logprobs" else (None,) if self.spec_tokens else ()
@@ -731,16 +746,15 @@ class Executor:
             pages[i, :len(r.pages)] = r.pages
             rows[i] = r
         sp = host_batch_rows(rows)
-        if self.spec_tokens:        # a step keeps no more than max_tokens leaves, and nothing after a stop token
-            budget = np.array([0 if r is None else r.max_tokens - r.num_sampled for r in rows], np.int32)
+        if self.spec_tokens:        # positions and budgets are the device's; the host gives each row's limits
             stop_ids = np.full((len(rows), STOP_IDS), -1, np.int32)
-            stop_from = np.zeros(len(rows), np.int32)
             for i, r in enumerate(rows):
                 if r is not None and stops is not None:
                     ids = stops(r)[:STOP_IDS]
                     stop_ids[i, :len(ids)] = ids
-                    stop_from[i] = max(0, r.params.min_tokens - r.num_sampled)
-            return rows, self.decode(b, slots, positions, pages, sp, budget=(budget, stop_ids, stop_from))
+            limit = lambda f: np.array([0 if r is None else f(r) for r in rows], np.int32)
+            limits = (limit(lambda r: r.max_tokens), limit(lambda r: r.params.min_tokens), stop_ids)
+            return rows, self.decode(b, slots, None, pages, sp, limits=limits)
         if bitmask is None or not self.split_ready:
             return rows, self.decode(b, slots, positions, pages, sp, bitmask(rows) if bitmask else None)
         if self.decode_steps != 1:
@@ -793,13 +807,14 @@ class Executor:
             self.on_dispatch(kind, (bucket,), inputs + ((prompt_bits,) if kind == "restore" else ()))
         self._run((kind, bucket), inputs, prompt_bits)
 
-    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None, budget=None) -> jax.Array:
-        """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`; budget: with
-        speculative decoding, the tokens each row may keep (spec_step's limits). Returns the step's packed output
+    def decode(self, bucket, slots, positions, pages, sp: SamplingBatch, bitmask=None, limits=None) -> jax.Array:
+        """bucket = rows per replica; arrays hold dp * bucket rows; bitmask as in `prefill`. With speculative
+        decoding: positions None (the device keeps them) and limits, spec_step's. Returns the step's packed output
         (`fetch`)."""
-        if (budget is None) != (not self.spec_tokens):
-            raise ValueError("budget (tokens each row may keep) is needed exactly when decoding speculatively")
-        inputs = (slots, positions, pages, sp) + ((budget,) if budget is not None else ())
+        if (limits is None or positions is not None) != (not self.spec_tokens):
+            raise ValueError("speculative decoding takes limits and no positions (the device keeps each row's); "
+                             "plain decoding takes positions and no limits")
+        inputs = (slots, positions, pages, sp) if limits is None else (slots, pages, sp, limits)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
         return self._run((self.decode_kind, bucket, sampler_mode(sp)), inputs, bitmask)

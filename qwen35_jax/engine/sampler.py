@@ -43,7 +43,11 @@ class SamplerState:
     last_token: Any     # [S+1] int32: the token each slot's next decode step feeds in
     counts: Any         # [S+1, V] int32: generated-token counts
     prompt_mask: Any    # [S+1, V] bool: tokens present in the prompt
-    drafts: Any = None  # [S+1, k] int32: speculative decoding's drafts for the next step (None without it)
+    # speculative decoding only (None without it), kept on the device so that the host can dispatch a step before
+    # it has read the one before back:
+    drafts: Any = None     # [S+1, k] int32: the drafts the next step verifies
+    position: Any = None   # [S+1] int32: tokens in the slot's state (the next step's first position)
+    sampled: Any = None    # [S+1] int32: tokens the slot's request has sampled
 
 
 def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1, drafts: int = 0) -> SamplerState:
@@ -51,8 +55,10 @@ def init_sampler_state(num_slots: int, vocab: int, sharding, dp: int = 1, drafts
     holds dp * (num_slots + 1) rows and `sharding` should split it over dp. drafts: k, the drafts kept per slot."""
     n = dp * (num_slots + 1)
     z = lambda shape, dtype: jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+    spec = lambda shape: z(shape, jnp.int32) if drafts else None
     return SamplerState(last_token=z((n,), jnp.int32), counts=z((n, vocab), jnp.int32),
-                        prompt_mask=z((n, vocab), jnp.bool_), drafts=z((n, drafts), jnp.int32) if drafts else None)
+                        prompt_mask=z((n, vocab), jnp.bool_), drafts=spec((n, drafts)), position=spec((n,)),
+                        sampled=spec((n,)))
 
 
 def host_batch(rows: list, size: int) -> SamplingBatch:

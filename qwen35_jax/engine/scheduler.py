@@ -55,6 +55,7 @@ class Request:
     restore: Snapshot | None = None             # the snapshot to copy into its slot before its first chunk
     save_at: int | None = None                  # its branch point: a chunk ends there and leaves a snapshot
     digests: list = dataclasses.field(default_factory=list)     # its pages' chained digests (prefix_cache.digests)
+    steps_in_flight: int = 0                    # speculative decoding: its steps dispatched and not yet read back
 
     @property
     def prompt_len(self) -> int:
@@ -170,10 +171,11 @@ class Scheduler:
         self.check_fits(req.prompt_len, req.max_tokens)
         self.waiting.append(req)
 
-    def free(self, req: Request) -> tuple[int, Copy] | None:
+    def free(self, req: Request, exact: bool = True) -> tuple[int, Copy] | None:
         """Return a finished or aborted request's slot and pages at once. With prefix caching its state is kept
-        as a snapshot where every token fed so far is known (decode_steps > 1 may have fed tokens past a stop):
-        returns (replica, the copy to dispatch before its slot is reused), or None."""
+        as a snapshot where every token fed so far is known (decode_steps > 1 may have fed tokens past a stop) and
+        exact (False: a step in flight may still feed it more): returns (replica, the copy to dispatch before its
+        slot is reused), or None."""
         save = None
         if req.status is Status.RUNNING:
             self.running.remove(req)
@@ -181,7 +183,7 @@ class Scheduler:
             if req.restore is not None:          # admitted, never dispatched
                 pool.cache.restored(req.restore)
                 req.restore = None
-            elif req.num_computed <= req.prompt_len + len(req.output_ids):
+            elif exact and req.num_computed <= req.prompt_len + len(req.output_ids):
                 copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages,
                                            req.digests)
                 save = (req.replica, copy) if copy else None
