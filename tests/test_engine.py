@@ -106,6 +106,12 @@ def test_bad_requests_get_clear_errors():
     assert model.generate([[5, 6]], GREEDY)[0].outputs[0].finish_reason == "length"   # still serving
 
 
+def test_max_model_len_beyond_the_context_window_is_refused():
+    from qwen35_jax.engine.engine import EngineArgs, build_engine
+    with pytest.raises(ValueError, match="max_position_embeddings=4096"):
+        build_engine(fixture_dir(CASE), EngineArgs(skip_tokenizer_init=True, **engine_args(max_model_len=4097)))
+
+
 def test_no_compilation_while_serving():
     model = llm(1)
     events = []

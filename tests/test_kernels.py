@@ -12,8 +12,8 @@ import pytest
 
 from conftest import fixture_dir
 from bench import kernel_sweeps
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, paged_attention
-from qwen35_jax.model.attention import decode_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, paged_attention, prefill_attention
+from qwen35_jax.model.attention import decode_attention, paged_attention as paged_attention_reference
 from qwen35_jax.model.backends import KernelConfig, make_kernels
 from qwen35_jax.model.sharding import Layout
 
@@ -437,6 +437,39 @@ def test_paged_decode_attention_splits():
     assert paged_attention.num_splits(1, 4, 1, cfg) == 1                                # page blocks
 
 
+@pytest.mark.parametrize("hq,hkv,d,dtype,config", [
+    (8, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=16, block_k=16)),
+    (12, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=32, block_k=16)),
+    (16, 4, 256, jnp.bfloat16, None), (24, 4, 256, jnp.bfloat16, None)])
+def test_paged_prefill_attention_matches_reference(hq, hkv, d, dtype, config):
+    """Prefill chunks of several rows in one launch (varlen: other starts and lengths, a padded row) against the
+    jnp reference: GQA groups 4 and 6, chunks starting mid-page and at 0, contexts across page and key-block
+    boundaries, a chunk longer than a query block and one shorter; the 9B and 27B head shapes in bf16 with the
+    default tiles (as close to an fp32 reference as the jnp one is: both ~1.7e-3)."""
+    n, t, ps, per_row = 5, 40, 8, 16
+    starts = np.array([0, 13, 61, 0, 5])                  # 13, 61, 5: mid-page
+    lens = np.array([40, 27, 40, 0, 3])                   # row 3: padding (ctx 0)
+    ctx = starts + lens
+    q, k, v, pages, _ = attention_inputs(hq + d, n, hq, hkv, d, ps, per_row, ctx.tolist(), dtype)
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((n, t, hq, d)), dtype)
+    positions = jnp.asarray(starts[:, None] + np.arange(t)[None], jnp.int32)
+    ctx = jnp.asarray(ctx, jnp.int32)
+    want = paged_attention_reference(q, k, v, pages, positions, ctx)
+    got = jax.jit(functools.partial(prefill_attention.paged_prefill_attention, config=config, interpret=True))(
+        q, k, v, pages, positions, ctx)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert not np.asarray(got[3], np.float32).any()         # no visible key: zeros
+    real = np.arange(t)[None, :] < lens[:, None]
+    got, want = np.asarray(got, np.float32)[real], np.asarray(want, np.float32)[real]
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    else:
+        assert rel(got, want) < 2e-3
+    with pytest.raises(ValueError, match="power of two"):
+        prefill_attention.paged_prefill_attention(q, k, v, pages, positions, ctx, interpret=True,
+                                                  config=prefill_attention.PrefillAttentionConfig(block_q=24))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA cross-lowering on the CPU (jax-anchors section 6): Triton-illegal shapes or ops fail here.
 
@@ -506,6 +539,12 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                S((b, 4, paged_attention.query_rows(hq, 4), 256), bf), S((4, 4097, 16, 256), bf),
                                S((4, 4097, 16, 256), bf), S((b, 512), i32), S((b,), i32))
         assert text.count("__gpu$xla.gpu.triton") == 2
+
+    for n, t, hq in ((1, 2048, 16), (4, 512, 24)):                 # 9B (G 4) and 27B (G 6) prefill attention
+        text = lower_for_cuda(prefill_attention.paged_prefill_attention, S((n, t, hq, 256), bf),
+                              S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((n, 512), i32), S((n, t), i32),
+                              S((n,), i32))
+        assert text.count("__gpu$xla.gpu.triton") == 1
 
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
@@ -583,6 +622,42 @@ def test_decode_step_has_no_host_synchronisation():
                                                             attention_prologue=None, attention_tiles=None))
 
 
+def test_prefill_step_walks_no_data_dependent_loop():
+    """A prefill chunk's attention runs in the prefill attention kernel: lowered for CUDA, the model's prefill
+    forward has no while loop but the static-trip-count scan of jnp.searchsorted (the GDN kernels' varlen packing),
+    where the jnp attention walks its key blocks in a data-dependent one (a host round trip per block on GPU)."""
+    from qwen35_jax.model import forward as fw
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.sharding import DP, TP, Layout
+    from qwen35_jax.model.state import abstract_state
+    from qwen35_jax.model.weights import abstract_weights
+    cfg = load_config(fixture_dir("mm_tied_r2_g2"))
+    layout = Layout.build(cfg, 1)
+    S, i32 = jax.ShapeDtypeStruct, jnp.int32
+    struct = lambda tree: jax.tree.map(lambda p: S(p.shape, p.dtype), tree, is_leaf=lambda x: hasattr(x, "axes"))
+    weights = struct(abstract_weights(cfg, layout, jnp.bfloat16))
+    state = struct(abstract_state(cfg, layout, 4, 33, 16, jnp.bfloat16))
+    n, t = 2, 64
+    batch = fw.Batch(tokens=S((n, t), i32), start=S((n,), i32), lens=S((n,), i32), slots=S((n,), i32),
+                     pages=S((n, 8), i32))
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((1, 1), (DP, TP), abstract_device=dev)
+
+    def loops(config):
+        fn = jax.shard_map(functools.partial(fw.forward, cfg, layout, make_kernels(config), all_logits=False),
+                           mesh=mesh, in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
+                           check_vma=False)
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(weights, state, batch).lower(lowering_platforms=("cuda",)).as_text()
+        funcs = re.split(r"\n\s*func\.func ", text)
+        return text, [f.split("(", 1)[0] for f in funcs if "stablehlo.while" in f]
+
+    text, where = loops(KernelConfig(backend="pallas", decode_split_k=4))
+    assert "paged_prefill_attention" in text and all("searchsorted" in name for name in where), where
+    _, where = loops(KernelConfig(backend="pallas", decode_split_k=4, prefill_attention=None))
+    assert any("searchsorted" not in name for name in where)
+
+
 def test_backend_kernels_follow_the_config():
     """make_kernels builds each Pallas kernel with the KernelConfig's tile configuration; decode_attention None
     runs the jnp reference (without the prologue kernel)."""
@@ -592,15 +667,20 @@ def test_backend_kernels_follow_the_config():
     assert config(k.attention_decode) == paged_attention.DEFAULT
     assert config(k.gdn_prefill) == gdn.DEFAULT_PREFILL and config(k.gdn_decode) == gdn.DEFAULT_DECODE
     assert config(k.conv_prefill) == conv1d.ConvConfig() and (k.split_k, k.split_k_from) == (4, 64)
+    assert config(k.attention_prefill) == prefill_attention.DEFAULT
     other = KernelConfig.parse("gdn_decode.bv=32 gdn_decode.num_warps=2 conv.bt=64 conv.num_warps=8 "
-                               "decode_attention.pages_per_block=4", KernelConfig(backend="pallas_interpret"))
+                               "decode_attention.pages_per_block=4 prefill_attention.block_k=64",
+                               KernelConfig(backend="pallas_interpret"))
     k = make_kernels(other.resolved())
     assert config(k.gdn_decode) == dataclasses.replace(gdn.DEFAULT_DECODE, bv=32, num_warps=2)
     assert config(k.conv_prefill) == conv1d.ConvConfig(bt=64, num_warps=8)
     assert config(k.attention_decode) == dataclasses.replace(paged_attention.DEFAULT, pages_per_block=4)
-    jnp_attention = KernelConfig(backend="pallas_interpret", decode_attention=None, attention_prologue=False)
+    assert config(k.attention_prefill) == dataclasses.replace(prefill_attention.DEFAULT, block_k=64)
+    jnp_attention = KernelConfig(backend="pallas_interpret", decode_attention=None, attention_prologue=False,
+                                 prefill_attention=None)
     k = make_kernels(jnp_attention.resolved())
     assert k.attention_decode is decode_attention and k.attention_prologue is None and k.attention_tiles is None
+    assert k.attention_prefill is paged_attention_reference
 
 
 def test_sweep_names_unique():

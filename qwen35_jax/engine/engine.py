@@ -254,6 +254,9 @@ class Engine:
         self.dtype = resolve_dtype(args.dtype)
         self.dp = args.data_parallel_size
         self.max_model_len = int(args.max_model_len or min(cfg.max_position_embeddings, 8192))
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context window "
+                             f"(max_position_embeddings={cfg.max_position_embeddings})")
         self.kernel_config = args.kernel_config
         self._host_copy_ahead = mesh.devices.flat[0].platform != "cpu"      # see _copy_ahead
         self.kernels = make_kernels(self.kernel_config)

@@ -14,8 +14,8 @@ import typing
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention
-from qwen35_jax.model.attention import decode_attention
+from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention, prefill_attention
+from qwen35_jax.model.attention import decode_attention, paged_attention as prefill_attention_reference
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.forward import Kernels
 from qwen35_jax.model.sharding import Layout
@@ -28,10 +28,11 @@ class KernelConfig:
     """The kernel and performance settings of an engine (frozen: it keys the compiled executables).
 
     backend: a name in BACKENDS; None picks "pallas" on a GPU, else "reference".
-    gdn_prefill / gdn_decode / conv / decode_attention: the Pallas kernels' tile configurations (pallas backends).
-    decode_attention None runs the jnp reference for decode attention instead of the kernel (with XLA's q / k norm,
-    RoPE and K / V write before it); attention_prologue runs those as one kernel that also lays out the kernel's
-    query tiles.
+    gdn_prefill / gdn_decode / conv / decode_attention / prefill_attention: the Pallas kernels' tile
+    configurations (pallas backends). decode_attention None runs the jnp reference for decode attention instead of
+    the kernel (with XLA's q / k norm, RoPE and K / V write before it); attention_prologue runs those as one kernel
+    that also lays out the kernel's query tiles. prefill_attention None runs the jnp reference for prefill chunks
+    (a data-dependent loop: a host round trip per key block on the GPU).
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -47,6 +48,7 @@ class KernelConfig:
     conv: conv1d.ConvConfig = conv1d.ConvConfig()
     decode_attention: paged_attention.DecodeAttentionConfig | None = paged_attention.DEFAULT
     attention_prologue: bool = True
+    prefill_attention: prefill_attention.PrefillAttentionConfig | None = prefill_attention.DEFAULT
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
@@ -122,6 +124,9 @@ class KernelConfig:
             for name, d in (("head_dim", cfg.head_dim), ("page_size", page_size)):
                 if d & (d - 1):
                     problems.append(f"{name}={d} is not a power of two (the decode attention kernel's tiles)")
+        if self.prefill_attention is not None and (cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16):
+            problems.append(f"head_dim={cfg.head_dim} is not a power of two >= 16 (the prefill attention kernel's "
+                            "tiles)")
         if cfg.conv_kernel < 2 or cfg.conv_kernel > self.conv.bt + 1:
             problems.append(f"linear_conv_kernel_dim={cfg.conv_kernel} is outside [2, {self.conv.bt + 1}] "
                             "(the conv kernel's tile)")
@@ -179,7 +184,9 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
     # Each kernel under its own jit: every layer calls it with the same shapes, so JAX traces and lowers it once
     # per executable instead of once per layer.
     p = lambda f, static=(), **kw: jax.jit(functools.partial(f, interpret=interpret, **kw), static_argnames=static)
-    attention, prologue, tiles = decode_attention, None, None
+    attention, prologue, tiles, prefill = decode_attention, None, None, prefill_attention_reference
+    if config.prefill_attention is not None:
+        prefill = p(prefill_attention.paged_prefill_attention, config=config.prefill_attention)
     if config.decode_attention is not None:
         attention = p(paged_attention.paged_decode_attention, config=config.decode_attention)
     if config.attention_prologue:
@@ -192,7 +199,8 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
                    conv_prefill=p(conv1d.conv_prefill, static=("split",), config=config.conv),
                    conv_decode=p(conv1d.conv_decode),
-                   attention_decode=attention, gate_up_rounds_from=config.gate_up_rounds_from,
+                   attention_decode=attention, attention_prefill=prefill,
+                   gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles)
 

@@ -1,0 +1,120 @@
+"""Causal GQA flash attention for prefill chunks over paged K/V, as a Pallas-Triton kernel.
+
+Why a kernel: the jnp attention (qwen35_jax/model/attention.paged_attention, the reference here) walks the pages in
+a `fori_loop` whose trip count is read from the data, which XLA:GPU runs on the host: a host-device round trip per
+512-key block per attention layer, and a cost that grows with the square of the context. Here each program walks
+its keys inside the kernel, bounded by its own queries' positions.
+
+Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order
+(0, the null page, past its end). The chunk's own K/V are already written into the pages (forward.attention_block
+writes them first), so a query attends to the row's earlier chunks and to its own chunk alike: keys at positions
+<= its own and < ctx_lens[n]. Grid (row, query head, query block): a program takes `block_q` consecutive queries of
+one head (rows of different lengths and starts in one launch: varlen) and walks key blocks of `block_k` from
+position 0 up to its last query's position with an online softmax in fp32. Keys are gathered row by row from the
+pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps + j % ps), as the decode kernel
+gathers them (pallas_kernels/paged_attention.py). Query heads of one KV head read the same K/V blocks, which the
+L2 cache serves after the first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+NEG = -1e30          # finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillAttentionConfig:
+    """Tiles of the prefill attention kernel: queries per program, keys per loop step, Triton's warps and
+    pipeline depth (head dim 256: a [64, 256] query tile, [32, 256] K and V blocks double-buffered, ~100 KB of
+    shared memory)."""
+    block_q: int = 64
+    block_k: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+
+    @property
+    def name(self):
+        return f"q{self.block_q}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+DEFAULT = PrefillAttentionConfig()
+
+
+def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, *, page_size, block_k):
+    """Refs (BlockSpecs): start / ctx [N] (whole), q [BQ, D] (this row, head and query block, scaled), k/v
+    [num_pages * ps, D] (this head's KV head), pages [P'] (this row); output o [BQ, D]."""
+    n, b = pl.program_id(0), pl.program_id(2)
+    start, ctx = start_ref[n], ctx_ref[n]
+    q = q_ref[...]
+    block_q, d = q.shape
+    qpos = start + b * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    # keys up to the block's last query (causal), never past the row's context; block 0 holds key 0, which every
+    # query sees, so each query's running max is finite after the first step
+    end = jnp.minimum(ctx, start + (b + 1) * block_q)
+    steps = jnp.maximum(end + block_k - 1, 0) // block_k
+    key = jnp.arange(block_k, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        kpos = i * block_k + key
+        at = pages_ref[kpos // page_size] * page_size + kpos % page_size
+        k, v = k_ref[at], v_ref[at]
+        s = pltriton.dot(q, k, trans_b=True)                                  # [BQ, BK] fp32
+        ok = (kpos[None, :] <= qpos[:, None]) & (kpos < ctx)[None, :]
+        s = jnp.where(ok, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, steps, body, init)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)     # no visible key: zeros
+
+
+def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
+                            config: PrefillAttentionConfig | None = None, interpret: bool = False):
+    """The contract of qwen35_jax.model.attention.paged_attention for prefill chunks: q [N, T, Hq, D] at positions
+    [N, T] (each row's start + 0..T-1) attends causally to its row's first ctx_lens[n] cached keys -> [N, T, Hq,
+    D] in q.dtype. Query head h reads KV head h // (Hq / Hkv); softmax scale D^-0.5; fp32 scores and softmax.
+    Queries past a row's real tokens see its whole context (their output is not used); rows with ctx_lens 0 give
+    zeros."""
+    config = DEFAULT if config is None else config
+    n, t, hq, d = q.shape
+    hkv, _, page_size, _ = k_pages.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    for name, x in (("head_dim", d), ("block_q", config.block_q), ("block_k", config.block_k)):
+        if x & (x - 1) or x < 16:
+            raise ValueError(f"{name} ({x}) must be a power of two >= 16 (Triton block shapes)")
+    g, bq, bk = hq // hkv, config.block_q, config.block_k
+    tp = -(-t // bq) * bq
+    qs = (q.astype(jnp.float32) * d ** -0.5).astype(q.dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    # every key block a program may read must have its page entries (past the table: the null page)
+    cover = -(-pages.shape[1] * page_size // bk) * bk
+    pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, max(0, -(-cover // page_size) - pages.shape[1]))))
+    k_pages = k_pages.reshape(hkv, -1, d)                # [Hkv, num_pages * ps, D]: a free view of the pool
+    v_pages = v_pages.reshape(hkv, -1, d)
+    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, b: (h // g, 0, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b: (i, b, h, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, page_size=page_size, block_k=bk),
+        grid=(n, hq, tp // bq),
+        in_specs=[pl.BlockSpec((n,), lambda i, h, b: (0,)), pl.BlockSpec((n,), lambda i, h, b: (0,)), q_spec,
+                  kv_spec, kv_spec, pl.BlockSpec((None, pages.shape[1]), lambda i, h, b: (i, 0))],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((n, tp, hq, d), q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="paged_prefill_attention",
+    )(positions[:, 0].astype(jnp.int32), ctx_lens.astype(jnp.int32), qs, k_pages, v_pages, pages)
+    return out[:, :t]
