@@ -15,6 +15,7 @@ from conftest import engine_args, fixture_dir, reference
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.llm import LLM
 from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.engine.scheduler import Status
 
 CASE = "text_untied_r1_g6"   # untied head: a spread-out distribution for the sampling tests
 
@@ -161,6 +162,30 @@ def test_data_parallel_replicas_match_single_replica():
     got = [o.outputs[0].token_ids for o in model.generate(ps, GREEDY)]
     assert got == want
     assert seen == {0, 1}
+
+
+def test_decode_prefill_budget_bounds_the_chunk_beside_decodes():
+    """With decode_prefill_budget, a step that decodes prefills at most that many prompt tokens; a step with
+    nothing decoding takes the whole budget. Out-of-range values are refused."""
+    from qwen35_jax.engine.engine import EngineArgs
+    from qwen35_jax.engine.scheduler import Request, Scheduler
+    sched = Scheduler(num_slots=4, num_pages=64, page_size=16, max_model_len=512, max_num_batched_tokens=128,
+                      decode_buckets=[1, 2, 4], prefill_buckets=[(1, 32), (1, 64), (1, 128)],
+                      decode_prefill_budget=32)
+    params = SamplingParams(max_tokens=8)
+    long = Request("long", list(range(400)), params, seed=0, max_tokens=8)
+    sched.add(long)
+    plan = sched.schedule()
+    assert not plan.decode and plan.prefill[0].length == 128      # nothing decodes: the whole budget
+    long.num_computed += 128
+    short = Request("short", [1, 2, 3], params, seed=0, max_tokens=8)
+    short.status, short.num_computed, short.num_sampled, short.slot = Status.RUNNING, 3, 1, 2
+    sched.running.append(short)
+    plan = sched.schedule()
+    assert plan.decode == [short] and [c.length for c in plan.prefill] == [32]
+    for bad in (16, 4096):
+        with pytest.raises(ValueError, match="decode_prefill_budget"):
+            EngineArgs(max_num_batched_tokens=2048, min_prefill_tokens=32, decode_prefill_budget=bad).validate()
 
 
 def test_prefill_bucket_floor():

@@ -50,6 +50,9 @@ class EngineArgs:
     max_model_len: int | None = None         # None: min(max_position_embeddings, 8192)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
+    # the most prompt tokens a step that also decodes may prefill (None: the budget the decode rows leave): bounds
+    # the time per output token of running requests while a long prompt prefills, at the cost of its TTFT
+    decode_prefill_budget: int | None = None
     max_prefill_rows: int = 4
     min_prefill_tokens: int | None = None    # smallest prefill bucket; None: prefill_floor()
     page_size: int = 16
@@ -81,6 +84,10 @@ class EngineArgs:
                   (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
                   (self.max_num_batched_tokens >= (self.min_prefill_tokens or 1),
                    f"max_num_batched_tokens must be >= min_prefill_tokens ({self.min_prefill_tokens})"),
+                  (self.decode_prefill_budget is None or self.prefill_floor() <= self.decode_prefill_budget
+                   <= self.max_num_batched_tokens, f"decode_prefill_budget must be None or within "
+                   f"[{self.prefill_floor()} (the smallest prefill bucket), max_num_batched_tokens], got "
+                   f"{self.decode_prefill_budget}"),
                   (self.page_size >= 1, "page_size must be >= 1"),
                   (self.num_state_snapshots is None or self.num_state_snapshots >= 0,
                    "num_state_snapshots must be >= 0"),
@@ -295,7 +302,8 @@ class Engine:
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp,
-                                   num_snapshots=self.num_snapshots, lookahead=self.lookahead)
+                                   num_snapshots=self.num_snapshots, lookahead=self.lookahead,
+                                   decode_prefill_budget=args.decode_prefill_budget)
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats(spec_accepted=np.zeros(k, np.int64))
         self._rng = np.random.default_rng(args.seed)

@@ -115,11 +115,12 @@ def next_bucket(x: int, buckets) -> int:
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
                  max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0,
-                 lookahead: int = 0):
+                 lookahead: int = 0, decode_prefill_budget: int | None = None):
         """num_slots, num_pages and num_snapshots (GDN state snapshots of the prefix cache; 0: no prefix caching)
         are per data-parallel replica. lookahead: positions past its last token that a request's step may write
-        (speculative decoding), given pages with the rest."""
-        self.lookahead = lookahead
+        (speculative decoding), given pages with the rest. decode_prefill_budget: the most prompt tokens a step
+        with decode rows may prefill (None: what max_num_batched_tokens leaves)."""
+        self.lookahead, self.decode_prefill_budget = lookahead, decode_prefill_budget
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
@@ -245,6 +246,8 @@ class Scheduler:
         decode = [r for r in self.running if r.prefill_done and r.num_sampled < r.max_tokens]
         per_replica = collections.Counter(r.replica for r in decode)
         budget = self.max_num_batched_tokens - max(per_replica.values(), default=0)
+        if decode and self.decode_prefill_budget is not None:
+            budget = min(budget, self.decode_prefill_budget)
         candidates = [r for r in self.running if not r.prefill_done]
         chunks: list[Chunk] = []
         shape = None
