@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn.
+#   multiturn longttft longdecode.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -142,6 +142,12 @@ for s in $sections; do
     specmodel)   # the trained default model: acceptance and LLM.generate wall clock with and without drafts
              CUDA_VISIBLE_DEVICES=0 run specmodel ${SM_SHARE:-240} python3 bench/speculative.py --record \
                --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;
+    longttft)    # issue 39: TTFT 8k..262k, prefill kernel vs jnp attention vs HF + fla, against the compute floor
+             CUDA_VISIBLE_DEVICES=0 run longttft ${LT_SHARE:-540} python3 bench/long_context.py --record \
+               --config bench/configs/qwen3.5-9b.json --parts ttft ${LT_LENS:+--lens $LT_LENS} ;;
+    longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
+             CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
+               --config bench/configs/qwen3.5-9b.json --parts decode,tpot ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \

@@ -55,6 +55,19 @@ def hf_child(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def run_hf(config: str, prompt_lens: str, reps: int, device: str = "cuda") -> dict | None:
+    """hf_child in a process of its own: {"fla", "torch", "times": {length: [seconds, ...]}}, or None (printed
+    why) if it failed, e.g. out of memory at a long prompt."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--hf-child", "--config", config, "--prompt-lens",
+           prompt_lens, "--reps", str(reps), "--device", device]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if p.returncode or line is None:
+        print(f"the HF run failed (exit {p.returncode}):\n{p.stdout[-3000:]}", flush=True)
+        return None
+    return json.loads(line[7:])
+
+
 def ours(args) -> dict:
     """{prompt length: [seconds to the first token, ...]} through this engine."""
     sys.path.insert(0, ROOT)
@@ -98,13 +111,9 @@ def main():
     args = ap.parse_args()
     if args.hf_child:                   # torch only: this process must not import JAX
         return hf_child(args)
-    cmd = [sys.executable, os.path.abspath(__file__), "--hf-child", "--config", args.config, "--prompt-lens",
-           args.prompt_lens, "--reps", str(args.reps), "--device", args.device]
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if p.returncode or line is None:
-        sys.exit(f"the HF run failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
-    hf = json.loads(line[7:])
+    hf = run_hf(args.config, args.prompt_lens, args.reps, args.device)
+    if hf is None:
+        sys.exit("the HF run failed")
     mine = ours(args)
     rows = []
     for n in mine:

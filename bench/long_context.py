@@ -1,0 +1,252 @@
+"""Long context (issue 39) at real shapes with random weights, on one GPU.
+
+Parts (--parts), each recorded in one table:
+- ttft: time to the first token of one prompt of each --lens length (max_tokens=1, prefill chunks of --chunk
+  tokens), with the prefill attention kernel and with the jnp attention (KernelConfig.prefill_attention=None, up
+  to --jnp-max tokens); HF transformers + fla in the same run (bench/hf_baseline.py's child, --hf-lens) where it
+  fits; and the prefill's compute floor: the decoder's GEMM FLOPs at this machine's measured bf16 GEMM rate plus
+  the causal attention FLOPs at the prefill kernel's own rate (measured on one 8k chunk).
+- decode: the decode step at --decode-batches rows with --decode-context tokens of context each (positions set
+  directly, no prefill), against its floor (weights + GDN state + K/V read, over the measured copy bandwidth).
+- tpot: --tpot-rows requests decoding, then a --tpot-prompt-token prompt arrives; the time per output token of
+  the decoding rows before it and while it prefills (p50, p99), and its TTFT, for each --budgets value of
+  decode_prefill_budget (the scheduler's, set between runs on one engine).
+
+    python bench/long_context.py --config bench/configs/qwen3.5-9b.json --record
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import results  # noqa: E402
+from bench.common import add_kernel_args, config_dir, kernel_config, random_engine  # noqa: E402
+from bench.hf_baseline import run_hf  # noqa: E402
+from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
+from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
+from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
+from qwen35_jax.model.config import load_config  # noqa: E402
+from qwen35_jax.tools.profile import decode_floor_bytes  # noqa: E402
+
+ints = lambda text: [int(x) for x in text.split(",") if x]
+
+
+def free(engine):
+    engine.shutdown()
+    gc.collect()
+
+
+def ttft(args, cfg, kc, lens, weights=None):
+    """({length: median seconds to the first token}, the engine's weights) for one kernel configuration."""
+    engine = random_engine(args.config, EngineArgs(
+        max_model_len=min(max(lens) + 16, cfg.max_position_embeddings), max_num_seqs=1,
+        max_num_batched_tokens=args.chunk, max_prefill_rows=1, precompile=False, enable_prefix_caching=False,
+        kernel_config=kc), weights=weights)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    run = lambda n: engine.generate([rng.integers(0, engine.cfg.vocab_size, n).tolist()], [params])
+    for n in sorted({min(lens), *(n % args.chunk for n in lens if n % args.chunk)}):
+        run(n)                                      # compiles every prefill bucket the lengths pass through
+    out = {}
+    for n in lens:
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            run(n)
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+        print(f"ttft {kc.changes() or 'default'} {n}: {[round(t, 3) for t in times]} s", flush=True)
+    w = engine.weights
+    free(engine)
+    return out, w
+
+
+def rate(fn, flops: float, calls: int = 10) -> float:
+    """FLOP/s of fn() (compiled by a first call), back-to-back calls."""
+    jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    jax.block_until_ready(out)
+    return flops * calls / (time.perf_counter() - t0)
+
+
+def compute_floor(cfg, weights, kc, lens, t: int) -> tuple[dict, float, float]:
+    """({length: floor seconds}, GEMM FLOP/s, attention FLOP/s): the decoder's GEMM FLOPs (2 per weight of every
+    2-D matrix of the layers, per token; the lm_head once) at the measured bf16 GEMM rate, plus the attention
+    layers' causal FLOPs (2 Hq D n (n + 1) each: scores and values) at the prefill kernel's rate on one chunk of
+    t tokens (interpret mode off the GPU: a smoke run)."""
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    gemm = jax.jit(lambda x, y: x @ y)
+    gemm_rate = rate(lambda: gemm(a, a), 2 * 8192 ** 3)
+    hq, hkv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    key = jax.random.key(0)
+    q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
+    kv = jax.random.normal(key, (hkv, 1 + t // ps, ps, d), jnp.bfloat16)
+    pages = jnp.arange(1, 1 + t // ps, dtype=jnp.int32)[None]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    attn = jax.jit(lambda *x: paged_prefill_attention(*x, config=kc.prefill_attention,
+                                                      interpret=jax.default_backend() != "gpu"))
+    attn_rate = rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([t], jnp.int32)),
+                     2 * hq * d * t * (t + 1))
+    per_token = 2 * sum(x.size for x in jax.tree.leaves(weights.layers) if x.ndim == 2)
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    layers = sum(k == "full_attention" for k in cfg.layer_types)
+    floor = {n: (n * per_token + head) / gemm_rate + layers * 2 * hq * d * n * (n + 1) / attn_rate for n in lens}
+    return floor, gemm_rate, attn_rate
+
+
+def decode_part(args, kc) -> list[dict]:
+    rows = []
+    ctx, ps = args.decode_context, 16
+    for b in ints(args.decode_batches):
+        pps = -(-(ctx + 64) // ps)
+        row = {"batch": b, "context": ctx}
+        try:
+            engine = random_engine(args.config, EngineArgs(
+                max_model_len=ctx + 64, max_num_seqs=b, max_num_batched_tokens=2048, max_prefill_rows=1,
+                num_kv_pages=1 + b * pps, precompile=False, enable_prefix_caching=False, kernel_config=kc))
+        except Exception as e:          # e.g. 16 rows of 128k do not fit an 80 GB card beside the weights
+            row["step_ms"] = f"did not fit: {type(e).__name__}"
+            rows.append(row)
+            continue
+        step = time_decode(engine, b, ctx, 20)["step"]
+        floor = sum(decode_floor_bytes(engine.cfg, engine.weights, engine.executor.state, b, ctx).values())
+        bw = copy_bandwidth()
+        row.update(step_ms=step * 1e3, floor_ms=floor / bw * 1e3, over_floor=step / (floor / bw))
+        print(row, flush=True)
+        rows.append(row)
+        free(engine)
+    return rows
+
+
+class Tokens(Observer):
+    """Every output token's (time, request id, seconds since its request's last token)."""
+    def __init__(self):
+        self.events, self.lock = [], threading.Lock()
+
+    def on_token(self, req, seconds_since_last):
+        with self.lock:
+            self.events.append((time.monotonic(), req.request_id, seconds_since_last))
+
+
+def tpot_part(args, kc) -> list[dict]:
+    n, prompt = args.tpot_rows, args.tpot_prompt
+    engine = random_engine(args.config, EngineArgs(
+        max_model_len=prompt + 64, max_num_seqs=n + 1, max_num_batched_tokens=args.chunk, max_prefill_rows=1,
+        precompile=True, enable_prefix_caching=False, kernel_config=kc))
+    obs = engine.observer = Tokens()
+    rng = np.random.default_rng(1)
+    vocab, rows = engine.cfg.vocab_size, []
+    for budget in args.budgets.split(","):
+        budget = None if budget == "none" else int(budget)
+        engine.scheduler.decode_prefill_budget = budget
+        obs.events.clear()
+        short = SamplingParams(max_tokens=args.tpot_max_tokens, temperature=0, ignore_eos=True)
+        ids = [engine.add_request(rng.integers(0, vocab, 256).tolist(), short, lambda out: None) for _ in range(n)]
+        deadline = time.monotonic() + 300
+        while len({e[1] for e in obs.events}) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the decoding requests did not all start within 300 s")
+            time.sleep(0.01)
+        time.sleep(0.2)
+        t_base = time.monotonic()
+        time.sleep(args.tpot_base_s)
+        done = threading.Event()
+        t_submit = time.monotonic()
+        engine.add_request(rng.integers(0, vocab, prompt).tolist(), SamplingParams(max_tokens=1, ignore_eos=True),
+                           lambda out: out.finished and done.set())
+        if not done.wait(900):
+            raise RuntimeError("the long prompt got no first token within 900 s")
+        t_done = time.monotonic()
+        for rid in ids:
+            engine.abort(rid)
+        with obs.lock:
+            base = [dt for t, _, dt in obs.events if t_base <= t < t_submit]
+            during = [dt for t, _, dt in obs.events if t_submit <= t <= t_done]
+        q = lambda xs, p: float(np.percentile(xs, p)) * 1e3 if xs else float("nan")
+        row = {"decode_prefill_budget": budget or f"none ({args.chunk})", "tpot_p50_ms": q(base, 50),
+               "tpot_p99_ms": q(base, 99), "during_p50_ms": q(during, 50), "during_p99_ms": q(during, 99),
+               "during_p99_over_p50": q(during, 99) / q(base, 50), "long_ttft_s": t_done - t_submit}
+        print(row, flush=True)
+        rows.append(row)
+    free(engine)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--parts", default="ttft,decode,tpot")
+    ap.add_argument("--lens", default="8192,32768,131072,262143", help="262143 + its token: the whole window")
+    ap.add_argument("--jnp-max", type=int, default=32768, help="the jnp attention's longest prompt")
+    ap.add_argument("--hf-lens", default="8192,32768", help="HF + fla's prompts (empty: no HF run)")
+    ap.add_argument("--hf-device", default="cuda")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--decode-context", type=int, default=131072)
+    ap.add_argument("--decode-batches", default="1,16")
+    ap.add_argument("--tpot-rows", type=int, default=16)
+    ap.add_argument("--tpot-prompt", type=int, default=131072)
+    ap.add_argument("--tpot-base-s", type=float, default=1.0, help="seconds of decoding timed before the prompt")
+    ap.add_argument("--tpot-max-tokens", type=int, default=2048, help="the decoding requests' max_tokens")
+    ap.add_argument("--floor-chunk", type=int, default=8192, help="the chunk the attention kernel's rate is timed on")
+    ap.add_argument("--budgets", default="none,2048,512,256", help="decode_prefill_budget values")
+    ap.add_argument("--record", action="store_true")
+    add_kernel_args(ap)
+    args = ap.parse_args()
+    kc = kernel_config(args).resolved()
+    cfg = load_config(config_dir(args.config))
+    parts, tables, fields = args.parts.split(","), [], {"args": vars(args)}
+    fmt = lambda rows: [{c: f"{v:.3f}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
+    if "ttft" in parts:
+        lens = ints(args.lens)
+        hf = run_hf(args.config, args.hf_lens, args.reps, args.hf_device) if args.hf_lens else None
+        kernel, weights = ttft(args, cfg, kc, lens)
+        short = [n for n in lens if n <= args.jnp_max]
+        jnp_path = ttft(args, cfg, dataclasses.replace(kc, prefill_attention=None), short, weights)[0] if short else {}
+        floor, gemm_rate, attn_rate = compute_floor(cfg, weights, kc, lens, args.floor_chunk)
+        hf_times = {int(k): statistics.median(v) for k, v in (hf or {}).get("times", {}).items()}
+        nan = float("nan")
+        rows = [{"prompt_tokens": n, "kernel_ms": kernel[n] * 1e3, "jnp_attention_ms": jnp_path.get(n, nan) * 1e3,
+                 "hf_fla_ms": hf_times.get(n, nan) * 1e3, "floor_ms": floor[n] * 1e3,
+                 "floor_over_kernel": floor[n] / kernel[n], "hf_over_kernel": hf_times.get(n, nan) / kernel[n]}
+                for n in lens]
+        tables.append(f"Time to first token (one prompt, chunks of {args.chunk}; floor: GEMMs at "
+                      f"{gemm_rate / 1e12:.3g} TFLOP/s measured, attention at the kernel's {attn_rate / 1e12:.3g} "
+                      f"TFLOP/s on a {args.floor_chunk}-token chunk; HF: torch {hf and hf.get('torch')}, fla "
+                      f"{hf and hf.get('fla')})"
+                      f"\n\n" + results.table(fmt(rows), list(rows[0])))
+        fields.update(ttft=rows, gemm_rate=gemm_rate, attn_rate=attn_rate)
+        del weights
+        gc.collect()
+    if "decode" in parts:
+        rows = decode_part(args, kc)
+        tables.append("Decode step at long context\n\n" + results.table(fmt(rows), list(rows[0])))
+        fields["decode"] = rows
+    if "tpot" in parts:
+        rows = tpot_part(args, kc)
+        tables.append(f"TPOT of {args.tpot_rows} decoding requests while a {args.tpot_prompt}-token prompt "
+                      f"prefills\n\n" + results.table(fmt(rows), list(rows[0])))
+        fields["tpot"] = rows
+    body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights, kernels "
+            f"{kc.changes() or 'default'}.\n\n" + "\n\n".join(tables))
+    print(body)
+    if args.record:
+        results.record("Long context (bench/long_context.py)", body, fields=fields)
+
+
+if __name__ == "__main__":
+    main()
