@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels import conv1d, gdn, paged_attention as pa
+from pallas_kernels import conv1d, gdn, paged_attention as pa, prefill_attention as pfa
 
 
 def prefill_sweep():
@@ -45,6 +45,12 @@ def attention_sweep():
             c(pages_per_block=4, num_stages=3), c(pages_per_block=4), c(pages_per_block=8, num_stages=2),
             c(pages_per_block=4, num_stages=2, target_programs=132), c(num_warps=8),
             c(target_programs=528)]
+
+
+def prefill_attention_sweep():
+    """The paged prefill attention's query and key blocks, warps and pipeline depth."""
+    c = pfa.PrefillAttentionConfig
+    return [pfa.DEFAULT, c(block_k=64), c(num_stages=3), c(num_warps=4), c(block_q=32, num_warps=4), c(block_q=128)]
 
 
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there (the T solve per

@@ -1,6 +1,8 @@
 """Long context (issue 39) at real shapes with random weights, on one GPU.
 
 Parts (--parts), each recorded in one table:
+- tiles: the prefill attention kernel's TFLOP/s on one causal --floor-chunk chunk for each tile configuration of
+  bench/kernel_sweeps.py, at the config's query heads and at G = 6 (27B's grouping).
 - ttft: time to the first token of one prompt of each --lens length (max_tokens=1, prefill chunks of --chunk
   tokens), with the prefill attention kernel and with the jnp attention (KernelConfig.prefill_attention=None, up
   to --jnp-max tokens); HF transformers + fla in the same run (bench/hf_baseline.py's child, --hf-lens) where it
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import add_kernel_args, config_dir, kernel_config, random_engine  # noqa: E402
 from bench.hf_baseline import run_hf  # noqa: E402
+from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
@@ -83,6 +86,19 @@ def rate(fn, flops: float, calls: int = 10) -> float:
     return flops * calls / (time.perf_counter() - t0)
 
 
+def attention_rate(cfg, config, t: int) -> float:
+    """FLOP/s of the prefill attention kernel (tiles `config`) on one causal chunk of t tokens at cfg's heads
+    (interpret mode off the GPU: a smoke run)."""
+    hq, hkv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    key = jax.random.key(0)
+    q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
+    kv = jax.random.normal(key, (hkv, 1 + t // ps, ps, d), jnp.bfloat16)
+    pages = jnp.arange(1, 1 + t // ps, dtype=jnp.int32)[None]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    attn = jax.jit(lambda *x: paged_prefill_attention(*x, config=config, interpret=jax.default_backend() != "gpu"))
+    return rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([t], jnp.int32)), 2 * hq * d * t * (t + 1))
+
+
 def compute_floor(cfg, weights, kc, lens, t: int) -> tuple[dict, float, float]:
     """({length: floor seconds}, GEMM FLOP/s, attention FLOP/s): the decoder's GEMM FLOPs (2 per weight of every
     2-D matrix of the layers, per token; the lm_head once) at the measured bf16 GEMM rate, plus the attention
@@ -91,16 +107,8 @@ def compute_floor(cfg, weights, kc, lens, t: int) -> tuple[dict, float, float]:
     a = jnp.ones((8192, 8192), jnp.bfloat16)
     gemm = jax.jit(lambda x, y: x @ y)
     gemm_rate = rate(lambda: gemm(a, a), 2 * 8192 ** 3)
-    hq, hkv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
-    key = jax.random.key(0)
-    q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
-    kv = jax.random.normal(key, (hkv, 1 + t // ps, ps, d), jnp.bfloat16)
-    pages = jnp.arange(1, 1 + t // ps, dtype=jnp.int32)[None]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    attn = jax.jit(lambda *x: paged_prefill_attention(*x, config=kc.prefill_attention,
-                                                      interpret=jax.default_backend() != "gpu"))
-    attn_rate = rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([t], jnp.int32)),
-                     2 * hq * d * t * (t + 1))
+    attn_rate = attention_rate(cfg, kc.prefill_attention, t)
+    hq, d = cfg.num_heads, cfg.head_dim
     per_token = 2 * sum(x.size for x in jax.tree.leaves(weights.layers) if x.ndim == 2)
     head = 2 * cfg.hidden_size * cfg.vocab_size
     layers = sum(k == "full_attention" for k in cfg.layer_types)
@@ -189,7 +197,7 @@ def tpot_part(args, kc) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--parts", default="ttft,decode,tpot")
+    ap.add_argument("--parts", default="tiles,ttft,decode,tpot")
     ap.add_argument("--lens", default="8192,32768,131072,262143", help="262143 + its token: the whole window")
     ap.add_argument("--jnp-max", type=int, default=32768, help="the jnp attention's longest prompt")
     ap.add_argument("--hf-lens", default="8192,32768", help="HF + fla's prompts (empty: no HF run)")
@@ -232,6 +240,18 @@ def main():
         fields.update(ttft=rows, gemm_rate=gemm_rate, attn_rate=attn_rate)
         del weights
         gc.collect()
+    if "tiles" in parts:            # the prefill attention kernel's tile configurations, at 9B and 27B heads
+        rows = []
+        for c in prefill_attention_sweep():
+            row = {"tiles": c.name}
+            for hq in (cfg.num_heads, 6 * cfg.num_kv_heads):
+                row[f"tflops_hq{hq}"] = attention_rate(dataclasses.replace(cfg, num_heads=hq), c,
+                                                       args.floor_chunk) / 1e12
+            print(row, flush=True)
+            rows.append(row)
+        tables.append(f"Prefill attention kernel tiles, one causal {args.floor_chunk}-token chunk\n\n"
+                      + results.table(fmt(rows), list(rows[0])))
+        fields["tiles"] = rows
     if "decode" in parts:
         rows = decode_part(args, kc)
         tables.append("Decode step at long context\n\n" + results.table(fmt(rows), list(rows[0])))

@@ -1,4 +1,4 @@
-"""Compile the Pallas-Triton GDN kernels for sm_90 on a machine without a GPU: shared memory, registers, spills.
+"""Compile the Pallas-Triton kernels for sm_90 on a machine without a GPU: shared memory, registers, spills.
 
 CUDA cross-lowering (tests/test_kernels.py) only checks the Pallas -> Triton IR step. This tool goes one step
 further: it dumps the Triton IR of every kernel in bench/kernel_sweeps.py's lists and decode_prologue at the 9B
@@ -29,7 +29,7 @@ def dump(out_dir, only=()):
     import jax.numpy as jnp
     from jax._src.pallas.triton import pallas_call_registration as reg
     from bench import kernel_sweeps as ks
-    from pallas_kernels import conv1d, gdn, paged_attention as pa
+    from pallas_kernels import conv1d, gdn, paged_attention as pa, prefill_attention as pfa
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -66,6 +66,12 @@ def dump(out_dir, only=()):
                 S((b,), i32))
         jobs += [(f"attn_b{b}_{c.name}", functools.partial(pa.paged_decode_attention, config=c), attn)
                  for c in ks.attention_sweep()]
+    # paged prefill attention: a 2048-token chunk at 9B (Hq 16) and 27B (Hq 24) shapes over 8k of context
+    for hq in (16, 24):
+        pre = (S((1, 2048, hq, 256), bf), S((4, 8193, 16, 256), bf), S((4, 8193, 16, 256), bf), S((1, 512), i32),
+               S((1, 2048), i32), S((1,), i32))
+        jobs += [(f"prefill_attn_hq{hq}_{c.name}", functools.partial(pfa.paged_prefill_attention, config=c), pre)
+                 for c in ks.prefill_attention_sweep()]
     # conv1d prefill (8k tokens, one sequence) and decode (batch 256) at 9B shapes (8192 channels)
     conv_pre = (S((t, 8192), bf), S((4, 8192), bf), S((slots, 3, 8192), bf), S((1,), i32), S((1,), i32),
                 S((1,), i32), S((1,), jnp.bool_))

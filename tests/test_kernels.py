@@ -541,10 +541,11 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         assert text.count("__gpu$xla.gpu.triton") == 2
 
     for n, t, hq in ((1, 2048, 16), (4, 512, 24)):                 # 9B (G 4) and 27B (G 6) prefill attention
-        text = lower_for_cuda(prefill_attention.paged_prefill_attention, S((n, t, hq, 256), bf),
-                              S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((n, 512), i32), S((n, t), i32),
-                              S((n,), i32))
-        assert text.count("__gpu$xla.gpu.triton") == 1
+        pcfgs = kernel_sweeps.prefill_attention_sweep()
+        text = lower_for_cuda(lambda *x: [prefill_attention.paged_prefill_attention(*x, config=c) for c in pcfgs],
+                              S((n, t, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf),
+                              S((n, 512), i32), S((n, t), i32), S((n,), i32))
+        assert text.count("__gpu$xla.gpu.triton") == len(pcfgs)
 
     for b, hq in ((1, 16), (64, 16), (3, 24)):                     # 9B (G 4) and 27B (G 6) decode attention
         attn = (S((b, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf), S((b, 512), i32),
@@ -689,6 +690,7 @@ def test_sweep_names_unique():
     for sweep, default, name in ((ks.prefill_sweep(), gdn.DEFAULT_PREFILL, "name"),
                                  (ks.decode_sweep(), gdn.DEFAULT_DECODE, "name"),
                                  (ks.attention_sweep(), paged_attention.DEFAULT, "name"),
+                                 (ks.prefill_attention_sweep(), prefill_attention.DEFAULT, "name"),
                                  (ks.conv_prefill_sweep(), conv1d.ConvConfig(), "prefill_name"),
                                  (ks.conv_decode_sweep(), conv1d.ConvConfig(), "decode_name")):
         names = [getattr(c, name) for c in sweep]
