@@ -2,7 +2,8 @@
 
 Parts (--parts), each recorded in one table:
 - tiles: the prefill attention kernel's TFLOP/s on one causal --floor-chunk chunk for each tile configuration of
-  bench/kernel_sweeps.py, at the config's query heads and at G = 6 (27B's grouping).
+  bench/kernel_sweeps.py, at the config's query heads and at G = 6 (27B's grouping), and cuDNN's flash attention
+  on the same chunk with the pages gathered into contiguous K / V first (the issue's other candidate).
 - ttft: time to the first token of one prompt of each --lens length (max_tokens=1, prefill chunks of --chunk
   tokens), with the prefill attention kernel and with the jnp attention (KernelConfig.prefill_attention=None, up
   to --jnp-max tokens); HF transformers + fla in the same run (bench/hf_baseline.py's child, --hf-lens) where it
@@ -97,6 +98,25 @@ def attention_rate(cfg, config, t: int) -> float:
     positions = jnp.arange(t, dtype=jnp.int32)[None]
     attn = jax.jit(lambda *x: paged_prefill_attention(*x, config=config, interpret=jax.default_backend() != "gpu"))
     return rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([t], jnp.int32)), 2 * hq * d * t * (t + 1))
+
+
+def cudnn_rate(cfg, t: int) -> float:
+    """FLOP/s of the other candidate: cuDNN's flash attention (jax.nn.dot_product_attention) on the same chunk,
+    after gathering the row's pages into contiguous K / V (it takes no page table). A chunk from position 0 only:
+    its causal mask is cuDNN's top-left one (later chunks need a bottom-right mask). XLA's attention off the GPU."""
+    hq, hkv, d, ps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16
+    key = jax.random.key(0)
+    q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
+    kv = jax.random.normal(key, (hkv, 1 + t // ps, ps, d), jnp.bfloat16)
+    pages = jnp.arange(1, 1 + t // ps, dtype=jnp.int32)[None]
+    impl = "cudnn" if jax.default_backend() == "gpu" else None
+
+    def attn(q, k_pages, v_pages, pages):
+        gather = lambda x: jnp.moveaxis(x[:, pages[0]].reshape(hkv, -1, d), 0, 1)[None]      # [1, ctx, Hkv, D]
+        return jax.nn.dot_product_attention(q, gather(k_pages), gather(v_pages), is_causal=True, implementation=impl)
+
+    f = jax.jit(attn)
+    return rate(lambda: f(q, kv, kv, pages), 2 * hq * d * t * (t + 1))
 
 
 def compute_floor(cfg, weights, kc, lens, t: int) -> tuple[dict, float, float]:
@@ -249,6 +269,14 @@ def main():
                                                        args.floor_chunk) / 1e12
             print(row, flush=True)
             rows.append(row)
+        row = {"tiles": "cuDNN flash attention, pages gathered first (jax.nn.dot_product_attention)"}
+        for hq in (cfg.num_heads, 6 * cfg.num_kv_heads):
+            try:
+                row[f"tflops_hq{hq}"] = cudnn_rate(dataclasses.replace(cfg, num_heads=hq), args.floor_chunk) / 1e12
+            except Exception as e:      # cuDNN refuses some shapes (head dim, GQA): say so in the table
+                row[f"tflops_hq{hq}"] = f"failed: {type(e).__name__}: {str(e)[:80]}"
+        print(row, flush=True)
+        rows.append(row)
         tables.append(f"Prefill attention kernel tiles, one causal {args.floor_chunk}-token chunk\n\n"
                       + results.table(fmt(rows), list(rows[0])))
         fields["tiles"] = rows
