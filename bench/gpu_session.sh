@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode.
+#   multiturn longttft longdecode moe35.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -148,6 +148,9 @@ for s in $sections; do
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
              CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts decode,tpot ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
+    moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~70 GB)
+             CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
+               --config bench/configs/qwen3.5-35b-a3b.json ${MOE_BATCHES:+--batches $MOE_BATCHES} ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \

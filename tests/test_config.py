@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -44,18 +45,33 @@ def test_layer_types_fallback_and_partial_rotary_top_level():
     assert cfg.attn_layers == (3, 7) and cfg.rotary_dim == 16 and cfg.rope_theta == 1e6
 
 
-@pytest.mark.parametrize("model_type,needle", [("qwen3_5_moe", "MoE"), ("qwen3_next", "not supported yet"),
+@pytest.mark.parametrize("model_type,needle", [("qwen3_5_moe", "text_config"), ("qwen3_next", "not supported yet"),
                                                ("llama", "not a Qwen3.5 model")])
 def test_unsupported_model_types(model_type, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig.from_hf({"model_type": model_type})
 
 
-def test_moe_text_config_inside_multimodal():
+def test_moe_configs():
+    """A MoE text config inside a multimodal one is read as MoE (its expert fields are required); the expert
+    fields parse, the dense MLP width is absent; bad expert counts and mlp_only_layers are refused."""
     raw = json.load(open(fixture_dir("mm_tied_r2_g2") + "/config.json"))
     raw["text_config"]["model_type"] = "qwen3_5_moe_text"
-    with pytest.raises(ValueError, match="MoE"):
+    with pytest.raises(ValueError, match="num_experts"):
         ModelConfig.from_hf(raw)
+    raw["text_config"].update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=24)
+    raw["text_config"].pop("intermediate_size")
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.moe and cfg.multimodal and cfg.intermediate_size == 0
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size) == (8, 2, 16, 24)
+    assert ModelConfig.from_hf(dict(cfg.to_hf_text(), model_type="qwen3_5_moe_text")) == \
+        dataclasses.replace(cfg, multimodal=False)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(dict(raw, text_config=dict(raw["text_config"], num_experts_per_tok=9)))
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig.from_hf(dict(raw, text_config=dict(raw["text_config"], mlp_only_layers=[0])))
 
 
 def test_missing_field_and_bad_layer_types():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct
 
 import ml_dtypes
@@ -54,8 +55,14 @@ def normalize_key(key: str) -> str | None:
     return key
 
 
+EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
 class Checkpoint:
-    """The tensors of a model directory: `model.safetensors`, or shards listed in `model.safetensors.index.json`."""
+    """The tensors of a model directory: `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+    MoE experts stored one by one (`mlp.experts.{j}.{gate,up,down}_proj.weight`) are also seen as the fused
+    tensors of the other layout, `mlp.experts.gate_up_proj` [E, 2 Im, H] and `mlp.experts.down_proj` [E, H, Im],
+    read expert by expert."""
 
     def __init__(self, model_dir: str):
         index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -75,15 +82,37 @@ class Checkpoint:
                 norm = normalize_key(key)
                 if norm is not None:
                     self.tensors[norm] = info
+        self.fused: dict[str, tuple[int, int, int]] = {}     # fused key -> its [E, rows, cols] from per-expert keys
+        experts: dict[str, set] = {}
+        for key in self.tensors:
+            m = EXPERT.match(key)
+            if m:
+                experts.setdefault(m.group(1), set()).add(int(m.group(2)))
+        for prefix, ids in experts.items():
+            e = len(ids)
+            if ids != set(range(e)):
+                raise ValueError(f"{prefix}: expert indices are not 0..{e - 1}")
+            im, h = self.tensors[f"{prefix}.0.gate_proj.weight"].shape
+            self.fused[f"{prefix}.gate_up_proj"] = (e, 2 * im, h)
+            self.fused[f"{prefix}.down_proj"] = (e, h, im)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.tensors
+        return key in self.tensors or key in self.fused
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self.tensors[key].shape
+        return self.fused[key] if key in self.fused else self.tensors[key].shape
 
     def read(self, key: str, axis: int = 0, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """A copy of tensor[..., start:stop, ...] along `axis`, in the file's dtype."""
+        """A copy of tensor[..., start:stop, ...] along `axis`, in the file's dtype (fused experts: along the
+        expert axis, each expert read on its own)."""
+        if key in self.fused:
+            if axis != 0:
+                raise ValueError(f"{key}: experts stored one by one are read along the expert axis only")
+            prefix, e = key.rsplit(".", 1)[0], self.fused[key][0]
+            parts = [[f"{prefix}.{j}.gate_proj.weight", f"{prefix}.{j}.up_proj.weight"]
+                     if key.endswith("gate_up_proj") else [f"{prefix}.{j}.down_proj.weight"]
+                     for j in range(*slice(start, stop).indices(e))]
+            return np.stack([np.concatenate([self.read(k) for k in ks], axis=0) for ks in parts])
         info = self.tensors[key]
         mm = np.memmap(info.path, dtype=info.dtype, mode="r", offset=info.offset, shape=info.shape)
         index = [slice(None)] * len(info.shape)

@@ -1,4 +1,5 @@
-"""Static model configuration parsed from a HF `config.json` (multimodal `qwen3_5` or text-only `qwen3_5_text`)."""
+"""Static model configuration parsed from a HF `config.json`: dense (multimodal `qwen3_5`, text-only `qwen3_5_text`)
+or sparse (`qwen3_5_moe`, `qwen3_5_moe_text`: every layer's MLP a routed mixture of experts plus a shared expert)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,10 +7,9 @@ import json
 import os
 from typing import Any
 
-SUPPORTED = ("qwen3_5", "qwen3_5_text")
+SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 KNOWN_UNSUPPORTED = {
-    "qwen3_5_moe": "Qwen3.5-MoE (sparse expert layers) is not supported yet",
-    "qwen3_5_moe_text": "Qwen3.5-MoE (sparse expert layers) is not supported yet",
     "qwen3_next": "Qwen3-Next (fused in_proj_qkvz layout, MoE) is not supported yet",
 }
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -21,7 +21,7 @@ class ModelConfig:
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int       # dense MLP width (0 for MoE models)
     layer_types: tuple[str, ...]
     num_heads: int               # full-attention query heads (Hq)
     num_kv_heads: int            # full-attention KV heads (Hkv)
@@ -39,6 +39,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     multimodal: bool = False     # checkpoint keys live under model.language_model.
     mtp_layers: int = 0          # mtp_num_hidden_layers: decoder layers of the multi-token-prediction head
+    num_experts: int = 0         # E routed experts per layer (0: dense MLP layers)
+    num_experts_per_tok: int = 0     # k experts per token (top-k of the router's softmax, renormalised)
+    moe_intermediate_size: int = 0   # Im: each routed expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0   # Is: the shared expert's SwiGLU width (sigmoid-gated)
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_layers(self) -> int:
@@ -72,11 +80,11 @@ class ModelConfig:
             raise ValueError(f"model_type {model_type!r}: {KNOWN_UNSUPPORTED[model_type]}")
         if model_type not in SUPPORTED:
             raise ValueError(f"model_type {model_type!r} is not a Qwen3.5 model (supported: {', '.join(SUPPORTED)})")
-        multimodal = model_type == "qwen3_5"
+        multimodal = model_type in MULTIMODAL
         text = raw.get("text_config") if multimodal else raw
         if not isinstance(text, dict):
             raise ValueError("multimodal qwen3_5 config.json has no text_config")
-        if multimodal and text.get("model_type", "qwen3_5_text") in KNOWN_UNSUPPORTED:
+        if multimodal and text.get("model_type") in KNOWN_UNSUPPORTED:
             raise ValueError(f"text_config.model_type {text['model_type']!r}: {KNOWN_UNSUPPORTED[text['model_type']]}")
 
         def need(key):
@@ -95,8 +103,11 @@ class ModelConfig:
         bad = sorted(set(layer_types) - set(LAYER_KINDS))
         if bad:
             raise ValueError(f"unsupported layer_types {bad} (supported: {', '.join(LAYER_KINDS)})")
-        if text.get("num_experts"):
-            raise ValueError("sparse MoE layers (num_experts) are not supported yet")
+        moe = bool(text.get("num_experts")) or any(str(t).startswith("qwen3_5_moe")
+                                                    for t in (model_type, text.get("model_type")))
+        if moe and text.get("mlp_only_layers"):
+            raise ValueError("mlp_only_layers (dense layers among the MoE ones) is not supported: every Qwen3.5-MoE "
+                             "layer is sparse")
 
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -119,7 +130,8 @@ class ModelConfig:
         tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
         cfg = cls(
             vocab_size=int(need("vocab_size")), hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")), layer_types=layer_types,
+            intermediate_size=int(text.get("intermediate_size") or 0) if moe else int(need("intermediate_size")),
+            layer_types=layer_types,
             num_heads=num_heads, num_kv_heads=int(text.get("num_key_value_heads", num_heads)), head_dim=head_dim,
             rotary_dim=rotary_dim, rope_theta=theta,
             linear_num_key_heads=int(need("linear_num_key_heads")),
@@ -128,7 +140,11 @@ class ModelConfig:
             linear_value_head_dim=int(need("linear_value_head_dim")),
             conv_kernel=int(text.get("linear_conv_kernel_dim", 4)), rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(tie), max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            eos_token_ids=eos, multimodal=multimodal, mtp_layers=int(text.get("mtp_num_hidden_layers", 0)))
+            eos_token_ids=eos, multimodal=multimodal, mtp_layers=int(text.get("mtp_num_hidden_layers", 0)),
+            **({} if not moe else dict(
+                num_experts=int(need("num_experts")), num_experts_per_tok=int(need("num_experts_per_tok")),
+                moe_intermediate_size=int(need("moe_intermediate_size")),
+                shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")))))
         cfg.validate()
         return cfg
 
@@ -136,13 +152,23 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
                              f"{self.num_kv_heads}")
+        if self.moe and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+                             and self.shared_expert_intermediate_size > 0):
+            raise ValueError(f"MoE config needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                             f"({self.num_experts}) and positive moe_intermediate_size / "
+                             f"shared_expert_intermediate_size")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
                              f"linear_num_key_heads {self.linear_num_key_heads}")
 
     def to_hf_text(self) -> dict[str, Any]:
-        """The `qwen3_5_text` config.json fields of this shape (used to write random-weight models)."""
-        return dict(
+        """The `qwen3_5_text` (`qwen3_5_moe_text`) config.json fields of this shape (used to write random-weight
+        models)."""
+        moe = dict(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+                   num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                   moe_intermediate_size=self.moe_intermediate_size,
+                   shared_expert_intermediate_size=self.shared_expert_intermediate_size) if self.moe else {}
+        return {**dict(
             model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], vocab_size=self.vocab_size,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers, layer_types=list(self.layer_types),
@@ -155,7 +181,7 @@ class ModelConfig:
             rope_parameters=dict(rope_type="default", rope_theta=self.rope_theta,
                                  partial_rotary_factor=self.rotary_dim / self.head_dim),
             eos_token_id=list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            mtp_num_hidden_layers=self.mtp_layers, mtp_use_dedicated_embeddings=False, dtype="bfloat16")
+            mtp_num_hidden_layers=self.mtp_layers, mtp_use_dedicated_embeddings=False, dtype="bfloat16"), **moe}
 
 
 def load_config(model_dir: str) -> ModelConfig:

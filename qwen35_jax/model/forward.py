@@ -265,6 +265,38 @@ def mlp_block(kernels: Kernels, w, x):
         return row_parallel(kernels, h, w.down)
 
 
+def moe_block(cfg: ModelConfig, layout: Layout, w, x):
+    """Qwen3.5's sparse MLP (weights.MoE) on this rank: the router's softmax over all E experts in fp32, the top k
+    renormalised and rounded to the model dtype (as HF), this rank's E / tp experts as grouped GEMMs over the
+    tokens routed to them (jax.lax.ragged_dot on the token copies sorted by expert: no group is padded, and copies
+    routed to other ranks' experts sit past the groups, where ragged_dot writes zeros), the shared expert's partial
+    sums times its sigmoid gate, and one all-reduce of both over tp, in the place of the dense MLP's."""
+    n, t, h = x.shape
+    k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
+    xs = x.reshape(n * t, h)
+    with jax.named_scope("router"):
+        probs = jax.nn.softmax(project(x, w.router).reshape(n * t, -1).astype(f32), axis=-1)
+        top, idx = jax.lax.top_k(probs, k)
+        top = (top / top.sum(-1, keepdims=True)).astype(x.dtype)
+    with jax.named_scope("experts"):
+        local = idx.reshape(-1) - jax.lax.axis_index(TP) * el              # [N*T*k] expert on this rank
+        group = jnp.where((local >= 0) & (local < el), local, el)          # el: another rank's
+        order = jnp.argsort(group, stable=True)
+        sizes = jnp.bincount(group, length=el + 1)[:el].astype(jnp.int32)
+        tok = order // k
+        gate, up = jnp.split(jax.lax.ragged_dot(xs[tok], w.gate_up, sizes, preferred_element_type=f32).astype(x.dtype),
+                             2, axis=-1)
+        act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
+        out = jax.lax.ragged_dot(act, w.down, sizes, preferred_element_type=f32).astype(x.dtype)
+        routed = jnp.zeros((n * t, h), f32).at[tok].add((out * top.reshape(-1)[order][:, None]).astype(f32))
+    with jax.named_scope("shared_expert"):
+        g, u = jnp.split(project(x, w.shared.gate_up), 2, axis=-1)
+        hs = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(x.dtype)
+        part = project(hs, w.shared.down, f32)                             # this rank's share of Is, fp32
+        part = part * jax.nn.sigmoid(project(x, w.shared_gate).astype(f32))
+    return jax.lax.psum(routed.reshape(n, t, h) + part, TP).astype(x.dtype)
+
+
 def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, x, cache, batch: Batch,
                   positions, verify: bool = False):
     """One pre-norm layer (mixer, then MLP, each added to the residual). cache: (k_pages, v_pages) of a
@@ -283,7 +315,8 @@ def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str,
             h, *cache = gdn_block(cfg, layout, kernels, layer.mixer, h, *cache, batch)
     x = x + h
     with jax.named_scope("mlp"):
-        x = x + mlp_block(kernels, layer.mlp, rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps))
+        h = rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps)
+        x = x + (moe_block(cfg, layout, layer.mlp, h) if cfg.moe else mlp_block(kernels, layer.mlp, h))
     return x, tuple(cache)
 
 

@@ -19,6 +19,8 @@ RULES = {
     "q_heads": TP,      # attention q (+gate) columns, o_proj rows
     "kv_heads": TP,     # K/V columns and the KV cache (replicated per rank when tp > num_key_value_heads)
     "ffn": TP,          # MLP gate/up columns, down rows
+    "experts": TP,      # MoE routed experts: each rank holds E / tp whole experts (expert parallelism over tp)
+    "shared_ffn": TP,   # MoE shared expert's gate/up columns, down rows
     "gdn_in": TP,       # fused GDN input projection columns [q|k|v|z|b|a] per rank
     "gdn_heads": TP,    # GDN value heads: dt_bias, A_log, recurrent state, out_proj rows
     "conv_ch": TP,      # conv channels [q|k|v] per rank: conv weight and conv state
@@ -62,7 +64,9 @@ class Layout:
     kv_total: int       # KV heads over all ranks (num_key_value_heads, or tp when replicated)
     k_heads: int        # GDN key heads per rank
     v_heads: int        # GDN value heads per rank
-    ffn: int            # MLP intermediate per rank
+    ffn: int            # MLP intermediate per rank (0 for MoE models)
+    experts: int        # MoE routed experts per rank (0 for dense models)
+    shared_ffn: int     # MoE shared expert's intermediate per rank
     vocab_padded: int   # vocab rounded up to a multiple of tp (extra rows are zero and masked)
 
     @property
@@ -88,6 +92,8 @@ class Layout:
                    k_heads=divides("linear_num_key_heads", cfg.linear_num_key_heads),
                    v_heads=divides("linear_num_value_heads", cfg.linear_num_value_heads),
                    ffn=divides("intermediate_size", cfg.intermediate_size),
+                   experts=divides("num_experts", cfg.num_experts),
+                   shared_ffn=divides("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size),
                    vocab_padded=-(-cfg.vocab_size // tp) * tp)
 
     def kv_head_of_rank(self, cfg: ModelConfig, rank: int) -> int:

@@ -44,13 +44,18 @@ class Param:
     axes: tuple[str | None, ...]          # logical axes (see sharding.RULES)
     runs: tuple[Run, ...] = ()            # concatenated along the stitched axis
     hf_axis: int = 0                      # stitched axis in the checkpoint tensor
-    transpose: bool = False               # checkpoint [out, in] (or conv [C, 1, K]) -> stored [in, out] / [K, C]
+    transpose: bool = False               # checkpoint [out, in] (conv [C, 1, K], experts [E, out, in]) -> stored
+                                          # [in, out] / [K, C] / [E, in, out]: the last two axes swapped
     expect: tuple[tuple[str, tuple[int, ...]], ...] = ()   # checkpoint key -> shape it must have
     init: str = "normal"                  # random init: normal | zeros | ones | a_log
 
     @property
     def stored_axis(self) -> int:
-        return (1 - self.hf_axis) if self.transpose else self.hf_axis
+        if not self.transpose:
+            return self.hf_axis
+        perm = list(range(len(self.shape)))
+        perm[-2:] = perm[-1], perm[-2]
+        return perm.index(self.hf_axis)
 
 
 def _leaf(x):
@@ -62,6 +67,18 @@ def _leaf(x):
 class MLP:
     gate_up: Any     # [H, 2*I] as [gate_r | up_r] per rank
     down: Any        # [I, H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MoE:
+    """A sparse MLP (qwen3_5_moe): softmax router over E experts, top k renormalised, plus a sigmoid-gated shared
+    expert. Experts are split whole over tp (each rank holds E / tp of them)."""
+    router: Any          # [H, E] replicated
+    gate_up: Any         # [E, H, 2*Im] as [gate | up] per expert, experts sharded
+    down: Any            # [E, Im, H]
+    shared: Any          # MLP of width Is, sharded as a dense MLP
+    shared_gate: Any     # [H, 1] replicated
 
 
 @jax.tree_util.register_dataclass
@@ -90,7 +107,7 @@ class Layer:
     input_norm: Any  # [H] (1+w)
     post_norm: Any   # [H] (1+w)
     mixer: Any       # Attention | GatedDeltaNet
-    mlp: Any
+    mlp: Any         # MLP | MoE
 
 
 @jax.tree_util.register_dataclass
@@ -140,13 +157,27 @@ def abstract_weights(cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, mtp: 
     h, tp = cfg.hidden_size, layout.tp
     norm = lambda key, n=h: _vector(key, n, None, "zeros")
 
-    def mlp(p):
-        i = cfg.intermediate_size
-        runs = [Run(f"{p}.{name}.weight", r * layout.ffn, layout.ffn)
+    def dense(p, i, per_rank, axis):
+        runs = [Run(f"{p}.{name}.weight", r * per_rank, per_rank)
                 for r in range(tp) for name in ("gate_proj", "up_proj")]
         exp = [(f"{p}.gate_proj.weight", (i, h)), (f"{p}.up_proj.weight", (i, h))]
-        return MLP(gate_up=_linear(runs, h, "ffn", dtype, exp),
-                   down=_row_parallel(f"{p}.down_proj.weight", i, h, "ffn", dtype))
+        return MLP(gate_up=_linear(runs, h, axis, dtype, exp),
+                   down=_row_parallel(f"{p}.down_proj.weight", i, h, axis, dtype))
+
+    def mlp(p):
+        if not cfg.moe:
+            return dense(p, cfg.intermediate_size, layout.ffn, "ffn")
+        e, im = cfg.num_experts, cfg.moe_intermediate_size
+        experts = lambda name, shape, axes: Param(shape, dtype, axes, (Run(f"{p}.experts.{name}", 0, e),), hf_axis=0,
+                                                  transpose=True, expect=((f"{p}.experts.{name}",
+                                                                           (e, shape[2], shape[1])),))
+        return MoE(router=_linear([Run(f"{p}.gate.weight", 0, e)], h, None, dtype, [(f"{p}.gate.weight", (e, h))]),
+                   gate_up=experts("gate_up_proj", (e, h, 2 * im), ("experts", "embed", None)),
+                   down=experts("down_proj", (e, im, h), ("experts", None, "embed")),
+                   shared=dense(f"{p}.shared_expert", cfg.shared_expert_intermediate_size, layout.shared_ffn,
+                                "shared_ffn"),
+                   shared_gate=_linear([Run(f"{p}.shared_expert_gate.weight", 0, 1)], h, None, dtype,
+                                       [(f"{p}.shared_expert_gate.weight", (1, h))]))
 
     def attention(p):
         d = cfg.head_dim
@@ -248,7 +279,7 @@ def _read_stitched(ckpt: Checkpoint, p: Param, lo: int, hi: int) -> np.ndarray:
                 parts.append(np.zeros((b - a, p.shape[1 - p.stored_axis]), p.dtype))
             else:
                 x = ckpt.read(run.key, p.hf_axis, run.start + a - pos, run.start + b - pos)
-                if x.ndim == 3:                       # conv1d [C, 1, K]
+                if x.ndim == len(p.shape) + 1:        # conv1d [C, 1, K]
                     x = x[:, 0, :]
                 parts.append(x.astype(p.dtype, copy=False))
         pos += run.length
@@ -264,7 +295,7 @@ def load_param(ckpt: Checkpoint, p: Param, sharding) -> Array:
         lo, hi, _ = index[axis].indices(p.shape[axis])
         x = _read_stitched(ckpt, p, lo, hi)
         if p.transpose:
-            x = x.T
+            x = np.swapaxes(x, -1, -2)
         rest = list(index)
         rest[axis] = slice(None)
         shards.append(jax.device_put(np.ascontiguousarray(x[tuple(rest)]), device))
@@ -324,7 +355,7 @@ def to_checkpoint(weights: Weights, cfg: ModelConfig, tp: int = 1) -> dict[str, 
     out: dict[str, np.ndarray] = {}
     for p, x in zip(jax.tree.leaves(abstract, is_leaf=_leaf), jax.tree.leaves(weights)):
         x = np.asarray(jax.device_get(x))
-        x = x.T if p.transpose else x                # checkpoint orientation; the stitched axis is p.hf_axis
+        x = np.swapaxes(x, -1, -2) if p.transpose else x     # checkpoint orientation; stitched axis p.hf_axis
         shapes, pos = dict(p.expect), 0
         for run in p.runs:
             if run.key is not None:                  # None: vocab padding, not in the checkpoint
@@ -332,7 +363,7 @@ def to_checkpoint(weights: Weights, cfg: ModelConfig, tp: int = 1) -> dict[str, 
                 dst = out.setdefault(run.key, np.zeros(shapes[run.key], x.dtype))
                 index = [slice(None)] * part.ndim
                 index[p.hf_axis] = slice(run.start, run.start + run.length)
-                if dst.ndim == 3:                    # conv1d [C, 1, K]
+                if dst.ndim == part.ndim + 1:        # conv1d [C, 1, K]
                     dst[tuple(index[:1]) + (0,)] = part
                 else:
                     dst[tuple(index)] = part

@@ -1,0 +1,118 @@
+"""Qwen3.5-MoE decode (issue 40) at real shapes with random weights, against its floor and HF transformers.
+
+Decode step at each --batches size (context --context, steady-state slope of back-to-back dispatches,
+bench/throughput.py's time_decode) against its floor: the bytes a step must read (the non-expert weights, the
+experts it routes to, GDN state read and written, K/V read) over the copy bandwidth measured in the same run.
+Routed experts per layer are counted as expected under uniform routing, E (1 - (1 - k/E)^b) for b rows (random
+routers spread tokens about evenly); the table says so. HF transformers runs first in a child process of its own:
+`generate` of --hf-tokens tokens at batch 1 and the largest batch, greedy, tokens/s.
+
+    python bench/moe.py --config bench/configs/qwen3.5-35b-a3b.json --record
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ints = lambda text: [int(x) for x in text.split(",") if x]
+
+
+def hf_child(args):
+    here = os.path.dirname(os.path.abspath(__file__))       # bench/kernels.py would shadow HF's `kernels` package
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    raw = json.load(open(args.config))
+    torch.manual_seed(0)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), torch_dtype=torch.bfloat16).eval()
+    vocab = raw.get("text_config", raw)["vocab_size"]
+    out = {}
+    for b in sorted({1, max(ints(args.batches))}):
+        ids = torch.randint(0, vocab, (b, 16), device=args.device)
+        gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            gen(2)
+            sync()
+            t0 = time.perf_counter()
+            gen(args.hf_tokens)
+            sync()
+        out[b] = b * args.hf_tokens / (time.perf_counter() - t0)
+        print(f"HF batch {b}: {out[b]:.1f} tokens/s", file=sys.stderr, flush=True)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--hf-tokens", type=int, default=32, help="tokens HF generates per timed run (0: no HF run)")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    from bench.common import add_kernel_args
+    add_kernel_args(ap)
+    args = ap.parse_args()
+    if args.hf_child:                   # torch only: this process must not import JAX
+        return hf_child(args)
+    hf = {}
+    if args.hf_tokens:
+        cmd = [sys.executable, os.path.abspath(__file__), "--hf-child", "--config", args.config, "--batches",
+               args.batches, "--hf-tokens", str(args.hf_tokens), "--device", args.device]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+        hf = {int(k): v for k, v in json.loads(line[7:]).items()} if line else {}
+        if not hf:
+            print(f"the HF run failed (exit {p.returncode}): {p.stdout[-2000:]}", flush=True)
+
+    import jax
+    from bench import results
+    from bench.common import kernel_config, random_engine
+    from bench.throughput import copy_bandwidth, time_decode
+    from qwen35_jax.engine.engine import EngineArgs
+    from qwen35_jax.tools.profile import decode_floor_bytes
+    batches = ints(args.batches)
+    engine = random_engine(args.config, EngineArgs(
+        max_model_len=args.context + 64, max_num_seqs=max(batches), max_num_batched_tokens=2048, max_prefill_rows=1,
+        precompile=False, enable_prefix_caching=False, kernel_config=kernel_config(args)))
+    cfg, w = engine.cfg, engine.weights
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if not e:
+        sys.exit(f"{args.config} is not a MoE config")
+    expert_bytes = sum(layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes for layer in w.layers)
+    bw = copy_bandwidth()
+    rows = []
+    for b in batches:
+        step = time_decode(engine, b, args.context, args.iters)["step"]
+        touched = e * (1 - (1 - k / e) ** b)
+        floor = (sum(decode_floor_bytes(cfg, w, engine.executor.state, b, args.context).values()) - expert_bytes
+                 + expert_bytes * touched / e)
+        row = {"batch": b, "step_ms": step * 1e3, "experts_touched_per_layer": touched, "floor_ms": floor / bw * 1e3,
+               "over_floor": step * bw / floor, "tokens_per_s": b / step}
+        if b in hf:
+            row.update(hf_tokens_per_s=hf[b], over_hf=b / step / hf[b])
+        print(row, flush=True)
+        rows.append(row)
+    engine.shutdown()
+    fmt = [{c: f"{v:.3f}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
+    cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[-1]).index(c) if c in rows[-1] else 99)
+    body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights ({sum(x.nbytes for x in
+            jax.tree.leaves(w)) / 1e9:.1f} GB), context {args.context}, copy bandwidth {bw / 1e12:.2f} TB/s. Floor: "
+            f"non-expert weights + the experts a step touches (expected under uniform routing) + GDN state + K/V. "
+            f"HF: transformers generate of {args.hf_tokens} tokens, bf16.\n\n"
+            + results.table([{c: r.get(c, "") for c in cols} for r in fmt], cols))
+    print(body)
+    if args.record:
+        results.record("MoE decode against its floor and HF (bench/moe.py)", body, fields={"rows": rows, "hf": hf})
+
+
+if __name__ == "__main__":
+    main()
