@@ -26,7 +26,7 @@ def prompts(n, seed):
     return [rng.integers(2, 250, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("tp,case", [(1, CASE), (2, CASE), (2, "moe_mm_tied_e8_k2")])
+@pytest.mark.parametrize("tp,case", [(1, CASE), (2, CASE), (4, CASE), (2, "moe_mm_tied_e8_k2")])
 def test_greedy_matches_hf_and_is_batch_invariant(tp, case):
     """HF's greedy continuation (fp32), and the same tokens for a prompt alone or among others: a token's routing
     does not depend on the rows beside it."""
