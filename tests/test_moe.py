@@ -110,3 +110,25 @@ def test_397b_layout_lowers_at_reduced_depth_on_8_devices():
     batch = fw.Batch(tokens=i32(4, 1), start=i32(4), lens=i32(4), slots=i32(4), pages=i32(4, 8))
     text = jax.jit(fn).trace(weights, state, batch).lower().as_text()
     assert text.count("stablehlo.all_reduce") == 2 * cfg.num_layers + 1
+
+
+def test_speculative_decoding_on_a_moe_model(tmp_path):
+    """A MoE checkpoint's MTP head carries a MoE layer (loaded as one): with its drafts (random weights, k = 2),
+    greedy output equals plain greedy decoding of the same weights, so verify and commit keep a MoE model exact."""
+    import json
+    import shutil
+    from qwen35_jax.engine.engine import EngineArgs, build_engine
+    raw = json.load(open(fixture_dir(CASE) + "/config.json"))
+    json.dump(dict(raw, mtp_num_hidden_layers=1), open(tmp_path / "config.json", "w"))
+    shutil.copy(fixture_dir(CASE) + "/generation_config.json", tmp_path)
+    args = EngineArgs(load_format="dummy", skip_tokenizer_init=True, **engine_args(precompile=False))
+    spec = build_engine(str(tmp_path), dataclasses.replace(
+        args, speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    assert spec.weights.mtp.layer.mlp.gate_up.shape[0] == raw["num_experts"]
+    plain = build_engine(str(tmp_path), args, weights=dataclasses.replace(spec.weights, mtp=None))
+    ps = prompts(4, seed=5)
+    tokens = lambda e: [o.outputs[0].token_ids for o in e.generate(ps, [GREEDY] * len(ps))]
+    assert tokens(spec) == tokens(plain)
+    assert spec.stats.spec_steps > 0
+    spec.shutdown()
+    plain.shutdown()
