@@ -507,7 +507,10 @@ class Engine:
         ids = [self.add_request(p, sp, make_cb(i), stream=False) for i, (p, sp) in enumerate(zip(prompts, params))]
         try:
             while not done.wait(0.1):
-                if self.error is not None:
+                # fail() reports every request before it sets the error: once the error is set, done is too
+                # unless some request never reached the engine loop (a wait that timed out just before the
+                # reports must not raise over them)
+                if self.error is not None and not done.is_set():
                     raise RuntimeError("engine loop failed") from self.error
         except KeyboardInterrupt:
             for rid in ids:
