@@ -148,9 +148,12 @@ for s in $sections; do
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
              CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts decode,tpot ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
-    moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~70 GB)
+    moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~68 GB
+                 # of weights: 256 rows' state fits beside them on an H200, 64 on an 80 GB card)
+             mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+             batches=${MOE_BATCHES:-$( [ "$mib" -gt 100000 ] && echo 1,16,64,256 || echo 1,16,64 )}
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
-               --config bench/configs/qwen3.5-35b-a3b.json ${MOE_BATCHES:+--batches $MOE_BATCHES} ;;
+               --config bench/configs/qwen3.5-35b-a3b.json --batches $batches ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \

@@ -3,8 +3,9 @@
 Decode step at each --batches size (context --context, steady-state slope of back-to-back dispatches,
 bench/throughput.py's time_decode) against its floor: the bytes a step must read (the non-expert weights, the
 experts it routes to, GDN state read and written, K/V read) over the copy bandwidth measured in the same run.
-Routed experts per layer are counted as expected under uniform routing, E (1 - (1 - k/E)^b) for b rows (random
-routers spread tokens about evenly); the table says so. HF transformers runs first in a child process of its own:
+Routed experts per layer are counted on the step's own inputs (rows fed distinct random tokens, an
+engine of its own that reports each layer's routing), beside the expectation under uniform routing,
+E (1 - (1 - k/E)^b) for b rows. HF transformers runs first in a child process of its own:
 `generate` of --hf-tokens tokens at batch 1 and the largest batch, greedy, tokens/s.
 
     python bench/moe.py --config bench/configs/qwen3.5-35b-a3b.json --record
@@ -12,6 +13,8 @@ routers spread tokens about evenly); the table says so. HF transformers runs fir
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -48,6 +51,59 @@ def hf_child(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def distinct_tokens(engine, b: int, seed: int = 0):
+    """Give slots 1..b different random last tokens: rows that all fed token 0 into zero state would route alike
+    and touch only k experts per layer (the engine's sampler state starts at zeros)."""
+    import jax
+    import numpy as np
+    ex = engine.executor
+    last = np.zeros(ex.sstate.last_token.shape, np.int32)
+    last[1:b + 1] = np.random.default_rng(seed).integers(0, engine.cfg.vocab_size, b)
+    ex.sstate = dataclasses.replace(ex.sstate, last_token=jax.device_put(last, ex.sstate.last_token.sharding))
+
+
+def count_touched(config: str, engine_args, batches, context: int, steps: int = 4) -> tuple[dict, object]:
+    """({batch: mean distinct experts per MoE layer per decode step}, the weights): an engine whose MoE block also
+    reports how many experts the step's tokens route to (a host callback per layer, so not the timed engine), over
+    `steps` greedy steps of time_decode's rows fed distinct tokens. Each batch must be a decode bucket (a power of
+    two): the count covers the step's first `rows` rows, fixed when its executable is traced."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from bench.common import random_engine
+    from bench.throughput import time_decode
+    from qwen35_jax.model import forward
+    seen, original, rows = [], forward.moe_block, [0]
+
+    def counting(cfg, layout, w, x):
+        logits = forward.project(x[:rows[0]], w.router).reshape(-1, cfg.num_experts)
+        idx = jax.lax.top_k(logits, cfg.num_experts_per_tok)[1]
+        jax.debug.callback(lambda n: seen.append(int(n)), jnp.zeros(cfg.num_experts, bool).at[idx].set(True).sum())
+        return original(cfg, layout, w, x)
+
+    forward.moe_block = counting
+    try:
+        # no executable cache: its key is the source, not the HLO, so the timed engine would load these
+        engine = random_engine(config, dataclasses.replace(engine_args, compilation_cache_dir=""))
+        out = {}
+        for b in batches:
+            if b & (b - 1):
+                raise ValueError(f"--batches must be powers of two (decode buckets), got {b}")
+            rows[0] = b
+            distinct_tokens(engine, b)
+            time_decode(engine, b, context, steps)      # compiles, warms up, steps; each step reports every layer
+            jax.effects_barrier()
+            out[b] = float(np.mean(seen))
+            seen.clear()
+        w = engine.weights
+        engine.shutdown()
+        del engine
+        gc.collect()
+    finally:
+        forward.moe_block = original
+    return out, w
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -73,6 +129,7 @@ def main():
         if not hf:
             print(f"the HF run failed (exit {p.returncode}): {p.stdout[-2000:]}", flush=True)
 
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")     # 35B-A3B's ~68 GB: JAX's 75% is too little
     import jax
     from bench import results
     from bench.common import kernel_config, random_engine
@@ -80,22 +137,21 @@ def main():
     from qwen35_jax.engine.engine import EngineArgs
     from qwen35_jax.tools.profile import decode_floor_bytes
     batches = ints(args.batches)
-    engine = random_engine(args.config, EngineArgs(
-        max_model_len=args.context + 64, max_num_seqs=max(batches), max_num_batched_tokens=2048, max_prefill_rows=1,
-        precompile=False, enable_prefix_caching=False, kernel_config=kernel_config(args)))
-    cfg, w = engine.cfg, engine.weights
+    engine_args = EngineArgs(max_model_len=args.context + 64, max_num_seqs=max(batches), max_num_batched_tokens=2048,
+                             max_prefill_rows=1, precompile=False, enable_prefix_caching=False,
+                             kernel_config=kernel_config(args))
+    touched, w = count_touched(args.config, engine_args, batches, args.context)
+    engine = random_engine(args.config, engine_args, weights=w)
+    cfg = engine.cfg
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    if not e:
-        sys.exit(f"{args.config} is not a MoE config")
-    expert_bytes = sum(layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes for layer in w.layers)
     bw = copy_bandwidth()
     rows = []
     for b in batches:
+        distinct_tokens(engine, b)
         step = time_decode(engine, b, args.context, args.iters)["step"]
-        touched = e * (1 - (1 - k / e) ** b)
-        floor = (sum(decode_floor_bytes(cfg, w, engine.executor.state, b, args.context).values()) - expert_bytes
-                 + expert_bytes * touched / e)
-        row = {"batch": b, "step_ms": step * 1e3, "experts_touched_per_layer": touched, "floor_ms": floor / bw * 1e3,
+        floor = sum(decode_floor_bytes(cfg, w, engine.executor.state, b, args.context, touched[b]).values())
+        row = {"batch": b, "step_ms": step * 1e3, "experts_touched_per_layer": touched[b],
+               "uniform_expectation": e * (1 - (1 - k / e) ** b), "floor_ms": floor / bw * 1e3,
                "over_floor": step * bw / floor, "tokens_per_s": b / step}
         if b in hf:
             row.update(hf_tokens_per_s=hf[b], over_hf=b / step / hf[b])
@@ -106,7 +162,8 @@ def main():
     cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[-1]).index(c) if c in rows[-1] else 99)
     body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights ({sum(x.nbytes for x in
             jax.tree.leaves(w)) / 1e9:.1f} GB), context {args.context}, copy bandwidth {bw / 1e12:.2f} TB/s. Floor: "
-            f"non-expert weights + the experts a step touches (expected under uniform routing) + GDN state + K/V. "
+            f"non-expert weights + the experts the step's routing touched (counted per layer on the same inputs) + GDN "
+            f"state + K/V. "
             f"HF: transformers generate of {args.hf_tokens} tokens, bf16.\n\n"
             + results.table([{c: r.get(c, "") for c in cols} for r in fmt], cols))
     print(body)

@@ -132,3 +132,17 @@ def test_speculative_decoding_on_a_moe_model(tmp_path):
     assert spec.stats.spec_steps > 0
     spec.shutdown()
     plain.shutdown()
+
+
+def test_decode_floor_counts_only_the_experts_a_step_reads():
+    """The decode floor (bench/moe.py's, bench/throughput.py's) reads a MoE layer's experts only in the share the
+    step routes to: all of them at E touched, k / E of them at k, and the uniform-routing expectation by default."""
+    from qwen35_jax.tools.profile import decode_floor_bytes
+    engine = llm(1).engine
+    cfg, w, state = engine.cfg, engine.weights, engine.executor.state
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    experts = sum(layer.mlp.gate_up.nbytes + layer.mlp.down.nbytes for layer in w.layers)
+    floor = lambda b, touched=None: decode_floor_bytes(cfg, w, state, b, 100, touched)["weights"]
+    assert floor(1, e) - floor(1, k) == pytest.approx(experts * (1 - k / e), abs=len(w.layers))
+    assert floor(1) == floor(1, k)
+    assert floor(8) == floor(8, e * (1 - (1 - k / e) ** 8)) < floor(8, e)

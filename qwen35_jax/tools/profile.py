@@ -425,18 +425,27 @@ def steady_step_seconds(burst, n: int, reps: int = 3, tries: int = 4) -> tuple[f
     raise RuntimeError(f"timing too noisy: bursts of {n} units took no longer than bursts of {n // 2}")
 
 
-def decode_floor_bytes(cfg, weights, state, batch, context: float) -> dict[str, int]:
+def decode_floor_bytes(cfg, weights, state, batch, context: float, experts_touched: float | None = None
+                       ) -> dict[str, int]:
     """Bytes one decode step of `batch` rows must move on one device (rank 0): weights once (an untied embedding
-    table contributes only the looked-up rows), every GDN layer's recurrent and conv state for `batch` slots read
-    and written, and each attention layer's K/V read over `context` cached tokens plus the new token's K/V
-    written. Also used by bench/throughput.py and bench/tp.py."""
+    table contributes only the looked-up rows; a MoE layer only the experts the step routes to: experts_touched per
+    layer, by default the expectation under uniform routing, E (1 - (1 - k/E)^batch)), every GDN layer's recurrent
+    and conv state for `batch` slots read and written, and each attention layer's K/V read over `context` cached
+    tokens plus the new token's K/V written. Also used by bench/throughput.py, bench/tp.py and bench/moe.py."""
     import jax
     import jax.numpy as jnp
+
+    from qwen35_jax.model.weights import MoE
     leaves = jax.tree.leaves(weights)
     w = sum(_shard_bytes(x) for x in leaves)
     if weights.lm_head is not None:
         item = jnp.dtype(weights.embed.dtype).itemsize
         w += batch * cfg.hidden_size * item - _shard_bytes(weights.embed)
+    for m in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, MoE)):
+        if isinstance(m, MoE):                                    # the share of experts the step does not read
+            e, k = m.gate_up.shape[0], cfg.num_experts_per_tok
+            touched = e * (1 - (1 - k / e) ** batch) if experts_touched is None else experts_touched
+            w -= int((1 - touched / e) * (_shard_bytes(m.gate_up) + _shard_bytes(m.down)))
     per_slot = lambda x: _shard_bytes(x) // x.sharding.shard_shape(x.shape)[0]     # pools are [slots+1, ...]
     gdn = sum(2 * batch * per_slot(x) for x in state.recurrent + state.conv)
     kv = 0
