@@ -32,6 +32,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30          # finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan
+
+
+def online_softmax_step(s, v, acc, m, l):
+    """One key block of flash attention (this kernel's and the prefill kernel's): masked fp32 scores s [R, K] and
+    values v [K, D] folded into the running output acc [R, D], max m [R] and sum l [R]."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    return acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
 MIN_ROWS = 16        # tl.dot needs M >= 16
 
 
@@ -81,12 +90,7 @@ def _kernel(ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, m_ref, l_ref, *, pag
         s_ = pltriton.dot(q, k, trans_b=True)                                   # [R, keys] fp32 (scaled q)
         pos = (first + i * pages_per_block) * page_size + key
         s_ = jnp.where((pos < ctx)[None, :], s_, NEG)
-        m_new = jnp.maximum(m, jnp.max(s_, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s_ - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return online_softmax_step(s_, v, acc, m, l)
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, steps, lambda i, c: update(i, *load(i), *c), init)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-NEG = -1e30          # finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan
+from pallas_kernels.paged_attention import NEG, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +61,12 @@ def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, *, page_s
     key = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
-        acc, m, l = carry
         kpos = i * block_k + key
         at = pages_ref[kpos // page_size] * page_size + kpos % page_size
         k, v = k_ref[at], v_ref[at]
         s = pltriton.dot(q, k, trans_b=True)                                  # [BQ, BK] fp32
         ok = (kpos[None, :] <= qpos[:, None]) & (kpos < ctx)[None, :]
-        s = jnp.where(ok, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return online_softmax_step(jnp.where(ok, s, NEG), v, *carry)
 
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
