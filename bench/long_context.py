@@ -172,9 +172,10 @@ class Tokens(Observer):
 
 def tpot_part(args, kc) -> list[dict]:
     n, prompt = args.tpot_rows, args.tpot_prompt
-    engine = random_engine(args.config, EngineArgs(
+    caps = [int(b) for b in args.budgets.split(",") if b != "none"]
+    engine = random_engine(args.config, EngineArgs(       # the smallest prefill bucket fits the smallest cap
         max_model_len=prompt + 64, max_num_seqs=n + 1, max_num_batched_tokens=args.chunk, max_prefill_rows=1,
-        precompile=True, enable_prefix_caching=False, kernel_config=kc))
+        min_prefill_tokens=min(caps, default=None), precompile=True, enable_prefix_caching=False, kernel_config=kc))
     obs = engine.observer = Tokens()
     rng = np.random.default_rng(1)
     vocab, rows = engine.cfg.vocab_size, []
@@ -231,7 +232,7 @@ def main():
     ap.add_argument("--tpot-base-s", type=float, default=1.0, help="seconds of decoding timed before the prompt")
     ap.add_argument("--tpot-max-tokens", type=int, default=2048, help="the decoding requests' max_tokens")
     ap.add_argument("--floor-chunk", type=int, default=8192, help="the chunk the attention kernel's rate is timed on")
-    ap.add_argument("--budgets", default="none,2048,512,256", help="decode_prefill_budget values")
+    ap.add_argument("--budgets", default="none,1024,256,64", help="decode_prefill_budget values")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
     args = ap.parse_args()
