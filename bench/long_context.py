@@ -240,6 +240,13 @@ def main():
     cfg = load_config(config_dir(args.config))
     parts, tables, fields = args.parts.split(","), [], {"args": vars(args)}
     fmt = lambda rows: [{c: f"{v:.3f}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
+
+    def flush():            # after each part: a run cut short by its time limit keeps the parts it finished
+        body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights, kernels "
+                f"{kc.changes() or 'default'}.\n\n" + "\n\n".join(tables))
+        print(body, flush=True)
+        if args.record:
+            results.record("Long context (bench/long_context.py)", body, fields=fields)
     if "ttft" in parts:
         lens = ints(args.lens)
         hf = run_hf(args.config, args.hf_lens, args.reps, args.hf_device) if args.hf_lens else None
@@ -261,6 +268,7 @@ def main():
         fields.update(ttft=rows, gemm_rate=gemm_rate, attn_rate=attn_rate)
         del weights
         gc.collect()
+        flush()
     if "tiles" in parts:            # the prefill attention kernel's tile configurations, at 9B and 27B heads
         rows = []
         for c in prefill_attention_sweep():
@@ -284,20 +292,18 @@ def main():
         tables.append(f"Prefill attention kernel tiles, one causal {args.floor_chunk}-token chunk\n\n"
                       + results.table(fmt(rows), list(rows[0])))
         fields["tiles"] = rows
+        flush()
     if "decode" in parts:
         rows = decode_part(args, kc)
         tables.append("Decode step at long context\n\n" + results.table(fmt(rows), list(rows[0])))
         fields["decode"] = rows
+        flush()
     if "tpot" in parts:
         rows = tpot_part(args, kc)
         tables.append(f"TPOT of {args.tpot_rows} decoding requests while a {args.tpot_prompt}-token prompt "
                       f"prefills\n\n" + results.table(fmt(rows), list(rows[0])))
         fields["tpot"] = rows
-    body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights, kernels "
-            f"{kc.changes() or 'default'}.\n\n" + "\n\n".join(tables))
-    print(body)
-    if args.record:
-        results.record("Long context (bench/long_context.py)", body, fields=fields)
+        flush()
 
 
 if __name__ == "__main__":
