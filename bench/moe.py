@@ -85,6 +85,8 @@ def count_touched(config: str, engine_args, batches, context: int, steps: int = 
     try:
         # no executable cache: its key is the source, not the HLO, so the timed engine would load these
         engine = random_engine(config, dataclasses.replace(engine_args, compilation_cache_dir=""))
+        if not engine.cfg.moe:
+            sys.exit(f"{config} is not a MoE config")
         out = {}
         for b in batches:
             if b & (b - 1):
