@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 NEG = -1e30          # finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan
+MIN_ROWS = 16        # tl.dot needs M >= 16
 
 
 def online_softmax_step(s, v, acc, m, l):
@@ -41,7 +42,6 @@ def online_softmax_step(s, v, acc, m, l):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     return acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
-MIN_ROWS = 16        # tl.dot needs M >= 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = 10          # ~10 s each in a CI run beside the other tests; 20 took 205 s of the ~20-minute suite
+RUNS = 10          # ~10 s each in a CI run beside the other tests
 
 
 def test_main_exits_cleanly(tmp_path):
