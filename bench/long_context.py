@@ -13,7 +13,8 @@ Parts (--parts), each recorded in one table:
   directly, no prefill), against its floor (weights + GDN state + K/V read, over the measured copy bandwidth).
 - tpot: --tpot-rows requests decoding, then a --tpot-prompt-token prompt arrives; the time per output token of
   the decoding rows before it and while it prefills (p50, p99), and its TTFT, for each --budgets value of
-  decode_prefill_budget (the scheduler's, set between runs on one engine).
+  decode_prefill_budget, each cap with mixed steps and with the chunk and the decode rows apart (set between runs
+  on one engine, which compiles on first use: a warm-up prompt compiles each setting's steps before timing).
 
     python bench/long_context.py --config bench/configs/qwen3.5-9b.json --record
 """
@@ -170,45 +171,67 @@ class Tokens(Observer):
             self.events.append((time.monotonic(), req.request_id, seconds_since_last))
 
 
+def set_budget(engine, budget: int | None, mixed: bool):
+    """Switch a lazily compiling engine to another decode_prefill_budget, with or without mixed steps (the settings
+    EngineArgs fixes at start-up): the scheduler's budget and mixing, and the executor's mixed shape."""
+    shape = (1, budget) if budget and mixed else None
+    engine.scheduler.decode_prefill_budget, engine.scheduler.mixed = budget, shape is not None
+    engine.mixed_shape = engine.executor.mixed_shape = shape
+
+
 def tpot_part(args, kc) -> list[dict]:
+    """For each budget, with mixed steps and apart: n requests decode; a warm-up prompt of 4 budgets' tokens
+    compiles what the setting runs (the engine compiles on first use); --tpot-base-s of their TPOT; then the long
+    prompt: their TPOT until its first token, and its TTFT."""
     n, prompt = args.tpot_rows, args.tpot_prompt
     caps = [int(b) for b in args.budgets.split(",") if b != "none"]
     engine = random_engine(args.config, EngineArgs(       # the smallest prefill bucket fits the smallest cap
         max_model_len=prompt + 64, max_num_seqs=n + 1, max_num_batched_tokens=args.chunk, max_prefill_rows=1,
-        min_prefill_tokens=min(caps, default=None), precompile=True, enable_prefix_caching=False, kernel_config=kc))
+        min_prefill_tokens=min(caps, default=None), precompile=False, enable_prefix_caching=False, kernel_config=kc))
     obs = engine.observer = Tokens()
     rng = np.random.default_rng(1)
     vocab, rows = engine.cfg.vocab_size, []
-    for budget in args.budgets.split(","):
-        budget = None if budget == "none" else int(budget)
-        engine.scheduler.decode_prefill_budget = budget
+
+    def first_token(length: int, timeout: float) -> float:
+        done = threading.Event()
+        t0 = time.monotonic()
+        engine.add_request(rng.integers(0, vocab, length).tolist(), SamplingParams(max_tokens=1, ignore_eos=True),
+                           lambda out: out.finished and done.set())
+        if not done.wait(timeout):
+            raise RuntimeError(f"a {length}-token prompt got no first token within {timeout} s")
+        return time.monotonic() - t0
+
+    settings = [(None, False)] * ("none" in args.budgets.split(",")) + [(c, m) for c in caps for m in (True, False)]
+    for budget, mixed in settings:
+        set_budget(engine, budget, mixed)
         obs.events.clear()
         short = SamplingParams(max_tokens=args.tpot_max_tokens, temperature=0, ignore_eos=True)
-        ids = [engine.add_request(rng.integers(0, vocab, 256).tolist(), short, lambda out: None) for _ in range(n)]
+        finished = set()
+        ids = [engine.add_request(rng.integers(0, vocab, 256).tolist(), short,
+                                  lambda out: out.finished and finished.add(out.request_id)) for _ in range(n)]
         deadline = time.monotonic() + 300
         while len({e[1] for e in obs.events}) < n:
             if time.monotonic() > deadline:
                 raise RuntimeError("the decoding requests did not all start within 300 s")
             time.sleep(0.01)
-        time.sleep(0.2)
+        warm = first_token(4 * (budget or args.chunk), 600)
         t_base = time.monotonic()
         time.sleep(args.tpot_base_s)
-        done = threading.Event()
         t_submit = time.monotonic()
-        engine.add_request(rng.integers(0, vocab, prompt).tolist(), SamplingParams(max_tokens=1, ignore_eos=True),
-                           lambda out: out.finished and done.set())
-        if not done.wait(900):
-            raise RuntimeError("the long prompt got no first token within 900 s")
-        t_done = time.monotonic()
+        ttft_s = first_token(prompt, 900)
+        t_done = t_submit + ttft_s
+        early = len(finished)
         for rid in ids:
             engine.abort(rid)
         with obs.lock:
             base = [dt for t, _, dt in obs.events if t_base <= t < t_submit]
             during = [dt for t, _, dt in obs.events if t_submit <= t <= t_done]
         q = lambda xs, p: float(np.percentile(xs, p)) * 1e3 if xs else float("nan")
-        row = {"decode_prefill_budget": budget or f"none ({args.chunk})", "tpot_p50_ms": q(base, 50),
+        row = {"decode_prefill_budget": budget or f"none ({args.chunk})",
+               "steps": "mixed" if engine.mixed_shape else "apart", "tpot_p50_ms": q(base, 50),
                "tpot_p99_ms": q(base, 99), "during_p50_ms": q(during, 50), "during_p99_ms": q(during, 99),
-               "during_p99_over_p50": q(during, 99) / q(base, 50), "long_ttft_s": t_done - t_submit}
+               "during_p99_over_p50": q(during, 99) / q(base, 50), "long_ttft_s": ttft_s,
+               "rows_done_before_ttft": early, "warmup_s": warm}
         print(row, flush=True)
         rows.append(row)
     free(engine)
@@ -230,9 +253,9 @@ def main():
     ap.add_argument("--tpot-rows", type=int, default=16)
     ap.add_argument("--tpot-prompt", type=int, default=131072)
     ap.add_argument("--tpot-base-s", type=float, default=1.0, help="seconds of decoding timed before the prompt")
-    ap.add_argument("--tpot-max-tokens", type=int, default=2048, help="the decoding requests' max_tokens")
+    ap.add_argument("--tpot-max-tokens", type=int, default=8192, help="the decoding requests' max_tokens")
     ap.add_argument("--floor-chunk", type=int, default=8192, help="the chunk the attention kernel's rate is timed on")
-    ap.add_argument("--budgets", default="none,1024,256,64", help="decode_prefill_budget values")
+    ap.add_argument("--budgets", default="none,256,64", help="decode_prefill_budget values (each cap mixed and apart)")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
     args = ap.parse_args()

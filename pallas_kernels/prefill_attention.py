@@ -6,7 +6,7 @@ a `fori_loop` whose trip count is read from the data, which XLA:GPU runs on the 
 its keys inside the kernel, bounded by its own queries' positions.
 
 Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order
-(0, the null page, past its end). The chunk's own K/V are already written into the pages (forward.attention_block
+(0, the null page, past its end). The chunk's own K/V are already written into the pages (forward.attention_core
 writes them first), so a query attends to the row's earlier chunks and to its own chunk alike: keys at positions
 <= its own and < ctx_lens[n]. Grid (row, query head, query block): a program takes `block_q` consecutive queries of
 one head (rows of different lengths and starts in one launch: varlen) and walks key blocks of `block_k` from

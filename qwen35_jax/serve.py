@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 2048)")
     e.add_argument("--decode-prefill-budget", type=int, default=None, help="the most prompt tokens a step that "
                    "also decodes may prefill (default: the whole budget): bounds TPOT while long prompts prefill")
+    e.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --decode-prefill-budget: a step's prefill chunk and decode rows in one forward")
     e.add_argument("--max-prefill-rows", type=int, default=None, help="prompts prefilled in one step (default 4)")
     e.add_argument("--decode-steps", type=int, default=1, help="model steps per decode dispatch")
     e.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
@@ -123,7 +125,8 @@ def engine_args(args) -> EngineArgs:
     kw = dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              decode_prefill_budget=args.decode_prefill_budget, max_prefill_rows=args.max_prefill_rows,
+              decode_prefill_budget=args.decode_prefill_budget, mixed_prefill=args.mixed_prefill,
+              max_prefill_rows=args.max_prefill_rows,
               decode_steps=args.decode_steps, page_size=args.block_size,
               num_kv_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=args.enable_prefix_caching, num_state_snapshots=args.num_state_snapshots,

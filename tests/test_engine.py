@@ -166,7 +166,8 @@ def test_data_parallel_replicas_match_single_replica():
 
 def test_decode_prefill_budget_bounds_the_chunk_beside_decodes():
     """With decode_prefill_budget, a step that decodes prefills at most that many prompt tokens; a step with
-    nothing decoding takes the whole budget. Out-of-range values are refused."""
+    nothing decoding takes the whole budget. Mixed, the chunk beside decode rows has the budget's shape even where
+    the decode rows leave the step less. Out-of-range values are refused."""
     from qwen35_jax.engine.engine import EngineArgs
     from qwen35_jax.engine.scheduler import Request, Scheduler
     sched = Scheduler(num_slots=4, num_pages=64, page_size=16, max_model_len=512, max_num_batched_tokens=128,
@@ -183,6 +184,10 @@ def test_decode_prefill_budget_bounds_the_chunk_beside_decodes():
     sched.running.append(short)
     plan = sched.schedule()
     assert plan.decode == [short] and [c.length for c in plan.prefill] == [32]
+    sched.mixed = True      # mixed steps: one row of the budget's tokens beside the decode rows, whatever else fits
+    sched.max_num_batched_tokens = 32
+    plan = sched.schedule()
+    assert plan.decode == [short] and plan.prefill_shape == (1, 32) and [c.length for c in plan.prefill] == [32]
     for bad in (16, 4096):
         with pytest.raises(ValueError, match="decode_prefill_budget"):
             EngineArgs(max_num_batched_tokens=2048, min_prefill_tokens=32, decode_prefill_budget=bad).validate()

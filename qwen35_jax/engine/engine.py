@@ -53,6 +53,11 @@ class EngineArgs:
     # the most prompt tokens a step that also decodes may prefill (None: the budget the decode rows leave): bounds
     # the time per output token of running requests while a long prompt prefills, at the cost of its TTFT
     decode_prefill_budget: int | None = None
+    # with decode_prefill_budget: a step that decodes runs its prefill chunk (one row per replica, of up to the
+    # budget's tokens) and its decode rows as one forward, which reads the weights once for both (docs/
+    # long_context.md); not with speculative decoding or decode_steps > 1, whose steps run apart. False: two
+    # executables per such step
+    mixed_prefill: bool = True
     max_prefill_rows: int = 4
     min_prefill_tokens: int | None = None    # smallest prefill bucket; None: prefill_floor()
     page_size: int = 16
@@ -234,6 +239,7 @@ class EngineStats:
     wait_seconds: float = 0.0        # time blocked reading back tokens (device busy)
     finished: dict = dataclasses.field(default_factory=dict)
     spec_steps: int = 0              # speculative decoding: row-steps verified (each with k drafts)
+    mixed_steps: int = 0             # steps whose prefill chunk ran in the decode rows' forward (mixed_prefill)
     spec_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))   # per position
 
 
@@ -292,18 +298,24 @@ class Engine:
         decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
+        budget = args.decode_prefill_budget
+        self.mixed_shape = (1, budget) if budget and args.mixed_prefill and not k and args.decode_steps == 1 else None
+        if budget and args.mixed_prefill and self.mixed_shape is None:
+            log.info("mixed steps are off: speculative decoding and decode_steps > 1 run decode and prefill apart")
+        if self.mixed_shape and self.mixed_shape not in prefill_buckets:    # a step that cannot mix runs it alone
+            prefill_buckets.append(self.mixed_shape)
         self.executor = ex.Executor(
             cfg, mesh, layout, weights, state, sstate, self.kernels, self.kernel_config,
             weight_specs(abstract_weights(cfg, layout, self.dtype, mtp=k > 0)), state_specs(self.abstract_state),
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             decode_steps=args.decode_steps, spec_tokens=k, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
-            on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots)
+            on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots, mixed=self.mixed_shape)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp,
                                    num_snapshots=self.num_snapshots, lookahead=self.lookahead,
-                                   decode_prefill_budget=args.decode_prefill_budget)
+                                   decode_prefill_budget=budget, mixed=self.mixed_shape is not None)
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats(spec_accepted=np.zeros(k, np.int64))
         self._rng = np.random.default_rng(args.seed)
@@ -686,7 +698,9 @@ class Engine:
     def _dispatch(self, plan) -> list:
         """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records. First
         the snapshots of requests finished since the last dispatch (before their slots are reused), then the
-        restores of requests resuming from the prefix cache, the prefill, the chunk-end snapshots, the decode."""
+        restores of requests resuming from the prefix cache, the prefill, the chunk-end snapshots, the decode. A
+        plan whose prefill has the mixed steps' shape runs it and the decode as one mixed step, unless a row needs
+        what only the separate steps do (prompt logprobs, a grammar's bitmask)."""
         records = []
         if self._saves:
             self.executor.run_copies("save", self._saves)
@@ -694,39 +708,58 @@ class Engine:
         if plan.restores:
             with jax.profiler.TraceAnnotation("prefix_restore", rows=len(plan.restores)):
                 self.executor.run_copies("restore", plan.restores)
+        # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
+        lp = any(c.request.params.prompt_logprobs is not None and c.request.index == 0 for c in plan.prefill)
+        constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
+        if (plan.decode and plan.prefill and plan.prefill_shape == self.mixed_shape and not lp and not constrained
+                and not any(c.request.matcher is not None and c.completes_prompt for c in plan.prefill)):
+            with jax.profiler.TraceAnnotation("mixed", rows=len(plan.decode), tokens=self.mixed_shape[1]):
+                (prows, pout), (drows, dout) = self.executor.run_mixed(plan.decode, plan.prefill, plan.prefill_shape)
+            records += [self._prefilled(plan, "prefill", prows, pout), self._decoded(plan, drows, dout)]
+            if plan.saves:
+                self.executor.run_copies("save", plan.saves)
+            self.stats.mixed_steps += 1
+            self.stats.steps += 1
+            return records
         if plan.prefill:
             n, t = plan.prefill_shape
-            # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
-            lp = any(c.request.params.prompt_logprobs is not None and c.request.index == 0 for c in plan.prefill)
             with jax.profiler.TraceAnnotation("prefill", rows=n, tokens=t):
                 rows, out = self.executor.run_prefill(plan.prefill, plan.prefill_shape, prompt_logprobs=lp,
                                                       bitmask=self._bitmask if self._grammars else None)
-            self._copy_ahead(out)
-            for c in plan.prefill:
-                c.request.num_computed += c.length
-                if c.completes_prompt:
-                    c.request.num_sampled += 1
-                self.stats.prompt_tokens += c.length
-            records.append(("prompt_logprobs" if lp else "prefill", rows, out))
+            records.append(self._prefilled(plan, "prompt_logprobs" if lp else "prefill", rows, out))
         if plan.saves:
             self.executor.run_copies("save", plan.saves)
         if plan.decode:
-            constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
             with jax.profiler.TraceAnnotation("decode", rows=len(plan.decode)):
                 rows, out = self.executor.run_decode(plan.decode, bitmask=self._bitmask if constrained else None,
                                                      stops=self._stop_ids)
-            if not callable(out):
-                self._copy_ahead(out)
-            k = self.args.decode_steps
-            for r in plan.decode:
-                if self.spec_tokens:        # speculative rows advance as read (_process)
-                    r.steps_in_flight += 1
-                else:
-                    r.num_computed += k
-                    r.num_sampled += k
-            records.append(("decode", rows, out))
+            records.append(self._decoded(plan, rows, out))
         self.stats.steps += 1
         return records
+
+    def _prefilled(self, plan, kind: str, rows, out) -> tuple:
+        """The plan's prefill is dispatched: its requests' progress, and its record."""
+        self._copy_ahead(out)
+        for c in plan.prefill:
+            c.request.num_computed += c.length
+            if c.completes_prompt:
+                c.request.num_sampled += 1
+            self.stats.prompt_tokens += c.length
+        return kind, rows, out
+
+    def _decoded(self, plan, rows, out) -> tuple:
+        """The plan's decode is dispatched: its requests' progress (speculative rows advance as read, _process),
+        and its record."""
+        if not callable(out):
+            self._copy_ahead(out)
+        k = self.args.decode_steps
+        for r in plan.decode:
+            if self.spec_tokens:
+                r.steps_in_flight += 1
+            else:
+                r.num_computed += k
+                r.num_sampled += k
+        return "decode", rows, out
 
     def _process(self, records):
         """Read back a step's records in dispatch order and stream each one's tokens before waiting for the next: a

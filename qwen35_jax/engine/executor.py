@@ -64,7 +64,8 @@ from qwen35_jax.engine.sampler import (
 from qwen35_jax.engine.scheduler import next_bucket
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.model.config import ModelConfig
-from qwen35_jax.model.forward import Batch, Kernels, commit, decoder, draft, forward, last_real, lm_head
+from qwen35_jax.model.forward import (Batch, Kernels, commit, decoder, decoder_groups, draft, forward, last_real,
+                                      lm_head)
 from qwen35_jax.model.sharding import DP, TP, Layout
 from qwen35_jax.model.state import State
 
@@ -143,6 +144,18 @@ def unpack_rows(x, layout):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _prompt_rows(sstate: SamplerState, batch: Batch) -> SamplerState:
+    """The sampler rows of a prefill chunk's requests: rows starting at 0 reset their penalty counts and prompt
+    mask; the chunk's real tokens join the prompt mask."""
+    with jax.named_scope("sampling"):
+        fresh = jnp.where(batch.start == 0, batch.slots, 0)
+        mask = sstate.prompt_mask.at[fresh].set(False)
+        t = batch.tokens.shape[1]
+        real = jnp.arange(t)[None, :] < batch.lens[:, None]
+        mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
+        return dataclasses.replace(sstate, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
+
+
 def prefill_step(cfg, layout, kernels, spec_tokens, weights, state, sstate: SamplerState, bitmask, batch: Batch,
                  finishing, sp: SamplingBatch, targets=None, next_tokens=None):
     """Per shard: prompt chunks for this replica's rows. Rows starting at 0 reset their penalty rows; rows whose
@@ -155,13 +168,7 @@ def prefill_step(cfg, layout, kernels, spec_tokens, weights, state, sstate: Samp
     spec_tokens k > 0 (speculative decoding): the MTP head runs over the chunk too (forward.draft), pairing each
     position with next_tokens [N, T] (the prompt's next token; at a completing row's last position, the token just
     sampled), and a completing row's k drafts are kept for its first speculative step."""
-    with jax.named_scope("sampling"):
-        fresh = jnp.where(batch.start == 0, batch.slots, 0)
-        mask = sstate.prompt_mask.at[fresh].set(False)
-        t = batch.tokens.shape[1]
-        real = jnp.arange(t)[None, :] < batch.lens[:, None]
-        mask = mask.at[jnp.where(real, batch.slots[:, None], 0), batch.tokens].set(True)
-        sstate = dataclasses.replace(sstate, counts=sstate.counts.at[fresh].set(0), prompt_mask=mask)
+    sstate = _prompt_rows(sstate, batch)
     if targets is None and not spec_tokens:
         logits, state = forward(cfg, layout, kernels, weights, state, batch, all_logits=False)
     else:       # as forward(all_logits=False) for the samples, with the hidden states kept
@@ -217,6 +224,27 @@ def decode_step(cfg, layout, kernels, steps, mode, weights, state, sstate: Sampl
     else:
         (state, sstate), outs = jax.lax.scan(one, (state, sstate), jnp.arange(steps, dtype=jnp.int32))
     return state, sstate, _pack_out(_gather_rows(outs, 1), extras=mode in EXTRAS_MODES)
+
+
+def mixed_step(cfg, layout, kernels, mode, weights, state, sstate: SamplerState, bitmask, slots, positions, pages,
+               sp: SamplingBatch, batch: Batch, finishing, psp: SamplingBatch):
+    """Per shard: one decode step (decode_step's, steps = 1, sampler mode `mode`, bitmask its rows') and one
+    prefill chunk (prefill_step's: `batch`, `finishing`, sampling batch `psp`, every token allowed) in one forward
+    (forward.decoder_groups): their projections, MLP and head read every weight once for both, where two
+    executables would read them twice. Returns (state, sstate, (the prefill's packed output, the decode's))."""
+    active = slots > 0
+    dec = Batch(tokens=sstate.last_token[slots][:, None], start=positions, lens=active.astype(jnp.int32),
+                slots=slots, pages=pages)
+    sstate = _prompt_rows(sstate, batch)
+    (xd, xp), state = decoder_groups(cfg, layout, kernels, weights, state, (dec, batch))
+    b = slots.shape[0]
+    logits = _full_logits(lm_head(cfg, weights, jnp.concatenate([xd[:, 0], last_real(xp, batch.lens)])))
+    with jax.named_scope("sampling"):
+        sstate, out = _sample_into(sstate, logits[:b], slots, sp, active, bitmask, mode)
+        sstate, pout = _sample_into(sstate, logits[b:], batch.slots, psp, finishing, None)
+    out = jax.tree.map(lambda x: x[None], out)
+    return state, sstate, (_pack_out(_gather_rows(pout, 0), extras=True),
+                           _pack_out(_gather_rows(out, 1), extras=mode in EXTRAS_MODES))
 
 
 def spec_step(cfg, layout, kernels, k, mode, weights, state, sstate: SamplerState, bitmask, slots, pages,
@@ -420,17 +448,23 @@ class Executor:
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
                  decode_buckets, prefill_buckets, decode_steps: int = 1, spec_tokens: int = 0, lazy: bool = False,
                  exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
-                 snapshots: State | None = None):
+                 snapshots: State | None = None, mixed: tuple[int, int] | None = None):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
         lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
         across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
         dispatch (the multi-host leader publishes them); snapshots: the prefix cache's GDN snapshot pool (None:
-        no prefix caching), sharded as state's slots."""
+        no prefix caching), sharded as state's slots; mixed: the prefill shape (rows per replica, tokens) of the
+        mixed steps (`mixed_step`: a decode step and a prefill chunk in one forward, one per decode bucket and
+        sampler mode; None: none)."""
+        if mixed is not None and (spec_tokens or decode_steps != 1):
+            raise ValueError("mixed steps run one plain decode step beside a prefill chunk: not with speculative "
+                             "decoding or decode_steps > 1")
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
         self.snaps = snapshots
         self._packings: dict = {}
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps, self.spec_tokens = pages_per_seq, decode_steps, spec_tokens
+        self.mixed_shape = mixed
         self.decode_kind = "spec" if spec_tokens else "decode"      # the decode buckets' executables
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
@@ -475,6 +509,16 @@ class Executor:
                                      in_specs=(sampler_specs, P(DP), P(DP), P(DP)),
                                      out_specs=(sampler_specs, out_specs))
                 return jax.jit(step, donate_argnums=(0,), out_shardings=outs[1:])
+            if kind == "mixed":
+                dec_layout, pre_layout = rows_layout
+                body = lambda w, s, ss, xd, xp, m: mixed_step(cfg, layout, kernels, mode, w, s, ss, m,
+                                                              *unpack_rows(xd, dec_layout),
+                                                              *unpack_rows(xp, pre_layout))
+                step = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                     in_specs=(weight_specs, state_specs, sampler_specs, P(DP), P(DP), P(DP)),
+                                     out_specs=(state_specs, sampler_specs, (out_specs, out_specs)))
+                return jax.jit(step, donate_argnums=(1, 2),
+                               out_shardings=(*outs[:2], (self.replicated, self.replicated)))
             if kind == "decode":
                 body = lambda w, s, ss, x, m: decode_step(cfg, layout, kernels, decode_steps, mode, w, s, ss, m,
                                                           *unpack_rows(x, rows_layout))
@@ -510,6 +554,9 @@ class Executor:
         """Zero host inputs of the bucket's shapes (what `pack_rows` lays out for it)."""
         kind, *shape = key
         z = lambda *sh, dtype=np.int32: np.zeros(sh, dtype)
+        if kind == "mixed":         # (decode inputs, prefill inputs): two packed arrays of their own row counts
+            return (self._example_inputs(("decode", shape[0], shape[1])),
+                    self._example_inputs(("prefill", *shape[2:])))
         if kind in ("restore", "save"):
             return tuple(z(self.dp * shape[0]) for _ in range(4))      # slots, entries, src and dst pages
         if kind in ("decode", "spec", "logits", "sample"):
@@ -528,10 +575,16 @@ class Executor:
 
     def _packing(self, key) -> tuple[tuple, tuple]:
         """(packed shape, rows layout) of the bucket's step inputs, memoized on the executor (a class-level
-        lru_cache would hold every executor, with its weights, state and executables, for the process's life)."""
+        lru_cache would hold every executor, with its weights, state and executables, for the process's life). A
+        mixed step has two packed inputs: a pair of each."""
         if key not in self._packings:
-            packed, rows_layout = pack_rows(self._example_inputs(key))
-            self._packings[key] = packed.shape, rows_layout
+            example = self._example_inputs(key)
+            if key[0] == "mixed":
+                parts = [pack_rows(x) for x in example]
+                self._packings[key] = tuple(p.shape for p, _ in parts), tuple(lay for _, lay in parts)
+            else:
+                packed, rows_layout = pack_rows(example)
+                self._packings[key] = packed.shape, rows_layout
         return self._packings[key]
 
     def _abstract(self, tree):
@@ -539,9 +592,12 @@ class Executor:
 
     def _lower(self, key):
         shape, rows_layout = self._packing(key)
-        fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "spec", "sample") else None, rows_layout)
+        fn = self._step_fn(key[0], key[2] if key[0] in ("decode", "spec", "sample", "mixed") else None, rows_layout)
         w, s, ss = self._abstract(self.weights), self._abstract(self.state), self._abstract(self.sstate)
         rows = lambda *sh, dtype=jnp.int32: jax.ShapeDtypeStruct((shape[0], *sh), dtype, sharding=self.rows)
+        if key[0] == "mixed":
+            arg = lambda sh: jax.ShapeDtypeStruct(sh, jnp.int32, sharding=self.rows)
+            return fn.lower(w, s, ss, arg(shape[0]), arg(shape[1]), arg((shape[0][0], self.mask_width)))
         if key[0] == "restore":
             return fn.lower(s, ss, self._abstract(self.snaps), rows(shape[1]), rows(self.mask_width))
         if key[0] == "save":
@@ -558,8 +614,10 @@ class Executor:
         prompt-logprobs variants of the prefill buckets and the split decode steps of structured outputs are not
         among them (compiled on first use; `prepare_split`)."""
         copies = [(k, b) for k in ("restore", "save") for b in self.decode_buckets] if self.snaps is not None else []
+        mixed = ([("mixed", b, mode, *self.mixed_shape) for mode in SAMPLER_MODES for b in self.decode_buckets]
+                 if self.mixed_shape else [])
         return ([(self.decode_kind, b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
-                + [("prefill", n, t) for n, t in self.prefill_buckets] + copies)
+                + [("prefill", n, t) for n, t in self.prefill_buckets] + copies + mixed)
 
     def split_keys(self):
         """The split decode steps of constrained batches: the model step per bucket, the sampler per bucket and
@@ -600,8 +658,8 @@ class Executor:
         """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
-        cost = lambda k: ((1, k[1] * k[2]) if k[0] == "prefill" else (0, SAMPLER_MODES.index(k[2]), k[1])
-                          if k[0] in ("decode", "spec") else (-1, k[1]))
+        cost = lambda k: ((1, k[1] * k[2]) if k[0] == "prefill" else (1, k[3] * k[4] + k[1]) if k[0] == "mixed"
+                          else (0, SAMPLER_MODES.index(k[2]), k[1]) if k[0] in ("decode", "spec") else (-1, k[1]))
         keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
@@ -641,7 +699,7 @@ class Executor:
         folds the residual adds into cuBLAS's epilogue). A decode bucket whose row-parallel GEMMs the model splits
         over K itself (Kernels.split_k): XLA's own K splits off, so that it splits no other GEMM (in_proj)."""
         k, own = self.kernels, dict(self.kernel_config.xla_options)
-        if key[0] in ("prefill", "prompt_logprobs"):
+        if key[0] in ("prefill", "prompt_logprobs", "mixed"):      # mixed: its GEMMs are a chunk's and more
             return {"xla_gpu_enable_triton_gemm": False, **own}
         if key[0] in ("decode", "logits") and k.split_k > 1 and key[1] >= k.split_k_from:
             return {"xla_gpu_experimental_force_split_k": 1, **own}
@@ -658,7 +716,8 @@ class Executor:
                 self.exe_cache.store(ckey, exe)
         if self.staged:
             packed = self._packing(key)[0]
-            for shape in (packed, (packed[0], self.mask_width)):      # the packed inputs, the bitmask
+            inputs = packed if key[0] == "mixed" else (packed,)
+            for shape in (*inputs, (inputs[0][0], self.mask_width)):      # the packed inputs, the bitmask
                 if shape not in self._stagers:
                     stage = jax.jit(lambda buf, x: jax.lax.dynamic_update_slice(buf, x, (0, 0)), donate_argnums=0,
                                     out_shardings=self.rows)      # in place: the output keeps the buffer's address
@@ -696,6 +755,14 @@ class Executor:
         prompt-logprobs variant, every position's target being the prompt token after it (`prefill_step`).
         bitmask: called with the rows that sample (a request, else None), returns their token bitmask or None
         (`structured.Grammars.bitmask`)."""
+        rows, arrays = self._prefill_rows(chunks, shape, prompt_logprobs)
+        mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
+        tokens, start, lens, slots, pages, finishing, sp, targets, following = arrays
+        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask, following)
+
+    def _prefill_rows(self, chunks, shape, prompt_logprobs: bool = False) -> tuple[list, tuple]:
+        """run_prefill's rows and host arrays (tokens, start, lens, slots, pages, finishing, sampling batch,
+        targets or None, the MTP head's next tokens or None)."""
         n, t = shape
         total = self.dp * n
         tokens = np.zeros((total, t), np.int32)
@@ -720,8 +787,7 @@ class Executor:
             finishing[i] = c.completes_prompt
             rows[i] = (r, bool(finishing[i]), c)
         sp = host_batch_rows([x[0] if x else None for x in rows])
-        mask = bitmask([x[0] if x and x[1] else None for x in rows]) if bitmask else None
-        return rows, self.prefill(shape, tokens, start, lens, slots, pages, finishing, sp, targets, mask, following)
+        return rows, (tokens, start, lens, slots, pages, finishing, sp, targets, following)
 
     def run_decode(self, requests, bitmask: Callable | None = None, stops: Callable | None = None
                    ) -> tuple[list, jax.Array | Callable]:
@@ -731,21 +797,7 @@ class Executor:
         output is a function that dispatches the sampler with bitmask(rows), called once the host has advanced the
         rows' grammars, returning the output; before they are ready, the decode executable runs with bitmask(rows)
         (the caller has read every step in flight back)."""
-        counts = [0] * self.dp
-        for r in requests:
-            counts[r.replica] += 1
-        b = next_bucket(max(counts), self.decode_buckets)
-        slots, positions = np.zeros(self.dp * b, np.int32), np.zeros(self.dp * b, np.int32)
-        pages = np.zeros((self.dp * b, self.pages_per_seq), np.int32)
-        rows: list = [None] * (self.dp * b)
-        used = [0] * self.dp
-        for r in requests:
-            i = r.replica * b + used[r.replica]
-            used[r.replica] += 1
-            slots[i], positions[i] = r.slot, r.num_computed
-            pages[i, :len(r.pages)] = r.pages
-            rows[i] = r
-        sp = host_batch_rows(rows)
+        b, rows, slots, positions, pages, sp = self._decode_rows(requests)
         if self.spec_tokens:        # positions and budgets are the device's; the host gives each row's limits
             stop_ids = np.full((len(rows), STOP_IDS), -1, np.int32)
             for i, r in enumerate(rows):
@@ -761,6 +813,45 @@ class Executor:
             raise ValueError("constrained decoding runs one step per dispatch (decode_steps=1)")
         logits = self._run(("logits", b), (slots, positions, pages))
         return rows, lambda: self._run(("sample", b, sampler_mode(sp)), (slots, sp), bitmask(rows), logits)
+
+    def _decode_rows(self, requests) -> tuple[int, list, np.ndarray, np.ndarray, np.ndarray, SamplingBatch]:
+        """run_decode's bucket, rows and host arrays (slots, positions, pages, sampling batch)."""
+        counts = [0] * self.dp
+        for r in requests:
+            counts[r.replica] += 1
+        b = next_bucket(max(counts), self.decode_buckets)
+        slots, positions = np.zeros(self.dp * b, np.int32), np.zeros(self.dp * b, np.int32)
+        pages = np.zeros((self.dp * b, self.pages_per_seq), np.int32)
+        rows: list = [None] * (self.dp * b)
+        used = [0] * self.dp
+        for r in requests:
+            i = r.replica * b + used[r.replica]
+            used[r.replica] += 1
+            slots[i], positions[i] = r.slot, r.num_computed
+            pages[i, :len(r.pages)] = r.pages
+            rows[i] = r
+        return b, rows, slots, positions, pages, host_batch_rows(rows)
+
+    def run_mixed(self, requests, chunks, shape) -> tuple[tuple[list, jax.Array], tuple[list, jax.Array]]:
+        """run_decode's requests (none constrained) and run_prefill's chunks (none sampling under a grammar or
+        asking for prompt logprobs) of prefill shape `shape` (the executor's `mixed_shape`) as one mixed step. Returns
+        ((prefill rows, packed output), (decode rows, packed output)), each as run_prefill's and run_decode's."""
+        if shape != self.mixed_shape:
+            raise ValueError(f"mixed steps have prefill shape {self.mixed_shape}, got {shape}")
+        b, drows, slots, positions, pages, sp = self._decode_rows(requests)
+        prows, (tokens, start, lens, pslots, ppages, finishing, psp, _, _) = self._prefill_rows(chunks, shape)
+        pre = (Batch(tokens=tokens, start=start, lens=lens, slots=pslots, pages=ppages), finishing, psp)
+        pout, dout = self.mixed(b, (slots, positions, pages, sp), pre)
+        return (prows, pout), (drows, dout)
+
+    def mixed(self, bucket, decode_inputs, prefill_inputs) -> tuple[jax.Array, jax.Array]:
+        """Run mixed bucket (decode bucket, the executor's prefill shape) on decode_inputs (slots, positions,
+        pages, sampling batch; dp * bucket rows) and prefill_inputs (Batch, finishing, sampling batch); returns the
+        packed outputs (prefill's, decode's)."""
+        if self.on_dispatch is not None:
+            self.on_dispatch("mixed", (bucket,), (decode_inputs, prefill_inputs))
+        key = ("mixed", bucket, sampler_mode(decode_inputs[3]), *self.mixed_shape)
+        return self._run(key, (decode_inputs, prefill_inputs))
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,
                 targets=None, bitmask=None, following=None) -> jax.Array:
@@ -840,16 +931,21 @@ class Executor:
 
     def _run(self, key, inputs, bitmask=None, logits=None) -> jax.Array:
         exe = self._exe(key)                    # compiles it (and its stager) first when lazy
-        packed, rows_layout = pack_rows(inputs)
-        want = self._packing(key)[1]
-        if rows_layout != want:
-            raise ValueError(f"inputs for bucket {key} do not match its shapes and dtypes: {rows_layout[1]} != "
-                             f"{want[1]}")
-        if bitmask is not None and bitmask.shape != (packed.shape[0], self.mask_width):
-            raise ValueError(f"bitmask for bucket {key} must be [{packed.shape[0]}, {self.mask_width}], got "
-                             f"{bitmask.shape}")
-        mask = self._all_allowed_mask(packed.shape[0]) if bitmask is None else self._stage("bitmask", key, bitmask)
-        return self._call(key, exe, self._stage("inputs", key, packed), mask, logits)
+        parts = inputs if key[0] == "mixed" else (inputs,)        # a mixed step: (decode inputs, prefill inputs)
+        wants = self._packing(key)[1] if key[0] == "mixed" else (self._packing(key)[1],)
+        packed = []
+        for part, want in zip(parts, wants):
+            x, rows_layout = pack_rows(part)
+            if rows_layout != want:
+                raise ValueError(f"inputs for bucket {key} do not match its shapes and dtypes: {rows_layout[1]} != "
+                                 f"{want[1]}")
+            packed.append(x)
+        rows = packed[0].shape[0]
+        if bitmask is not None and bitmask.shape != (rows, self.mask_width):
+            raise ValueError(f"bitmask for bucket {key} must be [{rows}, {self.mask_width}], got {bitmask.shape}")
+        mask = self._all_allowed_mask(rows) if bitmask is None else self._stage("bitmask", key, bitmask)
+        staged = [self._stage(name, key, x) for name, x in zip(("inputs", "prefill_inputs"), packed)]
+        return self._call(key, exe, staged[0] if key[0] != "mixed" else tuple(staged), mask, logits)
 
     def call(self, key, packed) -> jax.Array:
         """Run bucket `key` (decode or prefill) on packed inputs (pack_rows: host or device array), every token
@@ -869,6 +965,9 @@ class Executor:
             return logits
         if key[0] == "sample":
             self.sstate, out = exe(self.sstate, logits, packed, bitmask)
+        elif key[0] == "mixed":
+            self.state, self.sstate, outs = exe(self.weights, self.state, self.sstate, *packed, bitmask)
+            return tuple(o.addressable_data(0) for o in outs)
         else:
             self.state, self.sstate, out = exe(self.weights, self.state, self.sstate, packed, bitmask)
         return out.addressable_data(0)         # replicated: this process's copy is the whole output

@@ -159,6 +159,7 @@ def follow(engine, poll_ms: int = 1000):
     treedefs = {"prefill": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp)),   # what the leader flattened
                 "prompt_logprobs": jax.tree.structure((Batch(0, 0, 0, 0, 0), 0, sp, 0)),
                 "decode": jax.tree.structure((0, 0, 0, sp)),
+                "mixed": jax.tree.structure(((0, 0, 0, sp), (Batch(0, 0, 0, 0, 0), 0, sp))),
                 "restore": jax.tree.structure((0, 0, 0, 0, 0)), "save": jax.tree.structure((0, 0, 0, 0))}
     step, pending = 0, []
     while True:
@@ -179,6 +180,8 @@ def follow(engine, poll_ms: int = 1000):
             batch, finishing, sp, *targets = inputs
             out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp,
                              *targets)
+        elif kind == "mixed":
+            out = ex.mixed(key[0], *inputs)
         elif kind in ("restore", "save"):       # the prefix cache's copies: no output
             ex.copy_state(kind, key[0], *inputs)
             step += 1

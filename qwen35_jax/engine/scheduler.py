@@ -115,12 +115,15 @@ def next_bucket(x: int, buckets) -> int:
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
                  max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0,
-                 lookahead: int = 0, decode_prefill_budget: int | None = None):
+                 lookahead: int = 0, decode_prefill_budget: int | None = None, mixed: bool = False):
         """num_slots, num_pages and num_snapshots (GDN state snapshots of the prefix cache; 0: no prefix caching)
         are per data-parallel replica. lookahead: positions past its last token that a request's step may write
         (speculative decoding), given pages with the rest. decode_prefill_budget: the most prompt tokens a step
-        with decode rows may prefill (None: what max_num_batched_tokens leaves)."""
+        with decode rows may prefill (None: what max_num_batched_tokens leaves). mixed (with a budget): a step with
+        decode rows prefills one row per replica in the mixed steps' shape (1, decode_prefill_budget), the chunk and
+        the decode rows then running as one forward (Executor.run_mixed)."""
         self.lookahead, self.decode_prefill_budget = lookahead, decode_prefill_budget
+        self.mixed = mixed and decode_prefill_budget is not None
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
@@ -246,8 +249,12 @@ class Scheduler:
         decode = [r for r in self.running if r.prefill_done and r.num_sampled < r.max_tokens]
         per_replica = collections.Counter(r.replica for r in decode)
         budget = self.max_num_batched_tokens - max(per_replica.values(), default=0)
+        buckets = self.prefill_buckets
         if decode and self.decode_prefill_budget is not None:
             budget = min(budget, self.decode_prefill_budget)
+        if decode and self.mixed:       # the decode rows ride in the same forward: the whole budget is the chunk's
+            buckets = [(1, self.decode_prefill_budget)]
+            budget = self.decode_prefill_budget
         candidates = [r for r in self.running if not r.prefill_done]
         chunks: list[Chunk] = []
         shape = None
@@ -259,7 +266,7 @@ class Scheduler:
             req = candidates[0]
             remaining = self._segment_end(req) - req.num_computed
             trial = [c.request for c in chunks] + [req]
-            fit = self._fit(trial, budget)
+            fit = self._fit(trial, budget, buckets)
             if fit is None:
                 break
             shape = fit
@@ -292,13 +299,13 @@ class Scheduler:
         """Where the request's next chunk must end at the latest: its branch point, else its prompt's end."""
         return r.save_at if r.save_at is not None and r.save_at > r.num_computed else r.prompt_len
 
-    def _fit(self, reqs: list[Request], budget: int):
+    def _fit(self, reqs: list[Request], budget: int, buckets):
         """Smallest prefill bucket (rows per replica, tokens) holding these rows' next chunks within the budget
         (per replica); the tokens dimension may be smaller than a row's remaining prompt (it is then chunked)."""
         remaining = [self._segment_end(r) - r.num_computed for r in reqs]
         per_replica = max(collections.Counter(r.replica for r in reqs).values())
         best = None
-        for rows, t in self.prefill_buckets:
+        for rows, t in buckets:
             if rows < per_replica or rows * t > max(budget, 0):
                 continue
             if len(reqs) > 1 and any(rem > t for rem in remaining):

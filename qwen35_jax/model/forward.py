@@ -2,9 +2,11 @@
 
 One code path serves prefill and decode: a batch is N rows of T tokens (a prompt chunk per row, or T = 1 for
 decode), each row continuing its own request from `start` with `lens` real tokens, its GDN state in slot
-`slots[n]` and its K/V in pages `pages[n]`. Inside `shard_map` every array has its per-rank shape; the only
-collectives are the `psum`s after the row-parallel projections (o_proj, out_proj, down_proj) and the embedding
-lookup, all over `tp`. The recurrent and conv states are never all-reduced.
+`slots[n]` and its K/V in pages `pages[n]`. A mixed step runs two such batches (decode rows and a prefill chunk) as
+groups of one pass (`decoder_groups`): projections and MLP over both groups' tokens, each mixer per group. Inside
+`shard_map` every array has its per-rank shape; the only collectives are the `psum`s after the row-parallel
+projections (o_proj, out_proj, down_proj) and the embedding lookup, all over `tp`. The recurrent and conv states
+are never all-reduced.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -135,16 +138,41 @@ def embed(cfg: ModelConfig, table, tokens):
 FEW_TOKENS = 8
 
 
-def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, x, k_pages, v_pages,
-                    batch: Batch, positions):
-    n, t, _ = x.shape
-    d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
+def shared(f, xs):
+    """f over the tokens of every group of rows at once, its result split back per group (xs: [N_i, T_i, ...]
+    arrays, as one [1, sum N_i T_i, ...] array to f): a mixed step's decode rows and prefill chunk go through each
+    projection as one GEMM, which reads the weights once for both. One group: f(x) itself."""
+    if len(xs) == 1:
+        return [f(xs[0])]
+    y = f(jnp.concatenate([x.reshape(1, -1, *x.shape[2:]) for x in xs], axis=1))
+    ends = np.cumsum([x.shape[0] * x.shape[1] for x in xs])[:-1]
+    return [part.reshape(*x.shape[:2], *part.shape[2:]) for x, part in zip(xs, jnp.split(y, ends, axis=1))]
+
+
+def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, xs, k_pages, v_pages,
+                    batches, positions):
+    """Gated full attention of each group of rows (xs, batches and positions: one per group), the projections
+    shared by the groups."""
     with jax.named_scope("qkv_proj"):
-        qkv = project(x, w.qkv)
-        qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
-        qg = qg.reshape(n, t, hq, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
-        k, v = k.reshape(n, t, hkv, d), v.reshape(n, t, hkv, d)
+        qkvs = shared(lambda x: project(x, w.qkv), xs)
+    outs = []
+    for qkv, batch, pos in zip(qkvs, batches, positions):
+        o, k_pages, v_pages = attention_core(cfg, layout, kernels, w, qkv, k_pages, v_pages, batch, pos)
+        outs.append(o)
+    with jax.named_scope("o_proj"):
+        return shared(lambda o: row_parallel(kernels, o, w.o_proj), outs), k_pages, v_pages
+
+
+def attention_core(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Attention, qkv, k_pages, v_pages,
+                   batch: Batch, positions):
+    """One group's attention from its packed projection qkv [N, T, W]: q / k norms, RoPE, the K/V write, the
+    attention and its sigmoid output gate. Returns (o [N, T, Hq * D], k_pages, v_pages)."""
+    n, t, _ = qkv.shape
+    d, hq, hkv = cfg.head_dim, layout.q_heads, layout.kv_heads
+    qg, k, v = jnp.split(qkv, [hq * 2 * d, hq * 2 * d + hkv * d], axis=-1)
+    qg = qg.reshape(n, t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(n, t, hq * d)
+    k, v = k.reshape(n, t, hkv, d), v.reshape(n, t, hkv, d)
     ctx = batch.start + batch.lens
     if t == 1 and kernels.attention_prologue is not None:      # decode: one kernel up to the attention kernel's tiles
         with jax.named_scope("qk_norm_rope"):
@@ -168,19 +196,31 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
             else:
                 o = kernels.attention_prefill(q, k_pages, v_pages, batch.pages, positions, ctx)
     with jax.named_scope("attention"):
-        o = o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype)
-    with jax.named_scope("o_proj"):
-        return row_parallel(kernels, o, w.o_proj), k_pages, v_pages
+        return o.reshape(n, t, hq * d) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(qkv.dtype), k_pages, v_pages
 
 
-def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, x, conv_pool, rec_pool,
-              batch: Batch):
-    n, t, _ = x.shape
+def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, xs, conv_pool, rec_pool,
+              batches):
+    """Gated DeltaNet of each group of rows (xs and batches: one per group), the projections shared by the
+    groups."""
+    with jax.named_scope("in_proj"):
+        projs = shared(lambda x: project(x, w.in_proj), xs)            # [q | k | v | z | b | a] per rank
+    outs = []
+    for proj, batch in zip(projs, batches):
+        o, conv_pool, rec_pool = gdn_core(cfg, layout, kernels, w, proj, conv_pool, rec_pool, batch)
+        outs.append(o)
+    with jax.named_scope("out_proj"):
+        return shared(lambda o: row_parallel(kernels, o, w.out_proj), outs), conv_pool, rec_pool
+
+
+def gdn_core(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaNet, proj, conv_pool, rec_pool,
+             batch: Batch):
+    """One group's Gated DeltaNet from its packed input projection proj [N, T, W]: the causal conv, the gated
+    delta rule (state in the group's slots) and the gated output norm. Returns (o [N, T, Hv * Dv], pools)."""
+    n, t, _ = proj.shape
     hk, hv = layout.k_heads, layout.v_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     kl, vl = hk * dk, hv * dv
-    with jax.named_scope("in_proj"):
-        proj = project(x, w.in_proj)                   # [q | k | v | z | b | a] per rank
     z = proj[..., 2 * kl + vl:2 * kl + 2 * vl]
     if t == 1:      # decode: the kernels read q | k | v, b and a out of the packed arrays
         with jax.named_scope("conv1d"):
@@ -200,9 +240,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
             o, rec_pool = kernels.gdn_prefill(q, k, v, a, b, w.A_log, w.dt_bias, rec_pool, batch.slots, batch.lens,
                                               batch.start > 0)
     with jax.named_scope("gated_norm"):
-        o = gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl)
-    with jax.named_scope("out_proj"):
-        return row_parallel(kernels, o, w.out_proj), conv_pool, rec_pool
+        return gated_norm(o, z.reshape(n, t, hv, dv), w.norm, cfg.rms_norm_eps).reshape(n, t, vl), conv_pool, rec_pool
 
 
 @jax.tree_util.register_dataclass
@@ -297,27 +335,33 @@ def moe_block(cfg: ModelConfig, layout: Layout, w, x):
     return jax.lax.psum(routed.reshape(n, t, h) + part, TP).astype(x.dtype)
 
 
-def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, x, cache, batch: Batch,
+def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, xs, cache, batches,
                   positions, verify: bool = False):
-    """One pre-norm layer (mixer, then MLP, each added to the residual). cache: (k_pages, v_pages) of a
-    full-attention layer, (conv, recurrent) of a GDN layer; returns (x, new cache). verify: a speculative verify
-    pass (gdn_verify: a GDN layer's cache comes back as (conv, recurrent, Pending))."""
-    h = rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps)
+    """One pre-norm layer (mixer, then MLP, each added to the residual) over groups of rows: xs, batches and
+    positions hold one entry per group (a mixed step's decode rows and prefill chunk; else one group). The
+    projections and the MLP run over every group's tokens at once (`shared`), each mixer per group. cache:
+    (k_pages, v_pages) of a full-attention layer, (conv, recurrent) of a GDN layer; returns (xs, new cache).
+    verify: a speculative verify pass of one group (gdn_verify: a GDN layer's cache comes back as (conv,
+    recurrent, Pending))."""
+    hs = [rms_norm_1p(x, layer.input_norm, cfg.rms_norm_eps) for x in xs]
     if kind == "full_attention":
         with jax.named_scope("attention"):
-            h, *cache = attention_block(cfg, layout, kernels, layer.mixer, h, *cache, batch, positions)
+            hs, *cache = attention_block(cfg, layout, kernels, layer.mixer, hs, *cache, batches, positions)
     elif verify:
+        (h,), (batch,) = hs, batches
         with jax.named_scope("gdn"):
             h, conv, pending = gdn_verify(cfg, layout, kernels, layer.mixer, h, cache[0], cache[1], batch)
-            cache = (conv, cache[1], pending)
+            hs, cache = [h], (conv, cache[1], pending)
     else:
         with jax.named_scope("gdn"):
-            h, *cache = gdn_block(cfg, layout, kernels, layer.mixer, h, *cache, batch)
-    x = x + h
+            hs, *cache = gdn_block(cfg, layout, kernels, layer.mixer, hs, *cache, batches)
+    xs = [x + h for x, h in zip(xs, hs)]
     with jax.named_scope("mlp"):
-        h = rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps)
-        x = x + (moe_block(cfg, layout, layer.mlp, h) if cfg.moe else mlp_block(kernels, layer.mlp, h))
-    return x, tuple(cache)
+        hs = [rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps) for x in xs]
+        mlp = (lambda h: moe_block(cfg, layout, layer.mlp, h)) if cfg.moe else (lambda h: mlp_block(kernels,
+                                                                                                    layer.mlp, h))
+        xs = [x + h for x, h in zip(xs, shared(mlp, hs))]
+    return xs, tuple(cache)
 
 
 def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batch: Batch,
@@ -325,28 +369,36 @@ def decoder(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     """Embedding and every decoder layer: (hidden states after the final norm [N, T, H], new state). The MTP head
     starts from these hidden states. verify: a speculative verify pass, whose GDN recurrent state is only read;
     returns (hidden, state, [Pending per GDN layer]) for `commit`."""
-    t = batch.tokens.shape[1]
-    positions = batch.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    (x,), *rest = decoder_groups(cfg, layout, kernels, weights, state, (batch,), verify)
+    return (x, *rest)
+
+
+def decoder_groups(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, state: State, batches,
+                   verify: bool = False):
+    """`decoder` over several groups of rows in one pass (a mixed step: decode rows [B, 1] and a prefill chunk
+    [N, T]), each group with its own slots and pages: every weight is read once for all of them. Returns a list
+    of hidden states, one per group, and the new state (and the Pending list with verify)."""
+    positions = [b.start[:, None] + jnp.arange(b.tokens.shape[1], dtype=jnp.int32)[None, :] for b in batches]
     with jax.named_scope("embed"):
-        x = embed(cfg, weights.embed, batch.tokens)
+        xs = shared(lambda tokens: embed(cfg, weights.embed, tokens), [b.tokens for b in batches])
     conv, rec, kp, vp = list(state.conv), list(state.recurrent), list(state.k_pages), list(state.v_pages)
     pending = []
     gi = ai = 0
     for i, (kind, layer) in enumerate(zip(cfg.layer_types, weights.layers)):
         with jax.named_scope(f"layer{i}"):
             if kind == "full_attention":
-                x, (kp[ai], vp[ai]) = decoder_layer(cfg, layout, kernels, kind, layer, x, (kp[ai], vp[ai]), batch,
-                                                    positions)
+                xs, (kp[ai], vp[ai]) = decoder_layer(cfg, layout, kernels, kind, layer, xs, (kp[ai], vp[ai]),
+                                                     batches, positions)
                 ai += 1
             else:
-                x, (conv[gi], rec[gi], *p) = decoder_layer(cfg, layout, kernels, kind, layer, x, (conv[gi], rec[gi]),
-                                                           batch, positions, verify)
+                xs, (conv[gi], rec[gi], *p) = decoder_layer(cfg, layout, kernels, kind, layer, xs,
+                                                            (conv[gi], rec[gi]), batches, positions, verify)
                 pending += p
                 gi += 1
     with jax.named_scope("lm_head"):         # the final norm is profiled with the head, as before the split
-        x = rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps)
+        xs = [rms_norm_1p(x, weights.final_norm, cfg.rms_norm_eps) for x in xs]
     state = State(conv=conv, recurrent=rec, k_pages=kp, v_pages=vp)
-    return (x, state, pending) if verify else (x, state)
+    return (xs, state, pending) if verify else (xs, state)
 
 
 def commit(cfg: ModelConfig, kernels: Kernels, weights: Weights, state: State, pending: list, slots, accepted):
@@ -385,8 +437,8 @@ def mtp(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights, hi
         e = rms_norm_1p(embed(cfg, weights.embed, next_tokens), w.pre_fc_norm_embedding, cfg.rms_norm_eps)
         h = rms_norm_1p(hidden, w.pre_fc_norm_hidden, cfg.rms_norm_eps)
         x = project(jnp.concatenate([e, h], axis=-1), w.fc)
-        x, (k_pages, v_pages) = decoder_layer(cfg, layout, kernels, "full_attention", w.layer, x, (k_pages, v_pages),
-                                              batch, positions)
+        (x,), (k_pages, v_pages) = decoder_layer(cfg, layout, kernels, "full_attention", w.layer, [x],
+                                                 (k_pages, v_pages), [batch], [positions])
         x = rms_norm_1p(x, w.norm, cfg.rms_norm_eps)
     return x, k_pages, v_pages
 

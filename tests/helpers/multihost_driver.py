@@ -27,6 +27,7 @@ from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "hf", "text_untied_r1_g6")
 llm = LLM(MODEL, tensor_parallel_size=tp, skip_tokenizer_init=True, data_parallel_size=dp, dtype="float32",
           max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, compilation_cache_dir="",
+          decode_prefill_budget=32,     # the long prompt's chunks run in mixed steps beside the decoding rows
           precompile=False)      # each process compiles the buckets it meets: the test runs few of them
 if pid != 0:
     try:
@@ -36,9 +37,9 @@ if pid != 0:
         sys.exit(3)
     sys.exit(0)
 
-prompts = [[5 + i, 17, 33 + 2 * i, 90, 4 + i] for i in range(6)]
+prompts = [[5 + i, 17, 33 + 2 * i, 90, 4 + i] for i in range(6)] + [list(range(3, 103))]
 outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-result = {"tokens": [o.outputs[0].token_ids for o in outs]}
+result = {"tokens": [o.outputs[0].token_ids for o in outs], "mixed_steps": llm.engine.stats.mixed_steps}
 if hold:
     done = []
     llm.engine.add_request([7, 8, 9], SamplingParams(max_tokens=200, ignore_eos=True),
