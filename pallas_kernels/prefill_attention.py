@@ -14,6 +14,11 @@ position 0 up to its last query's position with an online softmax in fp32. Keys 
 pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps + j % ps), as the decode kernel
 gathers them (pallas_kernels/paged_attention.py). Query heads of one KV head read the same K/V blocks, which the
 L2 cache serves after the first.
+
+A short chunk at a long context (a mixed step's 64 tokens at 128k) makes few programs with long key loops: 16 of
+them for 16 heads would leave most of the GPU idle. Such grids split each program's keys (flash-decoding, as the
+decode kernel does): grid (row, query head, query block, split), each split an equal share of the program's key
+blocks, its unnormalised sums merged outside the kernel. Chunks with programs enough run unsplit.
 """
 from __future__ import annotations
 
@@ -37,6 +42,8 @@ class PrefillAttentionConfig:
     block_k: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    target_programs: int = 264    # key splits are chosen so that the grid reaches this many programs (2 per SM)
+    max_splits: int = 32
 
     @property
     def name(self):
@@ -46,18 +53,23 @@ class PrefillAttentionConfig:
 DEFAULT = PrefillAttentionConfig()
 
 
-def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, *, page_size, block_k):
+def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, page_size, block_k, splits):
     """Refs (BlockSpecs): start / ctx [N] (whole), q [BQ, D] (this row, head and query block, scaled), k/v
-    [num_pages * ps, D] (this head's KV head), pages [P'] (this row); output o [BQ, D]."""
+    [num_pages * ps, D] (this head's KV head), pages [P'] (this row); output o [BQ, D] (normalised), or with
+    splits > 1 this split's acc [BQ, D] and m / l [BQ] (fp32, unnormalised)."""
     n, b = pl.program_id(0), pl.program_id(2)
     start, ctx = start_ref[n], ctx_ref[n]
     q = q_ref[...]
     block_q, d = q.shape
     qpos = start + b * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    # keys up to the block's last query (causal), never past the row's context; block 0 holds key 0, which every
-    # query sees, so each query's running max is finite after the first step
+    # keys up to the block's last query (causal), never past the row's context
     end = jnp.minimum(ctx, start + (b + 1) * block_q)
-    steps = jnp.maximum(end + block_k - 1, 0) // block_k
+    blocks = jnp.maximum(end + block_k - 1, 0) // block_k
+    first, last = 0, blocks
+    if splits > 1:                                       # this split's share of the key blocks
+        share = (blocks + splits - 1) // splits
+        first = pl.program_id(3) * share
+        last = jnp.minimum(first + share, blocks)
     key = jnp.arange(block_k, dtype=jnp.int32)
 
     def body(i, carry):
@@ -70,8 +82,23 @@ def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, o_ref, *, page_s
 
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(0, steps, body, init)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)     # no visible key: zeros
+    acc, m, l = jax.lax.fori_loop(first, last, body, init)
+    # A query that saw no visible key (all of this split's keys lie past it) kept m = NEG, and exp(NEG - NEG) = 1
+    # summed its masked keys into acc and l: it has nothing. (Unsplit, block 0 holds key 0, which every query sees.)
+    seen = m > NEG
+    acc, l = jnp.where(seen[:, None], acc, 0.0), jnp.where(seen, l, 0.0)
+    if splits == 1:
+        out_refs[0][...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_refs[0].dtype)  # no key: zeros
+    else:
+        for ref, x in zip(out_refs, (acc, m, l)):
+            ref[...] = x
+
+
+def num_splits(programs: int, key_blocks: int, config: PrefillAttentionConfig) -> int:
+    """Key splits for a grid of `programs` unsplit programs: enough to reach config.target_programs, never more
+    than the key blocks of the longest context the page table holds."""
+    want = -(-config.target_programs // max(1, programs))
+    return max(1, min(want, config.max_splits, key_blocks))
 
 
 def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
@@ -98,16 +125,32 @@ def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
     pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, max(0, -(-cover // page_size) - pages.shape[1]))))
     k_pages = k_pages.reshape(hkv, -1, d)                # [Hkv, num_pages * ps, D]: a free view of the pool
     v_pages = v_pages.reshape(hkv, -1, d)
-    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, b: (h // g, 0, 0))
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b: (i, b, h, 0))
+    splits = num_splits(n * hq * (tp // bq), cover // bk, config)
+    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, b, s: (h // g, 0, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b, s: (i, b, h, 0))
+    if splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct((n, tp, hq, d), q.dtype)
+    else:                       # per split: acc [S, N, T', Hq, D], m and l [S, N, T', Hq]
+        f32 = jnp.float32
+        out_specs = [pl.BlockSpec((None, None, bq, None, d), lambda i, h, b, s: (s, i, b, h, 0)),
+                     pl.BlockSpec((None, None, bq, None), lambda i, h, b, s: (s, i, b, h)),
+                     pl.BlockSpec((None, None, bq, None), lambda i, h, b, s: (s, i, b, h))]
+        out_shape = [jax.ShapeDtypeStruct((splits, n, tp, hq, d), f32),
+                     jax.ShapeDtypeStruct((splits, n, tp, hq), f32), jax.ShapeDtypeStruct((splits, n, tp, hq), f32)]
     out = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, block_k=bk),
-        grid=(n, hq, tp // bq),
-        in_specs=[pl.BlockSpec((n,), lambda i, h, b: (0,)), pl.BlockSpec((n,), lambda i, h, b: (0,)), q_spec,
-                  kv_spec, kv_spec, pl.BlockSpec((None, pages.shape[1]), lambda i, h, b: (i, 0))],
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((n, tp, hq, d), q.dtype),
+        functools.partial(_kernel, page_size=page_size, block_k=bk, splits=splits),
+        grid=(n, hq, tp // bq, splits),
+        in_specs=[pl.BlockSpec((n,), lambda i, h, b, s: (0,)), pl.BlockSpec((n,), lambda i, h, b, s: (0,)), q_spec,
+                  kv_spec, kv_spec, pl.BlockSpec((None, pages.shape[1]), lambda i, h, b, s: (i, 0))],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_prefill_attention",
     )(positions[:, 0].astype(jnp.int32), ctx_lens.astype(jnp.int32), qs, k_pages, v_pages, pages)
+    if splits > 1:              # merge the splits (flash-decoding): each split's sums rescaled to the common max
+        acc, m, l = out
+        big = jnp.max(m, axis=0)
+        w = jnp.exp(m - big[None])
+        total = jnp.sum(l * w, axis=0)
+        out = (jnp.sum(acc * w[..., None], axis=0) / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
     return out[:, :t]

@@ -440,12 +440,20 @@ def test_paged_decode_attention_splits():
 @pytest.mark.parametrize("hq,hkv,d,dtype,config", [
     (8, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=16, block_k=16)),
     (12, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=32, block_k=16)),
+    (8, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=16, block_k=16, target_programs=1)),
+    (12, 2, 32, jnp.float32, prefill_attention.PrefillAttentionConfig(block_q=16, block_k=16, target_programs=4096)),
     (16, 4, 256, jnp.bfloat16, None), (24, 4, 256, jnp.bfloat16, None)])
 def test_paged_prefill_attention_matches_reference(hq, hkv, d, dtype, config):
     """Prefill chunks of several rows in one launch (varlen: other starts and lengths, a padded row) against the
     jnp reference: GQA groups 4 and 6, chunks starting mid-page and at 0, contexts across page and key-block
-    boundaries, a chunk longer than a query block and one shorter; the 9B and 27B head shapes in bf16 with the
-    default tiles (as close to an fp32 reference as the jnp one is: both ~1.7e-3)."""
+    boundaries, a chunk longer than a query block and one shorter; unsplit (target_programs 1), split in 3 or 4
+    (these small grids under the default target) and in as many splits as key blocks, where most splits of the
+    early query blocks see no key; the 9B and 27B head shapes in bf16 with the default tiles (as close to an fp32
+    reference as the jnp one is: both ~1.7e-3)."""
+    cfg = config or prefill_attention.DEFAULT
+    programs = 5 * hq * -(-40 // cfg.block_q)
+    splits = prefill_attention.num_splits(programs, 16 * 8 // cfg.block_k, cfg)
+    assert (splits == 1) == (cfg.target_programs == 1) and (splits == 8 or cfg.target_programs != 4096)
     n, t, ps, per_row = 5, 40, 8, 16
     starts = np.array([0, 13, 61, 0, 5])                  # 13, 61, 5: mid-page
     lens = np.array([40, 27, 40, 0, 3])                   # row 3: padding (ctx 0)
@@ -540,7 +548,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
                                S((4, 4097, 16, 256), bf), S((b, 512), i32), S((b,), i32))
         assert text.count("__gpu$xla.gpu.triton") == 2
 
-    for n, t, hq in ((1, 2048, 16), (4, 512, 24)):                 # 9B (G 4) and 27B (G 6) prefill attention
+    # 9B (G 4) and 27B (G 6) prefill attention, unsplit; a 64-token chunk (of a mixed step), split
+    assert prefill_attention.num_splits(16, 4097 * 16 // 32, prefill_attention.DEFAULT) == 17
+    for n, t, hq in ((1, 2048, 16), (4, 512, 24), (1, 64, 16)):
         pcfgs = kernel_sweeps.prefill_attention_sweep()
         text = lower_for_cuda(lambda *x: [prefill_attention.paged_prefill_attention(*x, config=c) for c in pcfgs],
                               S((n, t, hq, 256), bf), S((4, 4097, 16, 256), bf), S((4, 4097, 16, 256), bf),

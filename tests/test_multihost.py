@@ -42,8 +42,9 @@ def single_process_tokens(tp, dp):
 
 def test_two_processes_match_single_process_and_report_a_dead_peer(tmp_path):
     """tp=2 x dp=2 over 2 processes x 2 devices: the greedy tokens equal a single-process run of the same mesh
-    (the long prompt's chunks in mixed steps: the follower replays those too); then the follower is killed mid-request and the leader reports it. (tp=4 over 2 processes is covered through
-    the server: tests/test_server_extras.py.)"""
+    (the long prompt's chunks in mixed steps: the follower replays those too); then the follower is killed
+    mid-request and the leader reports it. (tp=4 over 2 processes is covered through the server:
+    tests/test_server_extras.py.)"""
     procs, out = launch(tmp_path, 2, 2, hold=True)
     log = []
     try:
