@@ -18,6 +18,11 @@ should not pay their compile at start-up: they are compiled in a background thre
 request arrives (`prepare_split`); until they are ready, constrained rows run the regular decode executables with
 their bitmask, the host reading each step back before the next.
 
+With a decode-prefill budget (EngineArgs.decode_prefill_budget, mixed_prefill), one more executable per decode
+bucket and sampler mode runs a decode step and a prefill chunk of one row per replica as one forward ("mixed",
+`mixed_step`): the chunk then costs its compute only, not another read of the weights. Its inputs travel as two
+packed arrays, the decode rows' and the chunk's.
+
 The prefix cache (engine.prefix_cache) adds two copy executables per decode bucket, precompiled with the rest:
 "restore" (snapshot entries -> GDN slots, a partial K/V page -> the request's own page, the sampler rows reset with
 the prefix's prompt mask) and "save" (slots -> snapshot entries, a partial page -> the snapshot's page). The
