@@ -39,6 +39,7 @@ from bench.common import add_kernel_args, config_dir, kernel_config, random_engi
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
+from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
@@ -173,10 +174,12 @@ class Tokens(Observer):
 
 def set_budget(engine, budget: int | None, mixed: bool):
     """Switch a lazily compiling engine to another decode_prefill_budget, with or without mixed steps (the settings
-    EngineArgs fixes at start-up): the scheduler's budget and mixing, and the executor's mixed shape."""
-    shape = (1, budget) if budget and mixed else None
-    engine.scheduler.decode_prefill_budget, engine.scheduler.mixed = budget, shape is not None
-    engine.mixed_shape = engine.executor.mixed_shape = shape
+    EngineArgs fixes at start-up): the scheduler's budget and the mixed steps' shapes, as Engine sets them (the
+    prefill buckets up to the budget all exist: the smallest bucket is the smallest cap)."""
+    shapes = [(1, t) for t in pow2_buckets(engine.args.prefill_floor(), budget)] if budget and mixed else []
+    engine.scheduler.decode_prefill_budget, engine.scheduler.mixed = budget, shapes
+    engine.mixed_shapes = shapes
+    engine.executor.mixed_shapes = tuple(shapes)
 
 
 def tpot_part(args, kc) -> list[dict]:
@@ -228,7 +231,7 @@ def tpot_part(args, kc) -> list[dict]:
             during = [dt for t, _, dt in obs.events if t_submit <= t <= t_done]
         q = lambda xs, p: float(np.percentile(xs, p)) * 1e3 if xs else float("nan")
         row = {"decode_prefill_budget": budget or f"none ({args.chunk})",
-               "steps": "mixed" if engine.mixed_shape else "apart", "tpot_p50_ms": q(base, 50),
+               "steps": "mixed" if engine.mixed_shapes else "apart", "tpot_p50_ms": q(base, 50),
                "tpot_p99_ms": q(base, 99), "during_p50_ms": q(during, 50), "during_p99_ms": q(during, 99),
                "during_p99_over_p50": q(during, 99) / q(base, 50), "long_ttft_s": ttft_s,
                "rows_done_before_ttft": early, "warmup_s": warm}

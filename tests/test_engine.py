@@ -184,10 +184,13 @@ def test_decode_prefill_budget_bounds_the_chunk_beside_decodes():
     sched.running.append(short)
     plan = sched.schedule()
     assert plan.decode == [short] and [c.length for c in plan.prefill] == [32]
-    sched.mixed = True      # mixed steps: one row of the budget's tokens beside the decode rows, whatever else fits
-    sched.max_num_batched_tokens = 32
+    sched.mixed = [(1, 16), (1, 32)]    # mixed steps: one row up to the budget beside the decode rows, whatever
+    sched.max_num_batched_tokens = 32    # else the step holds
     plan = sched.schedule()
     assert plan.decode == [short] and plan.prefill_shape == (1, 32) and [c.length for c in plan.prefill] == [32]
+    long.num_computed = 390                             # 10 tokens left: the smallest shape that holds them
+    plan = sched.schedule()
+    assert plan.prefill_shape == (1, 16) and [c.length for c in plan.prefill] == [10]
     for bad in (16, 4096):
         with pytest.raises(ValueError, match="decode_prefill_budget"):
             EngineArgs(max_num_batched_tokens=2048, min_prefill_tokens=32, decode_prefill_budget=bad).validate()

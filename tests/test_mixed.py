@@ -68,7 +68,7 @@ def test_engine_mixes_prefill_into_decode_steps():
     assert llm(1).engine.stats.mixed_steps == 0
     model = LLM(fixture_dir("text_untied_r1_g6"), skip_tokenizer_init=True,
                 **engine_args(precompile=False, decode_prefill_budget=32))
-    assert model.engine.executor.mixed_shape == (1, 32)
+    assert model.engine.executor.mixed_shapes == ((1, 32),)
     got = [o.outputs[0].token_ids for o in model.generate(ps, params)]
     assert got == want
     assert model.engine.stats.mixed_steps >= 4           # the 200-token prompt: 64 tokens alone, then 32 a step

@@ -53,10 +53,10 @@ class EngineArgs:
     # the most prompt tokens a step that also decodes may prefill (None: the budget the decode rows leave): bounds
     # the time per output token of running requests while a long prompt prefills, at the cost of its TTFT
     decode_prefill_budget: int | None = None
-    # with decode_prefill_budget: a step that decodes runs its prefill chunk (one row per replica, of up to the
-    # budget's tokens) and its decode rows as one forward, which reads the weights once for both (docs/
-    # long_context.md); not with speculative decoding or decode_steps > 1, whose steps run apart. False: two
-    # executables per such step
+    # with decode_prefill_budget: a step that decodes runs its prefill chunk (one row per replica, in the smallest
+    # prefill bucket up to the budget that holds it) and its decode rows as one forward, which reads the weights
+    # once for both (docs/long_context.md); not with speculative decoding or decode_steps > 1, whose steps run
+    # apart. False: two executables per such step
     mixed_prefill: bool = True
     max_prefill_rows: int = 4
     min_prefill_tokens: int | None = None    # smallest prefill bucket; None: prefill_floor()
@@ -299,23 +299,26 @@ class Engine:
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
         budget = args.decode_prefill_budget
-        self.mixed_shape = (1, budget) if budget and args.mixed_prefill and not k and args.decode_steps == 1 else None
-        if budget and args.mixed_prefill and self.mixed_shape is None:
+        mixing = bool(budget) and args.mixed_prefill
+        if mixing and (k or args.decode_steps != 1):
             log.info("mixed steps are off: speculative decoding and decode_steps > 1 run decode and prefill apart")
-        if self.mixed_shape and self.mixed_shape not in prefill_buckets:    # a step that cannot mix runs it alone
-            prefill_buckets.append(self.mixed_shape)
+            mixing = False
+        # one chunk row per replica, of each prefill bucket length up to the budget (a step that cannot mix runs
+        # its chunk alone: those buckets must exist)
+        self.mixed_shapes = [(1, t) for t in ex.pow2_buckets(args.prefill_floor(), budget)] if mixing else []
+        prefill_buckets += [s for s in self.mixed_shapes if s not in prefill_buckets]
         self.executor = ex.Executor(
             cfg, mesh, layout, weights, state, sstate, self.kernels, self.kernel_config,
             weight_specs(abstract_weights(cfg, layout, self.dtype, mtp=k > 0)), state_specs(self.abstract_state),
             pages_per_seq=self.pages_per_seq, decode_buckets=decode_buckets, prefill_buckets=prefill_buckets,
             decode_steps=args.decode_steps, spec_tokens=k, lazy=not args.precompile,
             exe_cache=ex.ExecutableCache(os.path.join(cache_dir, "executables")) if cache_dir else None,
-            on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots, mixed=self.mixed_shape)
+            on_dispatch=leader.publish if leader is not None else None, snapshots=snapshots, mixed=self.mixed_shapes)
         self.scheduler = Scheduler(num_slots=num_slots, num_pages=num_pages, page_size=ps,
                                    max_model_len=self.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                    decode_buckets=decode_buckets, prefill_buckets=prefill_buckets, dp=self.dp,
                                    num_snapshots=self.num_snapshots, lookahead=self.lookahead,
-                                   decode_prefill_budget=budget, mixed=self.mixed_shape is not None)
+                                   decode_prefill_budget=budget, mixed=self.mixed_shapes)
         self.precompile_seconds = self.executor.precompile(args.precompile_threads) if args.precompile else None
         self.stats = EngineStats(spec_accepted=np.zeros(k, np.int64))
         self._rng = np.random.default_rng(args.seed)
@@ -699,7 +702,7 @@ class Engine:
         """Dispatch the plan's compiled steps (asynchronously); returns (kind, rows, packed output) records. First
         the snapshots of requests finished since the last dispatch (before their slots are reused), then the
         restores of requests resuming from the prefix cache, the prefill, the chunk-end snapshots, the decode. A
-        plan whose prefill has the mixed steps' shape runs it and the decode as one mixed step, unless a row needs
+        plan whose prefill has a mixed step's shape runs it and the decode as one mixed step, unless a row needs
         what only the separate steps do (prompt logprobs, a grammar's bitmask)."""
         records = []
         if self._saves:
@@ -711,9 +714,9 @@ class Engine:
         # the prompt logprobs of a request with n > 1 come from its first sequence's prefill
         lp = any(c.request.params.prompt_logprobs is not None and c.request.index == 0 for c in plan.prefill)
         constrained = self._grammars is not None and any(r.matcher is not None for r in plan.decode)
-        if (plan.decode and plan.prefill and plan.prefill_shape == self.mixed_shape and not lp and not constrained
+        if (plan.decode and plan.prefill and plan.prefill_shape in self.mixed_shapes and not lp and not constrained
                 and not any(c.request.matcher is not None and c.completes_prompt for c in plan.prefill)):
-            with jax.profiler.TraceAnnotation("mixed", rows=len(plan.decode), tokens=self.mixed_shape[1]):
+            with jax.profiler.TraceAnnotation("mixed", rows=len(plan.decode), tokens=plan.prefill_shape[1]):
                 (prows, pout), (drows, dout) = self.executor.run_mixed(plan.decode, plan.prefill, plan.prefill_shape)
             records += [self._prefilled(plan, "prefill", prows, pout), self._decoded(plan, drows, dout)]
             if plan.saves:

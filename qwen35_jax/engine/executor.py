@@ -18,10 +18,10 @@ should not pay their compile at start-up: they are compiled in a background thre
 request arrives (`prepare_split`); until they are ready, constrained rows run the regular decode executables with
 their bitmask, the host reading each step back before the next.
 
-With a decode-prefill budget (EngineArgs.decode_prefill_budget, mixed_prefill), one more executable per decode
-bucket and sampler mode runs a decode step and a prefill chunk of one row per replica as one forward ("mixed",
-`mixed_step`): the chunk then costs its compute only, not another read of the weights. Its inputs travel as two
-packed arrays, the decode rows' and the chunk's.
+With a decode-prefill budget (EngineArgs.decode_prefill_budget, mixed_prefill), more executables per decode bucket
+and sampler mode, one per chunk length up to the budget, run a decode step and a prefill chunk of one row per
+replica as one forward ("mixed", `mixed_step`): the chunk then costs its compute only, not another read of the
+weights. Their inputs travel as two packed arrays, the decode rows' and the chunk's.
 
 The prefix cache (engine.prefix_cache) adds two copy executables per decode bucket, precompiled with the rest:
 "restore" (snapshot entries -> GDN slots, a partial K/V page -> the request's own page, the sampler rows reset with
@@ -453,15 +453,15 @@ class Executor:
                  kernels: Kernels, kernel_config: KernelConfig, weight_specs, state_specs, *, pages_per_seq: int,
                  decode_buckets, prefill_buckets, decode_steps: int = 1, spec_tokens: int = 0, lazy: bool = False,
                  exe_cache: ExecutableCache | None = None, on_dispatch: Callable | None = None,
-                 snapshots: State | None = None, mixed: tuple[int, int] | None = None):
+                 snapshots: State | None = None, mixed: tuple = ()):
         """kernels: the model's operations made from kernel_config (which keys the cached executables);
         lazy: compile a bucket on first use instead of in precompile(); exe_cache: where compiled steps are kept
         across processes (single-process runs only); on_dispatch: called with (kind, key, host inputs) before each
         dispatch (the multi-host leader publishes them); snapshots: the prefix cache's GDN snapshot pool (None:
-        no prefix caching), sharded as state's slots; mixed: the prefill shape (rows per replica, tokens) of the
-        mixed steps (`mixed_step`: a decode step and a prefill chunk in one forward, one per decode bucket and
-        sampler mode; None: none)."""
-        if mixed is not None and (spec_tokens or decode_steps != 1):
+        no prefix caching), sharded as state's slots; mixed: the prefill shapes (rows per replica, tokens) of the
+        mixed steps (`mixed_step`: a decode step and a prefill chunk in one forward, one executable per shape,
+        decode bucket and sampler mode; empty: none)."""
+        if mixed and (spec_tokens or decode_steps != 1):
             raise ValueError("mixed steps run one plain decode step beside a prefill chunk: not with speculative "
                              "decoding or decode_steps > 1")
         self.cfg, self.mesh, self.weights, self.state, self.sstate = cfg, mesh, weights, state, sstate
@@ -469,7 +469,7 @@ class Executor:
         self._packings: dict = {}
         self.kernels, self.kernel_config = kernels, kernel_config
         self.pages_per_seq, self.decode_steps, self.spec_tokens = pages_per_seq, decode_steps, spec_tokens
-        self.mixed_shape = mixed
+        self.mixed_shapes = tuple(mixed)
         self.decode_kind = "spec" if spec_tokens else "decode"      # the decode buckets' executables
         self.dp = mesh.shape[DP]
         self.decode_buckets, self.prefill_buckets = list(decode_buckets), list(prefill_buckets)
@@ -619,8 +619,8 @@ class Executor:
         prompt-logprobs variants of the prefill buckets and the split decode steps of structured outputs are not
         among them (compiled on first use; `prepare_split`)."""
         copies = [(k, b) for k in ("restore", "save") for b in self.decode_buckets] if self.snaps is not None else []
-        mixed = ([("mixed", b, mode, *self.mixed_shape) for mode in SAMPLER_MODES for b in self.decode_buckets]
-                 if self.mixed_shape else [])
+        mixed = [("mixed", b, mode, *shape) for shape in self.mixed_shapes for mode in SAMPLER_MODES
+                 for b in self.decode_buckets]
         return ([(self.decode_kind, b, mode) for mode in SAMPLER_MODES for b in self.decode_buckets]
                 + [("prefill", n, t) for n, t in self.prefill_buckets] + copies + mixed)
 
@@ -839,23 +839,23 @@ class Executor:
 
     def run_mixed(self, requests, chunks, shape) -> tuple[tuple[list, jax.Array], tuple[list, jax.Array]]:
         """run_decode's requests (none constrained) and run_prefill's chunks (none sampling under a grammar or
-        asking for prompt logprobs) of prefill shape `shape` (the executor's `mixed_shape`) as one mixed step. Returns
+        asking for prompt logprobs) of prefill shape `shape` (one of `mixed_shapes`) as one mixed step. Returns
         ((prefill rows, packed output), (decode rows, packed output)), each as run_prefill's and run_decode's."""
-        if shape != self.mixed_shape:
-            raise ValueError(f"mixed steps have prefill shape {self.mixed_shape}, got {shape}")
+        if shape not in self.mixed_shapes:
+            raise ValueError(f"mixed steps have prefill shapes {self.mixed_shapes}, got {shape}")
         b, drows, slots, positions, pages, sp = self._decode_rows(requests)
         prows, (tokens, start, lens, pslots, ppages, finishing, psp, _, _) = self._prefill_rows(chunks, shape)
         pre = (Batch(tokens=tokens, start=start, lens=lens, slots=pslots, pages=ppages), finishing, psp)
-        pout, dout = self.mixed(b, (slots, positions, pages, sp), pre)
+        pout, dout = self.mixed(b, shape, (slots, positions, pages, sp), pre)
         return (prows, pout), (drows, dout)
 
-    def mixed(self, bucket, decode_inputs, prefill_inputs) -> tuple[jax.Array, jax.Array]:
-        """Run mixed bucket (decode bucket, the executor's prefill shape) on decode_inputs (slots, positions,
-        pages, sampling batch; dp * bucket rows) and prefill_inputs (Batch, finishing, sampling batch); returns the
-        packed outputs (prefill's, decode's)."""
+    def mixed(self, bucket, shape, decode_inputs, prefill_inputs) -> tuple[jax.Array, jax.Array]:
+        """Run the mixed step of decode bucket `bucket` and prefill shape `shape` on decode_inputs (slots,
+        positions, pages, sampling batch; dp * bucket rows) and prefill_inputs (Batch, finishing, sampling batch);
+        returns the packed outputs (prefill's, decode's)."""
         if self.on_dispatch is not None:
-            self.on_dispatch("mixed", (bucket,), (decode_inputs, prefill_inputs))
-        key = ("mixed", bucket, sampler_mode(decode_inputs[3]), *self.mixed_shape)
+            self.on_dispatch("mixed", (bucket, *shape), (decode_inputs, prefill_inputs))
+        key = ("mixed", bucket, sampler_mode(decode_inputs[3]), *shape)
         return self._run(key, (decode_inputs, prefill_inputs))
 
     def prefill(self, shape, tokens, start, lens, slots, pages, finishing, sp: SamplingBatch,

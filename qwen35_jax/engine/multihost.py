@@ -181,7 +181,7 @@ def follow(engine, poll_ms: int = 1000):
             out = ex.prefill(key, batch.tokens, batch.start, batch.lens, batch.slots, batch.pages, finishing, sp,
                              *targets)
         elif kind == "mixed":
-            out = ex.mixed(key[0], *inputs)
+            out = ex.mixed(key[0], key[1:], *inputs)
         elif kind in ("restore", "save"):       # the prefix cache's copies: no output
             ex.copy_state(kind, key[0], *inputs)
             step += 1

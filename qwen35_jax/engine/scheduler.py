@@ -115,15 +115,16 @@ def next_bucket(x: int, buckets) -> int:
 class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, max_model_len: int,
                  max_num_batched_tokens: int, decode_buckets, prefill_buckets, dp: int = 1, num_snapshots: int = 0,
-                 lookahead: int = 0, decode_prefill_budget: int | None = None, mixed: bool = False):
+                 lookahead: int = 0, decode_prefill_budget: int | None = None, mixed=()):
         """num_slots, num_pages and num_snapshots (GDN state snapshots of the prefix cache; 0: no prefix caching)
         are per data-parallel replica. lookahead: positions past its last token that a request's step may write
         (speculative decoding), given pages with the rest. decode_prefill_budget: the most prompt tokens a step
-        with decode rows may prefill (None: what max_num_batched_tokens leaves). mixed (with a budget): a step with
-        decode rows prefills one row per replica in the mixed steps' shape (1, decode_prefill_budget), the chunk and
-        the decode rows then running as one forward (Executor.run_mixed)."""
+        with decode rows may prefill (None: what max_num_batched_tokens leaves). mixed: the mixed steps' prefill
+        shapes, (1, t) up to the budget: a step with decode rows prefills one row per replica in the smallest that
+        holds its chunk (up to the budget), the chunk and the decode rows then running as one forward
+        (Executor.run_mixed)."""
         self.lookahead, self.decode_prefill_budget = lookahead, decode_prefill_budget
-        self.mixed = mixed and decode_prefill_budget is not None
+        self.mixed = list(mixed)
         self.num_slots, self.page_size, self.max_model_len = num_slots, page_size, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
@@ -253,8 +254,7 @@ class Scheduler:
         if decode and self.decode_prefill_budget is not None:
             budget = min(budget, self.decode_prefill_budget)
         if decode and self.mixed:       # the decode rows ride in the same forward: the whole budget is the chunk's
-            buckets = [(1, self.decode_prefill_budget)]
-            budget = self.decode_prefill_budget
+            buckets, budget = self.mixed, self.decode_prefill_budget
         candidates = [r for r in self.running if not r.prefill_done]
         chunks: list[Chunk] = []
         shape = None
