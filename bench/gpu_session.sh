@@ -144,10 +144,10 @@ for s in $sections; do
                --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;
     longttft)    # issue 39: TTFT 8k..262k, prefill kernel vs jnp attention vs HF + fla, against the compute floor
              CUDA_VISIBLE_DEVICES=0 run longttft ${LT_SHARE:-540} python3 bench/long_context.py --record \
-               --config bench/configs/qwen3.5-9b.json --parts tiles,ttft ${LT_LENS:+--lens $LT_LENS} ;;
+               --config bench/configs/qwen3.5-9b.json --parts ${LT_PARTS:-tiles,ttft} ${LT_LENS:+--lens $LT_LENS} ;;
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
              CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
-               --config bench/configs/qwen3.5-9b.json --parts decode,tpot ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
+               --config bench/configs/qwen3.5-9b.json --parts ${LD_PARTS:-decode,tpot} ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
     moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~68 GB
                  # of weights: 256 rows' state fits beside them on an H200, 64 on an 80 GB card)
              mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
