@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode moe35.
+#   multiturn longttft longdecode longtpotab moe35.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -148,6 +148,13 @@ for s in $sections; do
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
              CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts ${LD_PARTS:-decode,tpot} ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
+    longtpotab)  # issue 39: the mixed steps' GEMMs as XLA chooses (the default) and with Triton GEMMs off (as the
+                 # prefill buckets compile; every executable of that run then has them off), one engine each
+             for kc in "" "xla_options.xla_gpu_enable_triton_gemm=false"; do
+               CUDA_VISIBLE_DEVICES=0 run longtpot${kc:+_no_triton} ${LTA_SHARE:-240} python3 bench/long_context.py \
+                 --record --config bench/configs/qwen3.5-9b.json --parts tpot --budgets ${LD_BUDGETS:-64} \
+                 ${kc:+--kernel-config $kc}
+             done ;;
     moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~68 GB
                  # of weights: 256 rows' state fits beside them on an H200, 64 on an 80 GB card)
              mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)

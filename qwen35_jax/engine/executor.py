@@ -702,9 +702,11 @@ class Executor:
         """KernelConfig.xla_options over the bucket's own. Prefill: its GEMMs from cuBLAS alone, no Triton GEMMs
         (XLA's autotuner sometimes picks a slower Triton GEMM for out_proj / o_proj, and with Triton GEMMs off XLA
         folds the residual adds into cuBLAS's epilogue). A decode bucket whose row-parallel GEMMs the model splits
-        over K itself (Kernels.split_k): XLA's own K splits off, so that it splits no other GEMM (in_proj)."""
+        over K itself (Kernels.split_k): XLA's own K splits off, so that it splits no other GEMM (in_proj). A mixed
+        step: XLA's choice, as decode (its GEMMs have the few rows of a decode batch plus a short chunk; with
+        Triton GEMMs off, 32- and 64-token chunks cost the same ~8 ms per step on the H100: docs/long_context.md)."""
         k, own = self.kernels, dict(self.kernel_config.xla_options)
-        if key[0] in ("prefill", "prompt_logprobs", "mixed"):      # mixed: its GEMMs are a chunk's and more
+        if key[0] in ("prefill", "prompt_logprobs"):
             return {"xla_gpu_enable_triton_gemm": False, **own}
         if key[0] in ("decode", "logits") and k.split_k > 1 and key[1] >= k.split_k_from:
             return {"xla_gpu_experimental_force_split_k": 1, **own}
