@@ -15,6 +15,9 @@ Parts (--parts), each recorded in one table:
   the decoding rows before it and while it prefills (p50, p99), and its TTFT, for each --budgets value of
   decode_prefill_budget, each cap with mixed steps and with the chunk and the decode rows apart (set between runs
   on one engine, which compiles on first use: a warm-up prompt compiles each setting's steps before timing).
+- steps: the mixed step against its parts, called directly: the decode step of --tpot-rows rows, the prefill chunk
+  alone and the two as one mixed step, per --steps-chunks length at each --steps-contexts context; with
+  --steps-profile, the device time per block of a traced burst of mixed steps.
 
     python bench/long_context.py --config bench/configs/qwen3.5-9b.json --record
 """
@@ -38,8 +41,11 @@ from bench import results  # noqa: E402
 from bench.common import add_kernel_args, config_dir, kernel_config, random_engine  # noqa: E402
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
-from bench.throughput import copy_bandwidth, time_decode  # noqa: E402
+from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
 from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
+from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
+from qwen35_jax.model.forward import Batch  # noqa: E402
+from qwen35_jax.tools.profile import start_profile, steady_step_seconds, stop_profile, summarize  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
@@ -241,6 +247,70 @@ def tpot_part(args, kc) -> list[dict]:
     return rows
 
 
+def steps_part(args, kc) -> tuple[list[dict], dict]:
+    """The mixed step against its parts, called directly (no scheduler): --tpot-rows decode rows at a 512-token
+    context and one chunk row of each --steps-chunks length at each --steps-contexts context. ms per call (steady
+    state) of the decode step alone, the prefill chunk alone, and the mixed step of both. With --steps-profile, the
+    device ms per block of one traced burst of mixed steps at the last context and chunk."""
+    n, chunks, contexts = args.tpot_rows, ints(args.steps_chunks), ints(args.steps_contexts)
+    ps, short = 16, 512
+    per_row = short // ps + 1
+    long_pages = -(-(max(contexts) + max(chunks)) // ps)
+    engine = random_engine(args.config, EngineArgs(
+        max_model_len=max(contexts) + max(chunks) + 64, max_num_seqs=n + 1, max_num_batched_tokens=max(chunks),
+        max_prefill_rows=1, min_prefill_tokens=min(chunks), decode_prefill_budget=max(chunks), page_size=ps,
+        num_kv_pages=1 + n * per_row + long_pages, precompile=False, enable_prefix_caching=False, kernel_config=kc))
+    ex, pps = engine.executor, engine.pages_per_seq
+    b = min(x for x in ex.decode_buckets if x >= n)
+    slots, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    pages = np.zeros((b, pps), np.int32)
+    for i in range(n):
+        slots[i], positions[i] = i + 1, short
+        pages[i, :per_row] = 1 + i * per_row + np.arange(per_row)
+    sp = host_batch([Row() for _ in range(n)], b)
+    chunk_pages = np.zeros((1, pps), np.int32)
+    chunk_pages[0, :long_pages] = 1 + n * per_row + np.arange(long_pages)
+    psp, finishing = host_batch_rows([None]), np.zeros(1, np.bool_)
+
+    def timed(call) -> float:
+        for _ in range(3):
+            o = call()
+        jax.block_until_ready(o)
+
+        def burst(k):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                o = call()
+            jax.block_until_ready(o)
+            return time.perf_counter() - t0
+        return steady_step_seconds(burst, 20)[0] * 1e3
+
+    rows, dec = [], (slots, positions, pages, sp)
+    decode_ms = timed(lambda: ex.decode(b, *dec))
+    for c in contexts:
+        for t in chunks:
+            arrays = (np.ones((1, t), np.int32), np.array([c], np.int32), np.array([t], np.int32),
+                      np.array([n + 1], np.int32), chunk_pages)
+            chunk = (Batch(*arrays), finishing, psp)
+            prefill_ms = timed(lambda: ex.prefill((1, t), *arrays, finishing, psp))
+            mixed_ms = timed(lambda: ex.mixed(b, (1, t), dec, chunk))
+            row = {"context": c, "chunk": t, "decode_ms": decode_ms, "prefill_ms": prefill_ms,
+                   "apart_ms": decode_ms + prefill_ms, "mixed_ms": mixed_ms, "mixed_over_decode": mixed_ms / decode_ms}
+            print(row, flush=True)
+            rows.append(row)
+    blocks = {}
+    if args.steps_profile:
+        start_profile(args.steps_profile)
+        for _ in range(10):
+            o = ex.mixed(b, (1, t), dec, chunk)
+        jax.block_until_ready(o)
+        session = stop_profile()
+        blocks = {k: v / 10 for k, v in summarize(session, [e.as_text() for e in ex.compiled.values()]).items()}
+        print(blocks, flush=True)
+    free(engine)
+    return rows, blocks
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -259,6 +329,9 @@ def main():
     ap.add_argument("--tpot-max-tokens", type=int, default=8192, help="the decoding requests' max_tokens")
     ap.add_argument("--floor-chunk", type=int, default=8192, help="the chunk the attention kernel's rate is timed on")
     ap.add_argument("--budgets", default="none,256,64", help="decode_prefill_budget values (each cap mixed and apart)")
+    ap.add_argument("--steps-contexts", default="1024,131072", help="steps: the chunk row's contexts")
+    ap.add_argument("--steps-chunks", default="32,64,256", help="steps: the chunk lengths (powers of two)")
+    ap.add_argument("--steps-profile", default="", help="steps: trace a burst of mixed steps into this directory")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
     args = ap.parse_args()
@@ -329,6 +402,17 @@ def main():
         tables.append(f"TPOT of {args.tpot_rows} decoding requests while a {args.tpot_prompt}-token prompt "
                       f"prefills\n\n" + results.table(fmt(rows), list(rows[0])))
         fields["tpot"] = rows
+        flush()
+    if "steps" in parts:
+        rows, blocks = steps_part(args, kc)
+        tables.append(f"The mixed step against its parts ({args.tpot_rows} decode rows at 512 tokens of context, one "
+                      "chunk row)\n\n" + results.table(fmt(rows), list(rows[0])))
+        if blocks:
+            tables.append(f"Device ms per block of one mixed step (context {rows[-1]['context']}, chunk "
+                          f"{rows[-1]['chunk']})\n\n" + results.table(
+                              fmt([{"block": k, "ms": v} for k, v in sorted(blocks.items(), key=lambda x: -x[1])]),
+                              ["block", "ms"]))
+        fields.update(steps=rows, step_blocks=blocks)
         flush()
 
 
