@@ -44,6 +44,16 @@ def online_softmax_step(s, v, acc, m, l):
     return acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v), m_new, l * alpha + jnp.sum(p, axis=1)
 
 
+def merge_splits(acc, m, l):
+    """Flash-decoding's merge of key splits (this kernel's and the prefill kernel's), outside the kernel: each
+    split's unnormalised acc [S, ..., D], max m and sum l [S, ...] rescaled to the common max -> the fp32 output
+    [..., D]; rows with no visible key in any split give zeros."""
+    big = jnp.max(m, axis=0)
+    w = jnp.exp(m - big[None])
+    total = jnp.sum(l * w, axis=0)
+    return jnp.sum(acc * w[..., None], axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
     """Tiles of the decode attention kernel (the defaults: the fastest of the H200 sweeps, bench/kernel_sweeps.py)."""
@@ -171,13 +181,7 @@ def attend_tiles(qg, hq, k_pages, v_pages, pages, ctx_lens, *, config: DecodeAtt
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_decode_attention",
     )(ctx_lens.astype(jnp.int32), qg, k_pages, v_pages, pages)
-    # Merge the splits (flash-decoding): rescale each split's sums to the common max.
-    big = jnp.max(m, axis=0)
-    w = jnp.exp(m - big[None])
-    total = jnp.sum(l * w, axis=0)
-    acc = jnp.sum(o * w[..., None], axis=0)
-    out = acc / jnp.where(total > 0, total, 1.0)[..., None]                   # no visible key: zeros
-    return out[:, :, :g].reshape(n, hq, d).astype(qg.dtype)
+    return merge_splits(o, m, l)[:, :, :g].reshape(n, hq, d).astype(qg.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

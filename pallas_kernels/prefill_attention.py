@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import NEG, online_softmax_step
+from pallas_kernels.paged_attention import NEG, merge_splits, online_softmax_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +83,14 @@ def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, page_
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(first, last, body, init)
+    if splits == 1:         # block 0 holds key 0, which every query sees; a row with no context gives zeros
+        out_refs[0][...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_refs[0].dtype)
+        return
     # A query that saw no visible key (all of this split's keys lie past it) kept m = NEG, and exp(NEG - NEG) = 1
-    # summed its masked keys into acc and l: it has nothing. (Unsplit, block 0 holds key 0, which every query sees.)
+    # summed its masked keys into acc and l: it has nothing.
     seen = m > NEG
-    acc, l = jnp.where(seen[:, None], acc, 0.0), jnp.where(seen, l, 0.0)
-    if splits == 1:
-        out_refs[0][...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_refs[0].dtype)  # no key: zeros
-    else:
-        for ref, x in zip(out_refs, (acc, m, l)):
-            ref[...] = x
+    for ref, x in zip(out_refs, (jnp.where(seen[:, None], acc, 0.0), m, jnp.where(seen, l, 0.0))):
+        ref[...] = x
 
 
 def num_splits(programs: int, key_blocks: int, config: PrefillAttentionConfig) -> int:
@@ -147,10 +146,6 @@ def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="paged_prefill_attention",
     )(positions[:, 0].astype(jnp.int32), ctx_lens.astype(jnp.int32), qs, k_pages, v_pages, pages)
-    if splits > 1:              # merge the splits (flash-decoding): each split's sums rescaled to the common max
-        acc, m, l = out
-        big = jnp.max(m, axis=0)
-        w = jnp.exp(m - big[None])
-        total = jnp.sum(l * w, axis=0)
-        out = (jnp.sum(acc * w[..., None], axis=0) / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
+    if splits > 1:
+        out = merge_splits(*out).astype(q.dtype)
     return out[:, :t]

@@ -251,10 +251,10 @@ class Scheduler:
         per_replica = collections.Counter(r.replica for r in decode)
         budget = self.max_num_batched_tokens - max(per_replica.values(), default=0)
         buckets = self.prefill_buckets
-        if decode and self.decode_prefill_budget is not None:
-            budget = min(budget, self.decode_prefill_budget)
         if decode and self.mixed:       # the decode rows ride in the same forward: the whole budget is the chunk's
             buckets, budget = self.mixed, self.decode_prefill_budget
+        elif decode and self.decode_prefill_budget is not None:
+            budget = min(budget, self.decode_prefill_budget)
         candidates = [r for r in self.running if not r.prefill_done]
         chunks: list[Chunk] = []
         shape = None
