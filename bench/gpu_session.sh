@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps moe35.
+#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35.
 # Single-GPU sections run on GPU 0.
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
@@ -159,6 +159,16 @@ for s in $sections; do
                  # device time per block (a traced burst)
              CUDA_VISIBLE_DEVICES=0 run longsteps ${LS_SHARE:-240} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts steps --steps-profile /tmp/steps_trace ;;
+    chunktiles)  # issue 39: the prefill attention's tiles on a mixed step's short chunks at 128k; the pick feeds
+                 # longtpotpick
+             CUDA_VISIBLE_DEVICES=0 run chunktiles ${CT_SHARE:-150} python3 bench/long_context.py --record \
+               --config bench/configs/qwen3.5-9b.json --parts chunktiles --pick $work/pfa_pick.txt ;;
+    longtpotpick)  # issue 39: TPOT during a 128k prefill with mixed steps (LD_BUDGETS caps), then the mixed step at
+                   # 128k against its parts, on chunktiles' pick of the prefill attention's tiles
+             pick=$(cat $work/pfa_pick.txt 2>/dev/null)
+             CUDA_VISIBLE_DEVICES=0 run longtpotpick ${LTP_SHARE:-360} python3 bench/long_context.py --record \
+               --config bench/configs/qwen3.5-9b.json --parts tpot,steps --budgets ${LD_BUDGETS:-32,64} \
+               --tpot-steps mixed --steps-contexts 131072 --steps-chunks 32,64 ${pick:+--kernel-config "$pick"} ;;
     moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~68 GB
                  # of weights: 256 rows' state fits beside them on an H200, 64 on an 80 GB card)
              mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)

@@ -13,8 +13,11 @@ Parts (--parts), each recorded in one table:
   directly, no prefill), against its floor (weights + GDN state + K/V read, over the measured copy bandwidth).
 - tpot: --tpot-rows requests decoding, then a --tpot-prompt-token prompt arrives; the time per output token of
   the decoding rows before it and while it prefills (p50, p99), and its TTFT, for each --budgets value of
-  decode_prefill_budget, each cap with mixed steps and with the chunk and the decode rows apart (set between runs
-  on one engine, which compiles on first use: a warm-up prompt compiles each setting's steps before timing).
+  decode_prefill_budget, each cap with mixed steps and with the chunk and the decode rows apart (--tpot-steps; set
+  between runs on one engine, which compiles on first use: a warm-up prompt compiles each setting's steps first).
+- chunktiles: the prefill attention kernel alone on each --steps-chunks chunk at the end of a --decode-context
+  context (as a mixed step runs it) for each tile configuration, against the layer's K/V copy floor, and on a causal
+  --floor-chunk chunk; --pick writes the --kernel-config text of the fastest on short chunks.
 - steps: the mixed step against its parts, called directly: the decode step of --tpot-rows rows, the prefill chunk
   alone and the two as one mixed step, per --steps-chunks length at each --steps-contexts context; with
   --steps-profile, the device time per block of a traced burst of mixed steps.
@@ -188,6 +191,40 @@ def set_budget(engine, budget: int | None, mixed: bool):
     engine.executor.mixed_shapes = tuple(shapes)
 
 
+def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
+    """The prefill attention kernel alone, one attention layer, for each tile configuration: ms per call of a
+    short chunk (--steps-chunks) at the end of a --decode-context context, as a mixed step runs it, and the
+    fraction of the copy floor (the layer's K/V read once); TFLOP/s on a causal --floor-chunk chunk from position 0.
+    Returns the rows and the pick: KernelConfig.parse's text of the tiles fastest over the short chunks among those
+    within 10% of the default's TFLOP/s (empty when that is the default)."""
+    hq, hkv, d, ps, ctx = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, args.decode_context
+    chunks, bw, rows = ints(args.steps_chunks), copy_bandwidth(), []
+    key = jax.random.key(0)
+    kv = jax.random.normal(key, (hkv, 1 + ctx // ps, ps, d), jnp.bfloat16)
+    pages = jnp.arange(1, 1 + ctx // ps, dtype=jnp.int32)[None]
+    floor_ms = 2 * kv.nbytes / bw * 1e3
+    for c in prefill_attention_sweep():
+        attn = jax.jit(lambda *x, c=c: paged_prefill_attention(*x, config=c, interpret=jax.default_backend() != "gpu"))
+        row = {"tiles": c.name + ("" if c.target_programs == 264 else f"_t{c.target_programs}")}
+        try:
+            for t in chunks:
+                q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
+                positions = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
+                seconds = 1 / rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([ctx], jnp.int32)), 1.0)
+                row[f"chunk{t}_ms"] = seconds * 1e3
+                row[f"chunk{t}_floor"] = floor_ms / (seconds * 1e3)
+            row["tflops_causal"] = attention_rate(cfg, c, args.floor_chunk) / 1e12
+        except Exception as e:  # noqa: BLE001 (e.g. a tile past the shared memory: the table says so)
+            row["failed"] = f"{type(e).__name__}: {str(e)[:80]}"
+        print(row, flush=True)
+        rows.append(row)
+    ok = [(r, c) for r, c in zip(rows, prefill_attention_sweep()) if "failed" not in r
+          and r["tflops_causal"] >= 0.9 * rows[0].get("tflops_causal", float("inf"))]
+    best = min(ok, key=lambda rc: sum(rc[0][f"chunk{t}_ms"] for t in chunks), default=(None, None))[1]
+    pick = dataclasses.replace(kc, prefill_attention=best).changes() if best is not None else ""
+    return rows, pick
+
+
 def tpot_part(args, kc) -> list[dict]:
     """For each budget, with mixed steps and apart: n requests decode; a warm-up prompt of 4 budgets' tokens
     compiles what the setting runs (the engine compiles on first use); --tpot-base-s of their TPOT; then the long
@@ -210,7 +247,8 @@ def tpot_part(args, kc) -> list[dict]:
             raise RuntimeError(f"a {length}-token prompt got no first token within {timeout} s")
         return time.monotonic() - t0
 
-    settings = [(None, False)] * ("none" in args.budgets.split(",")) + [(c, m) for c in caps for m in (True, False)]
+    modes = [{"mixed": True, "apart": False}[m] for m in args.tpot_steps.split(",")]
+    settings = [(None, False)] * ("none" in args.budgets.split(",")) + [(c, m) for c in caps for m in modes]
     for budget, mixed in settings:
         set_budget(engine, budget, mixed)
         obs.events.clear()
@@ -332,6 +370,8 @@ def main():
     ap.add_argument("--steps-contexts", default="1024,131072", help="steps: the chunk row's contexts")
     ap.add_argument("--steps-chunks", default="32,64,256", help="steps: the chunk lengths (powers of two)")
     ap.add_argument("--steps-profile", default="", help="steps: trace a burst of mixed steps into this directory")
+    ap.add_argument("--tpot-steps", default="mixed,apart", help="tpot: each cap with mixed steps, apart, or both")
+    ap.add_argument("--pick", default="", help="chunktiles: write the picked tiles' --kernel-config text here")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
     args = ap.parse_args()
@@ -391,6 +431,17 @@ def main():
         tables.append(f"Prefill attention kernel tiles, one causal {args.floor_chunk}-token chunk\n\n"
                       + results.table(fmt(rows), list(rows[0])))
         fields["tiles"] = rows
+        flush()
+    if "chunktiles" in parts:
+        rows, pick = chunk_tiles_part(args, cfg, kc)
+        if args.pick:
+            with open(args.pick, "w") as f:
+                f.write(pick)
+        tables.append(f"Prefill attention kernel tiles on short chunks at the end of a {args.decode_context}-token "
+                      f"context (one layer; floor: its K/V read once at the measured copy bandwidth), and on a causal "
+                      f"{args.floor_chunk}-token chunk. Picked: {pick or 'the default'}\n\n"
+                      + results.table(fmt(rows), list(dict.fromkeys(c for r in rows for c in r))))
+        fields.update(chunk_tiles=rows, chunk_tiles_pick=pick)
         flush()
     if "decode" in parts:
         rows = decode_part(args, kc)

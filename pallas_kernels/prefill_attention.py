@@ -8,17 +8,17 @@ its keys inside the kernel, bounded by its own queries' positions.
 Layout as the model's KV pool: k/v pages [Hkv, num_pages, page_size, D]; `pages[n]` lists row n's pages in order
 (0, the null page, past its end). The chunk's own K/V are already written into the pages (forward.attention_core
 writes them first), so a query attends to the row's earlier chunks and to its own chunk alike: keys at positions
-<= its own and < ctx_lens[n]. Grid (row, query head, query block): a program takes `block_q` consecutive queries of
-one head (rows of different lengths and starts in one launch: varlen) and walks key blocks of `block_k` from
+<= its own and < ctx_lens[n]. Grid (row, KV head, query block): a program takes `block_q` query rows of one KV head,
+the chunk's (token, query head) pairs of its GQA group, token-major, so that the group's heads share every K/V block
+it loads (rows of different lengths and starts in one launch: varlen). It walks key blocks of `block_k` from
 position 0 up to its last query's position with an online softmax in fp32. Keys are gathered row by row from the
 pool viewed as [Hkv, num_pages * page_size, D] (key j: row pages[j // ps] * ps + j % ps), as the decode kernel
-gathers them (pallas_kernels/paged_attention.py). Query heads of one KV head read the same K/V blocks, which the
-L2 cache serves after the first.
+gathers them (pallas_kernels/paged_attention.py).
 
 A short chunk at a long context (a mixed step's 64 tokens at 128k) makes few programs with long key loops: 16 of
-them for 16 heads would leave most of the GPU idle. Such grids split each program's keys (flash-decoding, as the
-decode kernel does): grid (row, query head, query block, split), each split an equal share of the program's key
-blocks, its unnormalised sums merged outside the kernel. Chunks with programs enough run unsplit.
+them (4 KV heads, 4 blocks of 64 rows) would leave most of the GPU idle. Such grids split each program's keys
+(flash-decoding, as the decode kernel does): grid (row, KV head, query block, split), each split an equal share of
+the program's key blocks, its unnormalised sums merged outside the kernel. Chunks with programs enough run unsplit.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ from pallas_kernels.paged_attention import NEG, merge_splits, online_softmax_ste
 
 @dataclasses.dataclass(frozen=True)
 class PrefillAttentionConfig:
-    """Tiles of the prefill attention kernel: queries per program, keys per loop step, Triton's warps and
-    pipeline depth (head dim 256: a [64, 256] query tile, [32, 256] K and V blocks double-buffered, ~100 KB of
-    shared memory)."""
+    """Tiles of the prefill attention kernel: query rows ((token, head) pairs) per program, keys per loop step,
+    Triton's warps and pipeline depth (head dim 256: a [64, 256] query tile, [32, 256] K and V blocks
+    double-buffered, ~100 KB of shared memory)."""
     block_q: int = 64
     block_k: int = 32
     num_warps: int = 8
@@ -53,17 +53,18 @@ class PrefillAttentionConfig:
 DEFAULT = PrefillAttentionConfig()
 
 
-def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, page_size, block_k, splits):
-    """Refs (BlockSpecs): start / ctx [N] (whole), q [BQ, D] (this row, head and query block, scaled), k/v
-    [num_pages * ps, D] (this head's KV head), pages [P'] (this row); output o [BQ, D] (normalised), or with
-    splits > 1 this split's acc [BQ, D] and m / l [BQ] (fp32, unnormalised)."""
+def _kernel(start_ref, ctx_ref, q_ref, k_ref, v_ref, pages_ref, *out_refs, page_size, block_k, group, splits):
+    """Refs (BlockSpecs): start / ctx [N] (whole), q [BQ, D] (this row, KV head and block of query rows, scaled;
+    query row f is token f // group of the chunk, head f % group of the KV head's group), k/v [num_pages * ps, D]
+    (this KV head), pages [P'] (this row); output o [BQ, D] (normalised), or with splits > 1 this split's acc
+    [BQ, D] and m / l [BQ] (fp32, unnormalised)."""
     n, b = pl.program_id(0), pl.program_id(2)
     start, ctx = start_ref[n], ctx_ref[n]
     q = q_ref[...]
     block_q, d = q.shape
-    qpos = start + b * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    qpos = start + (b * block_q + jnp.arange(block_q, dtype=jnp.int32)) // group
     # keys up to the block's last query (causal), never past the row's context
-    end = jnp.minimum(ctx, start + (b + 1) * block_q)
+    end = jnp.minimum(ctx, start + (b * block_q + block_q - 1) // group + 1)
     blocks = jnp.maximum(end + block_k - 1, 0) // block_k
     first, last = 0, blocks
     if splits > 1:                                       # this split's share of the key blocks
@@ -116,29 +117,32 @@ def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
         if x & (x - 1) or x < 16:
             raise ValueError(f"{name} ({x}) must be a power of two >= 16 (Triton block shapes)")
     g, bq, bk = hq // hkv, config.block_q, config.block_k
-    tp = -(-t // bq) * bq
+    # query rows per KV head, token-major: row f = token f // g, head h * g + f % g; padded to whole blocks
+    rows = -(-t * g // bq) * bq
     qs = (q.astype(jnp.float32) * d ** -0.5).astype(q.dtype)
-    qs = jnp.pad(qs, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    qs = jnp.moveaxis(qs.reshape(n, t, hkv, g, d), 2, 1).reshape(n, hkv, t * g, d)
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
     # every key block a program may read must have its page entries (past the table: the null page)
     cover = -(-pages.shape[1] * page_size // bk) * bk
     pages = jnp.pad(pages.astype(jnp.int32), ((0, 0), (0, max(0, -(-cover // page_size) - pages.shape[1]))))
     k_pages = k_pages.reshape(hkv, -1, d)                # [Hkv, num_pages * ps, D]: a free view of the pool
     v_pages = v_pages.reshape(hkv, -1, d)
-    splits = num_splits(n * hq * (tp // bq), cover // bk, config)
-    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, b, s: (h // g, 0, 0))
-    q_spec = pl.BlockSpec((None, bq, None, d), lambda i, h, b, s: (i, b, h, 0))
+    splits = num_splits(n * hkv * (rows // bq), cover // bk, config)
+    kv_spec = pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, h, b, s: (h, 0, 0))
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda i, h, b, s: (i, h, b, 0))
     if splits == 1:
-        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct((n, tp, hq, d), q.dtype)
-    else:                       # per split: acc [S, N, T', Hq, D], m and l [S, N, T', Hq]
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct((n, hkv, rows, d), q.dtype)
+    else:                       # per split: acc [S, N, Hkv, rows, D], m and l [S, N, Hkv, rows]
         f32 = jnp.float32
-        out_specs = [pl.BlockSpec((None, None, bq, None, d), lambda i, h, b, s: (s, i, b, h, 0)),
-                     pl.BlockSpec((None, None, bq, None), lambda i, h, b, s: (s, i, b, h)),
-                     pl.BlockSpec((None, None, bq, None), lambda i, h, b, s: (s, i, b, h))]
-        out_shape = [jax.ShapeDtypeStruct((splits, n, tp, hq, d), f32),
-                     jax.ShapeDtypeStruct((splits, n, tp, hq), f32), jax.ShapeDtypeStruct((splits, n, tp, hq), f32)]
+        out_specs = [pl.BlockSpec((None, None, None, bq, d), lambda i, h, b, s: (s, i, h, b, 0)),
+                     pl.BlockSpec((None, None, None, bq), lambda i, h, b, s: (s, i, h, b)),
+                     pl.BlockSpec((None, None, None, bq), lambda i, h, b, s: (s, i, h, b))]
+        out_shape = [jax.ShapeDtypeStruct((splits, n, hkv, rows, d), f32),
+                     jax.ShapeDtypeStruct((splits, n, hkv, rows), f32),
+                     jax.ShapeDtypeStruct((splits, n, hkv, rows), f32)]
     out = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, block_k=bk, splits=splits),
-        grid=(n, hq, tp // bq, splits),
+        functools.partial(_kernel, page_size=page_size, block_k=bk, group=g, splits=splits),
+        grid=(n, hkv, rows // bq, splits),
         in_specs=[pl.BlockSpec((n,), lambda i, h, b, s: (0,)), pl.BlockSpec((n,), lambda i, h, b, s: (0,)), q_spec,
                   kv_spec, kv_spec, pl.BlockSpec((None, pages.shape[1]), lambda i, h, b, s: (i, 0))],
         out_specs=out_specs,
@@ -148,4 +152,4 @@ def paged_prefill_attention(q, k_pages, v_pages, pages, positions, ctx_lens, *,
     )(positions[:, 0].astype(jnp.int32), ctx_lens.astype(jnp.int32), qs, k_pages, v_pages, pages)
     if splits > 1:
         out = merge_splits(*out).astype(q.dtype)
-    return out[:, :t]
+    return jnp.moveaxis(out[:, :, :t * g].reshape(n, hkv, t, g, d), 1, 2).reshape(n, t, hq, d)

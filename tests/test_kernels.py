@@ -451,7 +451,7 @@ def test_paged_prefill_attention_matches_reference(hq, hkv, d, dtype, config):
     early query blocks see no key; the 9B and 27B head shapes in bf16 with the default tiles (as close to an fp32
     reference as the jnp one is: both ~1.7e-3)."""
     cfg = config or prefill_attention.DEFAULT
-    programs = 5 * hq * -(-40 // cfg.block_q)
+    programs = 5 * hkv * -(-40 * (hq // hkv) // cfg.block_q)
     splits = prefill_attention.num_splits(programs, 16 * 8 // cfg.block_k, cfg)
     assert (splits == 1) == (cfg.target_programs == 1) and (splits == 8 or cfg.target_programs != 4096)
     n, t, ps, per_row = 5, 40, 8, 16
