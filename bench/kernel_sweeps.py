@@ -48,13 +48,12 @@ def attention_sweep():
 
 
 def prefill_attention_sweep():
-    """The paged prefill attention's query rows and key blocks, warps, pipeline depth and split target (the later
-    ones for short chunks at long contexts: deeper K/V pipelines, as the decode kernel's, and more programs)."""
-    c = pfa.PrefillAttentionConfig
-    return [pfa.DEFAULT, c(block_k=64), c(num_stages=3), c(num_warps=4), c(block_q=32, num_warps=4), c(block_q=128),
-            c(num_warps=4, num_stages=4), c(num_warps=4, num_stages=3), c(block_q=128, num_stages=3),
-            c(block_q=16, num_warps=4, num_stages=4), c(block_k=64, num_warps=4, num_stages=3),
-            c(num_warps=4, num_stages=4, target_programs=528), c(block_q=128, num_warps=8, num_stages=3, block_k=16)]
+    """The paged prefill attention's query rows and key blocks, warps, pipeline depth and split target (the default
+    first; the second, the default before 2026-12-06)."""
+    c, d, r = pfa.PrefillAttentionConfig, pfa.DEFAULT, dataclasses.replace
+    return [d, c(num_warps=8, num_stages=2, target_programs=264), r(d, target_programs=264), r(d, num_stages=3),
+            r(d, num_stages=2), r(d, block_k=64, num_stages=3), r(d, block_q=128, num_warps=8, num_stages=3),
+            r(d, block_q=128, num_warps=8, num_stages=2), r(d, block_q=32), r(d, block_q=16)]
 
 
 # Timed beside the default in bench/kernels.py's headline: the next default if it reads faster there (the T solve per

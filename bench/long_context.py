@@ -205,7 +205,7 @@ def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
     floor_ms = 2 * kv.nbytes / bw * 1e3
     for c in prefill_attention_sweep():
         attn = jax.jit(lambda *x, c=c: paged_prefill_attention(*x, config=c, interpret=jax.default_backend() != "gpu"))
-        row = {"tiles": c.name + ("" if c.target_programs == 264 else f"_t{c.target_programs}")}
+        row = {"tiles": c.name}
         try:
             for t in chunks:
                 q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)

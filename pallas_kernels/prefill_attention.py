@@ -36,18 +36,19 @@ from pallas_kernels.paged_attention import NEG, merge_splits, online_softmax_ste
 @dataclasses.dataclass(frozen=True)
 class PrefillAttentionConfig:
     """Tiles of the prefill attention kernel: query rows ((token, head) pairs) per program, keys per loop step,
-    Triton's warps and pipeline depth (head dim 256: a [64, 256] query tile, [32, 256] K and V blocks
-    double-buffered, ~100 KB of shared memory)."""
+    Triton's warps and pipeline depth (head dim 256: a [64, 256] query tile and [32, 256] K and V blocks four
+    deep, ~160 KB of shared memory). The defaults: the fastest of bench/long_context.py's `chunktiles` sweep on
+    a mixed step's short chunks at 128k, and as fast as any on a causal 8k chunk."""
     block_q: int = 64
     block_k: int = 32
-    num_warps: int = 8
-    num_stages: int = 2
-    target_programs: int = 264    # key splits are chosen so that the grid reaches this many programs (2 per SM)
+    num_warps: int = 4
+    num_stages: int = 4
+    target_programs: int = 528    # key splits are chosen so that the grid reaches this many programs (4 per SM)
     max_splits: int = 32
 
     @property
     def name(self):
-        return f"q{self.block_q}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+        return f"q{self.block_q}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_t{self.target_programs}"
 
 
 DEFAULT = PrefillAttentionConfig()

@@ -549,7 +549,7 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         assert text.count("__gpu$xla.gpu.triton") == 2
 
     # 9B (G 4) and 27B (G 6) prefill attention, unsplit; a 64-token chunk (of a mixed step), split
-    assert prefill_attention.num_splits(16, 4097 * 16 // 32, prefill_attention.DEFAULT) == 17
+    assert prefill_attention.num_splits(16, 4097 * 16 // 32, prefill_attention.DEFAULT) == 32
     for n, t, hq in ((1, 2048, 16), (4, 512, 24), (1, 64, 16)):
         pcfgs = kernel_sweeps.prefill_attention_sweep()
         text = lower_for_cuda(lambda *x: [prefill_attention.paged_prefill_attention(*x, config=c) for c in pcfgs],
