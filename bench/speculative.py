@@ -64,6 +64,18 @@ def main():
         steps = st.spec_steps - steps
         return wall, steps, st.spec_accepted - accepted
 
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else v
+
+    def flush():            # after each k: a run cut short by its time limit keeps the rows it finished
+        body = (f"Model `{os.path.basename(model.rstrip('/'))}` ({args.dtype}), {len(docs)} held-out documents as "
+                f"prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens each (ignore_eos, seed 0); greedy "
+                f"drafts from the MTP head; speedup = plain / speculative wall time of the same generate.\n\n"
+                + results.table([{c: fmt(v) for c, v in r.items()} for r in rows], list(rows[0])))
+        print(body, flush=True)
+        if args.record:
+            results.record("Speculative decoding with the MTP head (bench/speculative.py)", body,
+                           fields={"args": vars(args), "results": rows})
+
     with LLM(model, **engine) as llm:
         plain = {t: run(llm, t)[0] for t in args.temperatures}
     for k in args.k:
@@ -76,15 +88,7 @@ def main():
                        "generate_s": wall, "plain_generate_s": plain[t], "speedup": plain[t] / wall}
                 print(row, flush=True)
                 rows.append(row)
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else v
-    body = (f"Model `{os.path.basename(model.rstrip('/'))}` ({args.dtype}), {len(docs)} held-out documents as "
-            f"prompts of {args.prompt_tokens} tokens, {args.max_tokens} tokens each (ignore_eos, seed 0); greedy "
-            f"drafts from the MTP head; speedup = plain / speculative wall time of the same generate.\n\n"
-            + results.table([{c: fmt(v) for c, v in r.items()} for r in rows], list(rows[0])))
-    print(body)
-    if args.record:
-        results.record("Speculative decoding with the MTP head (bench/speculative.py)", body,
-                       fields={"args": vars(args), "results": rows})
+        flush()
     return np.mean([r["mean_tokens_per_step"] for r in rows])
 
 
