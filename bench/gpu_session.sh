@@ -163,16 +163,17 @@ for s in $sections; do
                  # longtpotpick
              CUDA_VISIBLE_DEVICES=0 run chunktiles ${CT_SHARE:-150} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts chunktiles --pick $work/pfa_pick.txt ;;
-    longtpotpick)  # issue 39: TPOT during a 128k prefill with mixed steps (LD_BUDGETS caps), then the mixed step at
-                   # 128k against its parts, on chunktiles' pick of the prefill attention's tiles
+    longtpotpick)  # issue 39: the mixed step at 128k against its parts, then TPOT during a 128k prefill with mixed
+                   # steps (LD_BUDGETS caps), on chunktiles' pick of the prefill attention's tiles
              pick=$(cat $work/pfa_pick.txt 2>/dev/null)
              CUDA_VISIBLE_DEVICES=0 run longtpotpick ${LTP_SHARE:-360} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts tpot,steps --budgets ${LD_BUDGETS:-32,64} \
                --tpot-steps mixed --steps-contexts 131072 --steps-chunks 32,64 ${pick:+--kernel-config "$pick"} ;;
-    moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~68 GB
-                 # of weights: 256 rows' state fits beside them on an H200, 64 on an 80 GB card)
+    moe35)       # issue 40: 35B-A3B decode at batch 1 / 16 / 64 / 256 against its routed-expert floor, and HF (~69 GB
+                 # of weights: 256 rows' state fits beside them on an H200; on an 80 GB card 3.1 GB were left for
+                 # state and pages, short of 64 rows' GDN state, 2026-12-06)
              mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
-             batches=${MOE_BATCHES:-$( [ "$mib" -gt 100000 ] && echo 1,16,64,256 || echo 1,16,64 )}
+             batches=${MOE_BATCHES:-$( [ "$mib" -gt 100000 ] && echo 1,16,64,256 || echo 1,16 )}
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \

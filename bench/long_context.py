@@ -448,12 +448,6 @@ def main():
         tables.append("Decode step at long context\n\n" + results.table(fmt(rows), list(rows[0])))
         fields["decode"] = rows
         flush()
-    if "tpot" in parts:
-        rows = tpot_part(args, kc)
-        tables.append(f"TPOT of {args.tpot_rows} decoding requests while a {args.tpot_prompt}-token prompt "
-                      f"prefills\n\n" + results.table(fmt(rows), list(rows[0])))
-        fields["tpot"] = rows
-        flush()
     if "steps" in parts:
         rows, blocks = steps_part(args, kc)
         tables.append(f"The mixed step against its parts ({args.tpot_rows} decode rows at 512 tokens of context, one "
@@ -464,6 +458,12 @@ def main():
                               fmt([{"block": k, "ms": v} for k, v in sorted(blocks.items(), key=lambda x: -x[1])]),
                               ["block", "ms"]))
         fields.update(steps=rows, step_blocks=blocks)
+        flush()
+    if "tpot" in parts:
+        rows = tpot_part(args, kc)
+        tables.append(f"TPOT of {args.tpot_rows} decoding requests while a {args.tpot_prompt}-token prompt "
+                      f"prefills\n\n" + results.table(fmt(rows), list(rows[0])))
+        fields["tpot"] = rows
         flush()
 
 
