@@ -9,6 +9,9 @@
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
 #   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35.
 # Single-GPU sections run on GPU 0.
+# .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
+# (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
+#   pip download --no-deps --only-binary=:all: -d .whl fla-core==0.6.0 flash-linear-attention==0.6.0
 # XLA_FLAGS from the environment applies to every section (e.g. --xla_gpu_autotune_level=0 to cut compile time).
 # The default sections need ~930 s: over two device calls (600 s each at most), e.g.
 #   bash bench/gpu_session.sh 560 attention throughput;  bash bench/gpu_session.sh 560 servinglite profile kernels
