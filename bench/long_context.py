@@ -194,7 +194,9 @@ def set_budget(engine, budget: int | None, mixed: bool):
 def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
     """The prefill attention kernel alone, one attention layer, for each tile configuration: ms per call of a
     short chunk (--steps-chunks) at the end of a --decode-context context, as a mixed step runs it, and the
-    fraction of the copy floor (the layer's K/V read once); TFLOP/s on a causal --floor-chunk chunk from position 0.
+    fraction of the copy floor (the layer's K/V read once), over 100 calls back to back (10 left sub-ms calls at
+    the dispatch's mercy: two identical grids differed by 60% on 2026-12-06); TFLOP/s on a causal --floor-chunk
+    chunk from position 0.
     Returns the rows and the pick: KernelConfig.parse's text of the tiles fastest over the short chunks among those
     within 10% of the default's TFLOP/s (empty when that is the default)."""
     hq, hkv, d, ps, ctx = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, args.decode_context
@@ -210,7 +212,7 @@ def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
             for t in chunks:
                 q = jax.random.normal(key, (1, t, hq, d), jnp.bfloat16)
                 positions = (ctx - t + jnp.arange(t, dtype=jnp.int32))[None]
-                seconds = 1 / rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([ctx], jnp.int32)), 1.0)
+                seconds = 1 / rate(lambda: attn(q, kv, kv, pages, positions, jnp.array([ctx], jnp.int32)), 1.0, 100)
                 row[f"chunk{t}_ms"] = seconds * 1e3
                 row[f"chunk{t}_floor"] = floor_ms / (seconds * 1e3)
             row["tflops_causal"] = attention_rate(cfg, c, args.floor_chunk) / 1e12
