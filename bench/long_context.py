@@ -20,7 +20,8 @@ Parts (--parts), each recorded in one table:
   --floor-chunk chunk; --pick writes the --kernel-config text of the fastest on short chunks.
 - steps: the mixed step against its parts, called directly: the decode step of --tpot-rows rows, the prefill chunk
   alone and the two as one mixed step, per --steps-chunks length at each --steps-contexts context; with
-  --steps-profile, the device time per block of a traced burst of mixed steps.
+  --steps-profile, the device time per scope of the decode step and of the shortest and longest mixed steps (10
+  calls traced each), sorted by what the shortest mixed step adds.
 
     python bench/long_context.py --config bench/configs/qwen3.5-9b.json --record
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import statistics
@@ -48,7 +50,8 @@ from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
 from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
 from qwen35_jax.model.forward import Batch  # noqa: E402
-from qwen35_jax.tools.profile import start_profile, steady_step_seconds, stop_profile, summarize  # noqa: E402
+from qwen35_jax.tools import profile_trace as pt  # noqa: E402
+from qwen35_jax.tools.profile import start_profile, steady_step_seconds, stop_profile  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
@@ -290,8 +293,8 @@ def tpot_part(args, kc) -> list[dict]:
 def steps_part(args, kc) -> tuple[list[dict], dict]:
     """The mixed step against its parts, called directly (no scheduler): --tpot-rows decode rows at a 512-token
     context and one chunk row of each --steps-chunks length at each --steps-contexts context. ms per call (steady
-    state) of the decode step alone, the prefill chunk alone, and the mixed step of both. With --steps-profile, the
-    device ms per block of one traced burst of mixed steps at the last context and chunk."""
+    state) of the decode step alone, the prefill chunk alone, and the mixed step of both. With --steps-profile,
+    {name: {scope: device ms}} of the decode step and the mixed steps at the first and the last context and chunk."""
     n, chunks, contexts = args.tpot_rows, ints(args.steps_chunks), ints(args.steps_contexts)
     ps, short = 16, 512
     per_row = short // ps + 1
@@ -338,17 +341,29 @@ def steps_part(args, kc) -> tuple[list[dict], dict]:
                    "apart_ms": decode_ms + prefill_ms, "mixed_ms": mixed_ms, "mixed_over_decode": mixed_ms / decode_ms}
             print(row, flush=True)
             rows.append(row)
-    blocks = {}
-    if args.steps_profile:
-        start_profile(args.steps_profile)
-        for _ in range(10):
-            o = ex.mixed(b, (1, t), dec, chunk)
-        jax.block_until_ready(o)
-        session = stop_profile()
-        blocks = {k: v / 10 for k, v in summarize(session, [e.as_text() for e in ex.compiled.values()]).items()}
-        print(blocks, flush=True)
+    scopes = {}
+    if args.steps_profile:          # device ms per scope: the decode step, the shortest and the longest mixed step
+        texts = [e.as_text() for e in ex.compiled.values()]
+
+        def chunk_at(c, t):
+            arrays = (np.ones((1, t), np.int32), np.array([c], np.int32), np.array([t], np.int32),
+                      np.array([n + 1], np.int32), chunk_pages)
+            return Batch(*arrays), finishing, psp
+
+        calls = {"decode": lambda: ex.decode(b, *dec)}
+        for c, t in dict.fromkeys([(contexts[0], chunks[0]), (contexts[-1], chunks[-1])]):
+            calls[f"mixed {c}/{t}"] = functools.partial(ex.mixed, b, (1, t), dec, chunk_at(c, t))
+        for name, call in calls.items():
+            start_profile(os.path.join(args.steps_profile, name.replace(" ", "_").replace("/", "_")))
+            for _ in range(10):
+                o = call()
+            jax.block_until_ready(o)
+            session = stop_profile()
+            events = pt.resolve(pt.load_trace(session).events, pt.HloIndex(texts))
+            scopes[name] = {k: v / 10 for k, v in pt.by_scope(events).items()}
+            print(name, {k: round(v, 3) for k, v in scopes[name].items()}, flush=True)
     free(engine)
-    return rows, blocks
+    return rows, scopes
 
 
 def main():
@@ -371,7 +386,7 @@ def main():
     ap.add_argument("--budgets", default="none,256,64", help="decode_prefill_budget values (each cap mixed and apart)")
     ap.add_argument("--steps-contexts", default="1024,131072", help="steps: the chunk row's contexts")
     ap.add_argument("--steps-chunks", default="32,64,256", help="steps: the chunk lengths (powers of two)")
-    ap.add_argument("--steps-profile", default="", help="steps: trace a burst of mixed steps into this directory")
+    ap.add_argument("--steps-profile", default="", help="steps: trace the decode and mixed steps under this directory")
     ap.add_argument("--tpot-steps", default="mixed,apart", help="tpot: each cap with mixed steps, apart, or both")
     ap.add_argument("--pick", default="", help="chunktiles: write the picked tiles' --kernel-config text here")
     ap.add_argument("--record", action="store_true")
@@ -451,15 +466,17 @@ def main():
         fields["decode"] = rows
         flush()
     if "steps" in parts:
-        rows, blocks = steps_part(args, kc)
+        rows, scopes = steps_part(args, kc)
         tables.append(f"The mixed step against its parts ({args.tpot_rows} decode rows at 512 tokens of context, one "
                       "chunk row)\n\n" + results.table(fmt(rows), list(rows[0])))
-        if blocks:
-            tables.append(f"Device ms per block of one mixed step (context {rows[-1]['context']}, chunk "
-                          f"{rows[-1]['chunk']})\n\n" + results.table(
-                              fmt([{"block": k, "ms": v} for k, v in sorted(blocks.items(), key=lambda x: -x[1])]),
-                              ["block", "ms"]))
-        fields.update(steps=rows, step_blocks=blocks)
+        if scopes:          # one row per scope, sorted by what the shortest mixed step adds to the decode step
+            names = list(scopes)
+            keys = sorted({k for v in scopes.values() for k in v},
+                          key=lambda k: -(scopes[names[1]].get(k, 0) - scopes["decode"].get(k, 0)))
+            table = [{"scope": k, **{f"{m} ms": v.get(k, 0.0) for m, v in scopes.items()}} for k in keys]
+            tables.append("Device ms per scope (context/chunk of the chunk row), 10 calls traced each\n\n"
+                          + results.table(fmt(table), list(table[0])))
+        fields.update(steps=rows, step_scopes=scopes)
         flush()
     if "tpot" in parts:
         rows = tpot_part(args, kc)
