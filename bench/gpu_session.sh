@@ -139,7 +139,8 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run speccost ${SC_SHARE:-420} python3 bench/spec_cost.py --record \
                --config bench/configs/${SC_CONFIG:-qwen3.5-9b.json} --k ${SC_K:-3} --batches ${SC_BATCHES:-1 16 64} \
                ${SC_PROFILE:+--profile /tmp/specprof --profile-batches $SC_PROFILE} ;;   # SC_PROFILE: batches to trace
-    speccost27)  # the same at 27B shapes, batches 1 16 (64 rows of three state pools do not fit beside the weights)
+    speccost27)  # the same at 27B shapes, batches 1 16 (64 rows of three state pools do not fit beside the weights;
+                 # 16 ran out of an 80 GB card under JAX's default 75%, now 95%)
              CUDA_VISIBLE_DEVICES=0 run speccost27 ${SC27_SHARE:-420} python3 bench/spec_cost.py --record \
                --config bench/configs/qwen3.5-27b.json --k ${SC_K:-3} --batches 1 16 ;;
     specmodel)   # the trained default model: acceptance and LLM.generate wall clock with and without drafts
