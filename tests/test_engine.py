@@ -295,20 +295,23 @@ def test_packed_step_inputs_round_trip():
 
 def test_staged_step_inputs():
     """KernelConfig.staged_inputs: the inputs are copied into one device buffer per bucket that keeps its address
-    from step to step; the tokens (greedy and seeded) equal the default path's."""
-    ps = prompts(3, seed=61)
+    from step to step; the tokens (greedy and seeded) equal the default path's, with mixed steps (a 200-token
+    prompt's chunks inside the others' decode steps, decode_prefill_budget 32) staged as well."""
+    ps = prompts(3, seed=61) + [np.random.default_rng(2).integers(2, 250, 200).tolist()]
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
-    params = [GREEDY, seeded, GREEDY]
+    params = [GREEDY, seeded, GREEDY, GREEDY]
     lazy = lambda **kw: LLM(fixture_dir(CASE), skip_tokenizer_init=True, **engine_args(precompile=False, **kw))
     default = lazy()
     want = [o.outputs[0].token_ids for o in default.generate(ps, params)]
     default.shutdown()
-    model = lazy(kernel_config=KernelConfig(staged_inputs=True))   # the same step executables plus one stager each
+    # the same step executables plus one stager each
+    model = lazy(kernel_config=KernelConfig(staged_inputs=True), decode_prefill_budget=32)
     ex = model.engine.executor
     assert ex.staged
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want
+    assert model.engine.stats.mixed_steps > 0
     addresses = {k: b.unsafe_buffer_pointer() for k, b in ex._input_bufs.items()}
-    assert any(k[0][0] == "decode" for k in addresses) and any(k[0][0] == "prefill" for k in addresses)
+    assert {k[0][0] for k in addresses} >= {"decode", "prefill", "mixed"}
     assert [o.outputs[0].token_ids for o in model.generate(ps, params)] == want       # the buckets used again
     assert {k: ex._input_bufs[k].unsafe_buffer_pointer() for k in addresses} == addresses
     model.shutdown()
