@@ -197,9 +197,8 @@ def set_budget(engine, budget: int | None, mixed: bool):
 def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
     """The prefill attention kernel alone, one attention layer, for each tile configuration: ms per call of a
     short chunk (--steps-chunks) at the end of a --decode-context context, as a mixed step runs it, and the
-    fraction of the copy floor (the layer's K/V read once), over 100 calls back to back (10 left sub-ms calls at
-    the dispatch's mercy: two identical grids differed by 60% on 2026-12-06); TFLOP/s on a causal --floor-chunk
-    chunk from position 0.
+    fraction of the copy floor (the layer's K/V read once), over 100 calls back to back (sub-ms calls: fewer are
+    noise); TFLOP/s on a causal --floor-chunk chunk from position 0.
     Returns the rows and the pick: KernelConfig.parse's text of the tiles fastest over the short chunks among those
     within 10% of the default's TFLOP/s (empty when that is the default)."""
     hq, hkv, d, ps, ctx = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 16, args.decode_context
@@ -208,7 +207,8 @@ def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
     kv = jax.random.normal(key, (hkv, 1 + ctx // ps, ps, d), jnp.bfloat16)
     pages = jnp.arange(1, 1 + ctx // ps, dtype=jnp.int32)[None]
     floor_ms = 2 * kv.nbytes / bw * 1e3
-    for c in prefill_attention_sweep():
+    configs = prefill_attention_sweep()
+    for c in configs:
         attn = jax.jit(lambda *x, c=c: paged_prefill_attention(*x, config=c, interpret=jax.default_backend() != "gpu"))
         row = {"tiles": c.name}
         try:
@@ -223,7 +223,7 @@ def chunk_tiles_part(args, cfg, kc) -> tuple[list[dict], str]:
             row["failed"] = f"{type(e).__name__}: {str(e)[:80]}"
         print(row, flush=True)
         rows.append(row)
-    ok = [(r, c) for r, c in zip(rows, prefill_attention_sweep()) if "failed" not in r
+    ok = [(r, c) for r, c in zip(rows, configs) if "failed" not in r
           and r["tflops_causal"] >= 0.9 * rows[0].get("tflops_causal", float("inf"))]
     best = min(ok, key=lambda rc: sum(rc[0][f"chunk{t}_ms"] for t in chunks), default=(None, None))[1]
     pick = dataclasses.replace(kc, prefill_attention=best).changes() if best is not None else ""
@@ -328,12 +328,15 @@ def steps_part(args, kc) -> tuple[list[dict], dict]:
             return time.perf_counter() - t0
         return steady_step_seconds(burst, 20)[0] * 1e3
 
+    def chunk_arrays(c: int, t: int) -> tuple:        # one t-token chunk row at context c, in slot n + 1
+        return (np.ones((1, t), np.int32), np.array([c], np.int32), np.array([t], np.int32),
+                np.array([n + 1], np.int32), chunk_pages)
+
     rows, dec = [], (slots, positions, pages, sp)
     decode_ms = timed(lambda: ex.decode(b, *dec))
     for c in contexts:
         for t in chunks:
-            arrays = (np.ones((1, t), np.int32), np.array([c], np.int32), np.array([t], np.int32),
-                      np.array([n + 1], np.int32), chunk_pages)
+            arrays = chunk_arrays(c, t)
             chunk = (Batch(*arrays), finishing, psp)
             prefill_ms = timed(lambda: ex.prefill((1, t), *arrays, finishing, psp))
             mixed_ms = timed(lambda: ex.mixed(b, (1, t), dec, chunk))
@@ -344,15 +347,10 @@ def steps_part(args, kc) -> tuple[list[dict], dict]:
     scopes = {}
     if args.steps_profile:          # device ms per scope: the decode step, the shortest and the longest mixed step
         texts = [e.as_text() for e in ex.compiled.values()]
-
-        def chunk_at(c, t):
-            arrays = (np.ones((1, t), np.int32), np.array([c], np.int32), np.array([t], np.int32),
-                      np.array([n + 1], np.int32), chunk_pages)
-            return Batch(*arrays), finishing, psp
-
         calls = {"decode": lambda: ex.decode(b, *dec)}
         for c, t in dict.fromkeys([(contexts[0], chunks[0]), (contexts[-1], chunks[-1])]):
-            calls[f"mixed {c}/{t}"] = functools.partial(ex.mixed, b, (1, t), dec, chunk_at(c, t))
+            chunk = (Batch(*chunk_arrays(c, t)), finishing, psp)
+            calls[f"mixed {c}/{t}"] = functools.partial(ex.mixed, b, (1, t), dec, chunk)
         for name, call in calls.items():
             start_profile(os.path.join(args.steps_profile, name.replace(" ", "_").replace("/", "_")))
             for _ in range(10):
