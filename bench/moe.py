@@ -6,7 +6,7 @@ experts it routes to, GDN state read and written, K/V read) over the copy bandwi
 Routed experts per layer are counted on the step's own inputs (rows fed distinct random tokens, an
 engine of its own that reports each layer's routing), beside the expectation under uniform routing,
 E (1 - (1 - k/E)^b) for b rows. HF transformers runs first in a child process of its own:
-`generate` of --hf-tokens tokens at batch 1 and the largest batch, greedy, tokens/s.
+`generate` of --hf-tokens tokens at every batch, greedy, tokens/s.
 
     python bench/moe.py --config bench/configs/qwen3.5-35b-a3b.json --record
 """
@@ -37,7 +37,7 @@ def hf_child(args):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), torch_dtype=torch.bfloat16).eval()
     vocab = raw.get("text_config", raw)["vocab_size"]
     out = {}
-    for b in sorted({1, max(ints(args.batches))}):
+    for b in ints(args.batches):
         ids = torch.randint(0, vocab, (b, 16), device=args.device)
         gen = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         with torch.inference_mode():
