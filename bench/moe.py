@@ -75,11 +75,11 @@ def count_touched(config: str, engine_args, batches, context: int, steps: int = 
     from qwen35_jax.model import forward
     seen, original, rows = [], forward.moe_block, [0]
 
-    def counting(cfg, layout, w, x):
+    def counting(cfg, layout, kernels, w, x):
         logits = forward.project(x[:rows[0]], w.router).reshape(-1, cfg.num_experts)
         idx = jax.lax.top_k(logits, cfg.num_experts_per_tok)[1]
         jax.debug.callback(lambda n: seen.append(int(n)), jnp.zeros(cfg.num_experts, bool).at[idx].set(True).sum())
-        return original(cfg, layout, w, x)
+        return original(cfg, layout, kernels, w, x)
 
     forward.moe_block = counting
     try:

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import fixture_dir
 from bench import kernel_sweeps
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_mgpu, gdn_reference, paged_attention, prefill_attention
+from pallas_kernels import (conv1d, conv1d_reference, expert_gemm, gdn, gdn_mgpu, gdn_reference, paged_attention,
+                            prefill_attention)
 from qwen35_jax.model.attention import decode_attention, paged_attention as paged_attention_reference
 from qwen35_jax.model.backends import KernelConfig, make_kernels
 from qwen35_jax.model.sharding import Layout
@@ -563,6 +564,76 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         acfgs = kernel_sweeps.attention_sweep()
         text = lower_for_cuda(lambda *x: [paged_attention.paged_decode_attention(*x, config=c) for c in acfgs], *attn)
         assert text.count("__gpu$xla.gpu.triton") == len(acfgs)
+    for m, k, n in ((8, 2048, 1024), (128, 512, 2048)):            # 35B-A3B's experts: gate_up at batch 1, down at 16
+        text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
+        assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("m,k,n,sizes,dtype", [
+    (8, 64, 128, [0, 1, 0, 3, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1], jnp.float32),   # rows 7.. past the groups
+    (40, 128, 64, [17, 0, 5, 18], jnp.float32),                                   # groups over several blocks
+    (24, 64, 256, [3, 3, 3, 3, 12, 0, 0, 0], jnp.bfloat16),
+    (5, 32, 32, [0, 0, 0, 0], jnp.float32)])                                      # no copy on this rank
+def test_expert_gemm_matches_ragged_dot(m, k, n, sizes, dtype):
+    """The expert GEMM kernel (interpret mode) against jax.lax.ragged_dot: each copy times its group's expert, fp32
+    accumulation, rows past sum(sizes) (copies routed to another rank's experts) zeros."""
+    ks = jax.random.split(jax.random.key(m), 2)
+    x = jax.random.normal(ks[0], (m, k)).astype(dtype)
+    w = (0.1 * jax.random.normal(ks[1], (len(sizes), k, n))).astype(dtype)
+    s = jnp.asarray(sizes, jnp.int32)
+    want = expert_gemm.expert_gemm_reference(x, w, s, jnp.float32)
+    got = expert_gemm.expert_gemm(x, w, s, jnp.float32, config=expert_gemm.ExpertGemmConfig(block_n=32, block_k=32),
+                                  interpret=True)
+    if sum(sizes):
+        assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+    assert not np.asarray(got[sum(sizes):]).any()
+
+
+def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
+    """The pallas backends run the kernel below ExpertGemmConfig.max_rows token copies and ragged_dot from there;
+    expert_gemm=None and the reference backend run ragged_dot; a MoE model whose widths the tiles cannot take is
+    refused before anything compiles."""
+    from qwen35_jax.model.config import load_config
+    x = lambda m: jax.ShapeDtypeStruct((m, 64), jnp.float32)
+    args = (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
+    jaxpr = lambda c, m: str(jax.make_jaxpr(make_kernels(c.resolved()).expert_gemm)(x(m), *args))
+    kernel = KernelConfig(backend="pallas_interpret", expert_gemm=expert_gemm.ExpertGemmConfig(max_rows=64))
+    assert "pallas_call" in jaxpr(kernel, 63) and "ragged_dot" not in jaxpr(kernel, 63)
+    assert "ragged_dot" in jaxpr(kernel, 64) and "pallas_call" not in jaxpr(kernel, 64)
+    for c in (KernelConfig(backend="pallas_interpret", expert_gemm=None), KernelConfig(backend="reference")):
+        assert "ragged_dot" in jaxpr(c, 8) and "pallas_call" not in jaxpr(c, 8)
+    cfg = load_config(fixture_dir("moe_text_untied_e16_k4"))                     # moe_intermediate_size 24
+    with pytest.raises(ValueError, match="moe_intermediate_size=24"):
+        KernelConfig(backend="pallas_interpret").check(cfg, Layout.build(cfg, 1), 16)
+    KernelConfig(backend="pallas_interpret", expert_gemm=None).check(cfg, Layout.build(cfg, 1), 16)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
+    """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
+    same output with the kernel (interpret mode) as with ragged_dot."""
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.forward import moe_block
+    from qwen35_jax.model.sharding import TP
+    from qwen35_jax.model.weights import MLP, MoE
+    P = jax.sharding.PartitionSpec
+    cfg = dataclasses.replace(load_config(fixture_dir("moe_text_untied_e16_k4")), moe_intermediate_size=32)
+    h, e, im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    ks = jax.random.split(jax.random.key(tp), 7)
+    r = lambda i, *shape: 0.2 * jax.random.normal(ks[i], shape)
+    w = MoE(router=r(0, h, e), gate_up=r(1, e, h, 2 * im), down=r(2, e, im, h),
+            shared=MLP(gate_up=r(3, h, 2 * 48), down=r(4, 48, h)), shared_gate=r(5, h, 1))
+    x = r(6, 6, 1, h)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), (TP,))
+    specs = MoE(router=P(), gate_up=P(TP), down=P(TP), shared=MLP(gate_up=P(None, TP), down=P(TP)),
+                shared_gate=P())
+    base = make_kernels(KernelConfig(backend="reference").resolved())
+    run = lambda kern: jax.jit(jax.shard_map(lambda w, x: moe_block(cfg, Layout.build(cfg, tp), kern, w, x),
+                                             mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))(w, x)
+    tiles = expert_gemm.ExpertGemmConfig(block_n=32, block_k=32)
+    kernel = dataclasses.replace(base, expert_gemm=functools.partial(expert_gemm.expert_gemm, interpret=True,
+                                                                     config=tiles))
+    assert rel(run(kernel), run(base)) <= 1e-6
 
 
 def test_model_projections_round_once():

@@ -14,7 +14,7 @@ import typing
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference, paged_attention, prefill_attention
+from pallas_kernels import conv1d, conv1d_reference, expert_gemm, gdn, gdn_reference, paged_attention, prefill_attention
 from qwen35_jax.model.attention import decode_attention, paged_attention as prefill_attention_reference
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.forward import Kernels
@@ -33,6 +33,8 @@ class KernelConfig:
     the kernel (with XLA's q / k norm, RoPE and K / V write before it); attention_prologue runs those as one kernel
     that also lays out the kernel's query tiles. prefill_attention None runs the jnp reference for prefill chunks
     (a data-dependent loop: a host round trip per key block on the GPU).
+    expert_gemm: an MoE layer's grouped GEMM, as the kernel up to its max_rows token copies (decode; it reads only
+    the experts routed to) and as jax.lax.ragged_dot from there; None: ragged_dot always.
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -49,6 +51,7 @@ class KernelConfig:
     decode_attention: paged_attention.DecodeAttentionConfig | None = paged_attention.DEFAULT
     attention_prologue: bool = True
     prefill_attention: prefill_attention.PrefillAttentionConfig | None = prefill_attention.DEFAULT
+    expert_gemm: expert_gemm.ExpertGemmConfig | None = expert_gemm.DEFAULT
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
@@ -127,6 +130,11 @@ class KernelConfig:
         if self.prefill_attention is not None and (cfg.head_dim & (cfg.head_dim - 1) or cfg.head_dim < 16):
             problems.append(f"head_dim={cfg.head_dim} is not a power of two >= 16 (the prefill attention kernel's "
                             "tiles)")
+        if cfg.moe and self.expert_gemm is not None:
+            for name, d in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
+                if d < 16 or (d & (d - 1) and d % 64):
+                    problems.append(f"{name}={d} is neither a power of two >= 16 nor a multiple of 64 (the expert "
+                                    "GEMM kernel's tiles)")
         if cfg.conv_kernel < 2 or cfg.conv_kernel > self.conv.bt + 1:
             problems.append(f"linear_conv_kernel_dim={cfg.conv_kernel} is outside [2, {self.conv.bt + 1}] "
                             "(the conv kernel's tile)")
@@ -194,6 +202,10 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                           interpret=interpret), static_argnums=1)
         prologue = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
+    experts = expert_gemm.expert_gemm_reference
+    if config.expert_gemm is not None:
+        experts = functools.partial(_experts, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
+                                    limit=config.expert_gemm.max_rows)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=config.gdn_prefill),
                    gdn_decode=p(gdn.gdn_decode_packed, config=config.gdn_decode),
                    gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
@@ -202,7 +214,13 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    attention_decode=attention, attention_prefill=prefill,
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
-                   attention_prologue=prologue, attention_tiles=tiles)
+                   attention_prologue=prologue, attention_tiles=tiles, expert_gemm=experts)
+
+
+def _experts(x, w, sizes, out_dtype=None, *, kernel, limit):
+    """The expert GEMM by its static row count: the kernel below `limit` token copies (decode), ragged_dot from
+    there (prefill, where every expert is read anyway)."""
+    return (kernel if x.shape[0] < limit else expert_gemm.expert_gemm_reference)(x, w, sizes, out_dtype)
 
 
 _MAKERS: dict[str, typing.Callable[[KernelConfig], Kernels]] = {

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.expert_gemm import expert_gemm_reference
 from qwen35_jax.model import attention as attn_ops
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.sharding import DP, TP, Layout
@@ -63,6 +64,9 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
+    # an MoE layer's grouped GEMM over token copies sorted by expert; contract:
+    # pallas_kernels.expert_gemm.expert_gemm_reference
+    expert_gemm: Callable = expert_gemm_reference
 
 
 def project(x, w, out_dtype=None, gemm_rounds=False):
@@ -303,11 +307,11 @@ def mlp_block(kernels: Kernels, w, x):
         return row_parallel(kernels, h, w.down)
 
 
-def moe_block(cfg: ModelConfig, layout: Layout, w, x):
+def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
     """Qwen3.5's sparse MLP (weights.MoE) on this rank: the router's softmax over all E experts in fp32, the top k
     renormalised and rounded to the model dtype (as HF), this rank's E / tp experts as grouped GEMMs over the
-    tokens routed to them (jax.lax.ragged_dot on the token copies sorted by expert: no group is padded, and copies
-    routed to other ranks' experts sit past the groups, where ragged_dot writes zeros), the shared expert's partial
+    tokens routed to them (kernels.expert_gemm on the token copies sorted by expert: no group is padded, and copies
+    routed to other ranks' experts sit past the groups, where it writes zeros), the shared expert's partial
     sums times its sigmoid gate, and one all-reduce of both over tp, in the place of the dense MLP's."""
     n, t, h = x.shape
     k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
@@ -322,10 +326,9 @@ def moe_block(cfg: ModelConfig, layout: Layout, w, x):
         order = jnp.argsort(group, stable=True)
         sizes = jnp.bincount(group, length=el + 1)[:el].astype(jnp.int32)
         tok = order // k
-        gate, up = jnp.split(jax.lax.ragged_dot(xs[tok], w.gate_up, sizes, preferred_element_type=f32).astype(x.dtype),
-                             2, axis=-1)
+        gate, up = jnp.split(kernels.expert_gemm(xs[tok], w.gate_up, sizes), 2, axis=-1)
         act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
-        out = jax.lax.ragged_dot(act, w.down, sizes, preferred_element_type=f32).astype(x.dtype)
+        out = kernels.expert_gemm(act, w.down, sizes)
         routed = jnp.zeros((n * t, h), f32).at[tok].add((out * top.reshape(-1)[order][:, None]).astype(f32))
     with jax.named_scope("shared_expert"):
         g, u = jnp.split(project(x, w.shared.gate_up), 2, axis=-1)
@@ -358,7 +361,7 @@ def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str,
     xs = [x + h for x, h in zip(xs, hs)]
     with jax.named_scope("mlp"):
         hs = [rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps) for x in xs]
-        mlp = (lambda h: moe_block(cfg, layout, layer.mlp, h)) if cfg.moe else (lambda h: mlp_block(kernels,
+        mlp = (lambda h: moe_block(cfg, layout, kernels, layer.mlp, h)) if cfg.moe else (lambda h: mlp_block(kernels,
                                                                                                     layer.mlp, h))
         xs = [x + h for x, h in zip(xs, shared(mlp, hs))]
     return xs, tuple(cache)
