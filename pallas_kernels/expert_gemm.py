@@ -50,14 +50,19 @@ def _kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k):
     bm, k = x_ref.shape
     bn = o_ref.shape[1]
 
-    def body(i, acc):
-        xk = x_ref[:, pl.ds(i * block_k, block_k)]
-        wk = w_ref[jnp.maximum(e, 0), pl.ds(i * block_k, block_k), pl.ds(j * bn, bn)]
-        return acc + pltriton.dot(xk, wk)
+    @pl.when(e >= 0)
+    def _():
+        def body(i, acc):
+            xk = x_ref[:, pl.ds(i * block_k, block_k)]
+            wk = w_ref[e, pl.ds(i * block_k, block_k), pl.ds(j * bn, bn)]
+            return acc + pltriton.dot(xk, wk)
 
-    steps = jnp.where(e >= 0, k // block_k, 0)                  # an empty block reads no weights
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+        acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((bm, bn), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    @pl.when(e < 0)                                              # an empty block reads no weights
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
 def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None = None, interpret: bool = False):
