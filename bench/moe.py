@@ -166,7 +166,7 @@ def main():
             jax.tree.leaves(w)) / 1e9:.1f} GB), context {args.context}, copy bandwidth {bw / 1e12:.2f} TB/s. Floor: "
             f"non-expert weights + the experts the step's routing touched (counted per layer on the same inputs) + GDN "
             f"state + K/V. "
-            f"HF: transformers generate of {args.hf_tokens} tokens, bf16.\n\n"
+            + (f"HF: transformers generate of {args.hf_tokens} tokens, bf16." if hf else "No HF run.") + "\n\n"
             + results.table([{c: r.get(c, "") for c in cols} for r in fmt], cols))
     print(body)
     if args.record:
