@@ -80,13 +80,15 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
         raise ValueError(f"expert weights [{e}, {kdim}, {n}]: K and N must be multiples of the tiles ({bk}, {bn})")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     sizes = sizes.astype(jnp.int32)
+    # The block table by comparisons (searchsorted's default scan is a while loop: on the GPU, launches per
+    # iteration, thousands per decode step over 40 layers).
     nb = -(-m // bm) + min(e, m)                          # each group adds at most one partly empty block
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     bend = jnp.cumsum(-(-sizes // bm))                    # blocks per group, cumulated
     bstart = bend - -(-sizes // bm)
     blocks = jnp.arange(nb, dtype=jnp.int32)
-    group = jnp.searchsorted(bend, blocks, side="right").astype(jnp.int32)
+    group = jnp.searchsorted(bend, blocks, side="right", method="compare_all").astype(jnp.int32)
     valid = group < e
     g = jnp.minimum(group, e - 1)
     rows = (starts[g] + (blocks - bstart[g]) * bm)[:, None] + jnp.arange(bm, dtype=jnp.int32)   # [NB, BM]
@@ -104,5 +106,5 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     )(jnp.where(valid, g, -1), xb, w)
     # copy m of group h sits at row bstart[h] * bm + (m - starts[h]) of the blocks
     r = jnp.arange(m, dtype=jnp.int32)
-    h = jnp.minimum(jnp.searchsorted(ends, r, side="right").astype(jnp.int32), e - 1)
+    h = jnp.minimum(jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32), e - 1)
     return jnp.where((r < ends[-1])[:, None], out[bstart[h] * bm + r - starts[h]], 0).astype(out_dtype)

@@ -704,6 +704,19 @@ def test_decode_step_has_no_host_synchronisation():
                                                             attention_prologue=None, attention_tiles=None))
 
 
+def test_moe_decode_step_has_no_host_synchronisation():
+    """The same for a MoE model: its decode step, lowered for CUDA with the expert GEMM kernel, has no while / case /
+    if (the kernel's block table is built by comparisons: jnp.searchsorted's default scan is a while loop)."""
+    from bench.compile_time import lower_decode_for_cuda
+    from qwen35_jax.model.config import load_config
+    cfg = dataclasses.replace(load_config(fixture_dir("moe_text_untied_e16_k4")), moe_intermediate_size=32)
+    text = lower_decode_for_cuda(cfg, make_kernels(KernelConfig(backend="pallas", decode_split_k=4)), batch=4,
+                                 slots=4, pages=9, pages_per_seq=8)
+    assert "call @expert_gemm(" in text
+    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
+
+
 def test_prefill_step_walks_no_data_dependent_loop():
     """A prefill chunk's attention runs in the prefill attention kernel: lowered for CUDA, the model's prefill
     forward has no while loop but the static-trip-count scan of jnp.searchsorted (the GDN kernels' varlen packing),
