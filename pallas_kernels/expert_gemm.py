@@ -76,6 +76,9 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     for name, v in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
         if v & (v - 1) or v < 16:
             raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
+    if w.size >= 2 ** 31:       # the kernel's element offsets are int32
+        raise ValueError(f"expert weights [{e}, {kdim}, {n}] have 2^31 elements or more: split the experts over "
+                         "more devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
     if n % bn or kdim % bk:
         raise ValueError(f"expert weights [{e}, {kdim}, {n}]: K and N must be multiples of the tiles ({bk}, {bn})")
     out_dtype = x.dtype if out_dtype is None else out_dtype

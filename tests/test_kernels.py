@@ -602,6 +602,9 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
     assert "ragged_dot" in jaxpr(kernel, 64) and "pallas_call" not in jaxpr(kernel, 64)
     for c in (KernelConfig(backend="pallas_interpret", expert_gemm=None), KernelConfig(backend="reference")):
         assert "ragged_dot" in jaxpr(c, 8) and "pallas_call" not in jaxpr(c, 8)
+    with pytest.raises(ValueError, match="2\\^31 elements"):                     # int32 offsets in the kernel
+        jax.eval_shape(expert_gemm.expert_gemm, x(8), jax.ShapeDtypeStruct((512, 4096, 1024), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((512,), jnp.int32))
     cfg = load_config(fixture_dir("moe_text_untied_e16_k4"))                     # moe_intermediate_size 24
     with pytest.raises(ValueError, match="moe_intermediate_size=24"):
         KernelConfig(backend="pallas_interpret").check(cfg, Layout.build(cfg, 1), 16)
