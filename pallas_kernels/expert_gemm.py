@@ -1,12 +1,12 @@
 """Grouped GEMM of token copies sorted by expert, reading only the experts that have tokens (Pallas-Triton).
 
-Why a kernel: `jax.lax.ragged_dot` (the reference, `expert_gemm_reference`) sweeps every expert's weights on the
-GPU whatever the group sizes. A decode step of Qwen3.5-35B-A3B routes one token to 8 of 256 experts per layer, so
-it read 32x the bytes it needed: 0.97 ms per layer where the 8 experts' weights take 17 us to read. Here the copies
-are cut into blocks of `block_m` rows that each belong to one expert (a group's last block is partly empty, never
-padded into the next group); a program multiplies one block by one `block_n`-column tile of its expert's weights,
-indexed by the expert id it reads from the block table. Blocks past the last group read nothing. Prefill steps,
-whose copies touch every expert many times over, keep ragged_dot: from `max_rows` copies the backend calls it.
+Why a kernel: `jax.lax.ragged_dot` (the reference, `expert_gemm_reference`) sweeps every expert's weights on the GPU
+whatever the group sizes: a decode step of Qwen3.5-35B-A3B routes a token to 8 of 256 experts per layer and read all
+256 (bench/RESULTS.md, the 35B-A3B section). Here the copies are cut into blocks of `block_m` rows that each belong to
+one expert (a group's last block is partly empty, never padded into the next group); a program multiplies one block by
+one `block_n`-column tile of its expert's weights, indexed by the expert id it reads from the block table. Blocks past
+the last group read nothing. Prefill steps, whose copies touch every expert many times over, keep ragged_dot: from
+`max_rows` copies the backend calls it.
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
         raise ValueError(f"expert weights [{e}, {kdim}, {n}]: K and N must be multiples of the tiles ({bk}, {bn})")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     sizes = sizes.astype(jnp.int32)
-    # The block table by comparisons (searchsorted's default scan is a while loop: on the GPU, launches per
-    # iteration, thousands per decode step over 40 layers).
+    # The block table by comparisons: jnp.searchsorted's default scan is a while loop, which a decode step must not
+    # have (on the GPU each iteration is launched from the host).
     nb = -(-m // bm) + min(e, m)                          # each group adds at most one partly empty block
     ends = jnp.cumsum(sizes)
     starts = ends - sizes

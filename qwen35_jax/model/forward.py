@@ -361,8 +361,8 @@ def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str,
     xs = [x + h for x, h in zip(xs, hs)]
     with jax.named_scope("mlp"):
         hs = [rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps) for x in xs]
-        mlp = (lambda h: moe_block(cfg, layout, kernels, layer.mlp, h)) if cfg.moe else (lambda h: mlp_block(kernels,
-                                                                                                    layer.mlp, h))
+        mlp = functools.partial(moe_block, cfg, layout, kernels, layer.mlp) if cfg.moe else \
+            functools.partial(mlp_block, kernels, layer.mlp)
         xs = [x + h for x, h in zip(xs, shared(mlp, hs))]
     return xs, tuple(cache)
 
