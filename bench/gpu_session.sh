@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35.
+#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
 # (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
@@ -180,6 +180,12 @@ for s in $sections; do
              batches=${MOE_BATCHES:-$( [ "$mib" -gt 100000 ] && echo 1,16,64,256 || echo 1,16 )}
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches ;;
+    moeprofile)  # issue 40: where the 35B-A3B decode step's time goes at batch 1 (per scope and layer; the trace comes
+                 # back in moeprofile.tgz)
+             XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES=0 run moeprofile ${MP_SHARE:-150} \
+               python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights --batch 1 \
+               --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile --top-unattributed 25
+             tar czf "$out/moeprofile.tgz" -C /tmp moeprofile ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \
