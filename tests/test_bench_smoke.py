@@ -119,3 +119,23 @@ def test_profile_bench_smoke(tmp_path):
     history = open(runs / "history.md").read()
     assert history.count("\n## Profile: tiny-qwen3.5-pydoc: batch 2, prompt 16, 2 decode steps") == 1
     assert "- command: `python bench/profile.py --batch 2 --prompt-len 16" in history
+
+
+def test_moe_bench_smoke(tmp_path):
+    """bench/moe.py on a tiny MoE config with the interpret-mode kernels (the expert GEMM kernel among them): the
+    counting engine reports the experts each step routes to, near the uniform expectation, and every batch is
+    timed against its floor."""
+    import ast
+    import json
+    raw = json.load(open(os.path.join(fixture_dir("moe_text_untied_e16_k4"), "config.json")))
+    json.dump(dict(raw, moe_intermediate_size=32), open(tmp_path / "config.json", "w"))   # the kernel's tiles
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--config", str(tmp_path / "config.json"),
+           "--batches", "1,4", "--context", "16", "--iters", "2", "--hf-tokens", "0",
+           "--kernel-backend", "pallas_interpret"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [ast.literal_eval(line) for line in r.stdout.splitlines() if line.startswith("{'batch'")]
+    assert [row["batch"] for row in rows] == [1, 4]
+    assert rows[0]["experts_touched_per_layer"] == 4.0        # k of one token's routing
+    assert abs(rows[1]["experts_touched_per_layer"] - rows[1]["uniform_expectation"]) < 3
+    assert all(row["floor_ms"] > 0 and row["step_ms"] > 0 for row in rows) and "No HF run." in r.stdout
