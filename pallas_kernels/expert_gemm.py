@@ -88,8 +88,9 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     nb = -(-m // bm) + min(e, m)                          # each group adds at most one partly empty block
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    bend = jnp.cumsum(-(-sizes // bm))                    # blocks per group, cumulated
-    bstart = bend - -(-sizes // bm)
+    nblocks = -(-sizes // bm)                             # blocks per group
+    bend = jnp.cumsum(nblocks)
+    bstart = bend - nblocks
     blocks = jnp.arange(nb, dtype=jnp.int32)
     group = jnp.searchsorted(bend, blocks, side="right", method="compare_all").astype(jnp.int32)
     valid = group < e
