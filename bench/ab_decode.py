@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
 from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: E402
+from bench.moe import distinct_tokens  # noqa: E402
 from bench.throughput import Row  # noqa: E402
 from qwen35_jax.model.backends import KernelConfig  # noqa: E402
 from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
@@ -79,6 +80,7 @@ def main():
         ap.error("--variants: at least two to compare")
     names = [" ".join(args.variants[i].split()) or "(default)" for i in range(len(variants))]
     batches = [int(b) for b in args.batches.split(",")]
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")   # 35B-A3B's ~68 GB beside a second engine
     eargs = EngineArgs(max_model_len=args.context + 64, max_num_seqs=max(batches), precompile=False,
                        max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1)
     engines = [random_engine(args.config, dataclasses.replace(eargs, kernel_config=variants[0]))]
@@ -86,6 +88,9 @@ def main():
                 for v in variants[1:]]
     rows, failed = [], {}
     for b in batches:
+        if engines[0].cfg.moe:          # rows of one token would all route alike
+            for e in engines:
+                distinct_tokens(e, b)
         calls = [decode_call(e, b, args.context, t) for e, t in zip(engines, temps)]
         t0 = time.perf_counter()
         for i, call in enumerate(calls):                # compile and warm up

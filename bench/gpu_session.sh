@@ -107,7 +107,7 @@ for s in $sections; do
          # variants after the default, each space-separated KernelConfig field=value settings (bench/ab_decode.py)
          IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
-           --variants "" "${abv[@]}" ;;
+           --config bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --variants "" "${abv[@]}" ;;
     profiletp) run profiletp 90 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25

@@ -7,6 +7,11 @@ one expert (a group's last block is partly empty, never padded into the next gro
 one `block_n`-column tile of its expert's weights, indexed by the expert id it reads from the block table. Blocks past
 the last group read nothing. Prefill steps, whose copies touch every expert many times over, keep ragged_dot: from
 `max_rows` copies the backend calls it.
+
+Small decode batches skip the sort: `routed_experts` runs one program per token copy and weight tile, reading the
+copy's expert by id, with the SiLU gate fused into the gate_up kernel and the router weight into the down kernel. The
+sorted path's block table, gathers and scatter cost ~20 launches per layer, more than the experts' reads at batch 1.
+Copies of one expert in flight together read its tiles from L2 after the first.
 """
 from __future__ import annotations
 
@@ -22,13 +27,19 @@ from jax.experimental.pallas import triton as pltriton
 @dataclasses.dataclass(frozen=True)
 class ExpertGemmConfig:
     """Tiles: copies per block (Triton's smallest dot), weight columns per program, K per loop step; Triton's warps
-    and pipeline depth. max_rows: from this many copies (M) the backend runs the reference (ragged_dot) instead."""
+    and pipeline depth. max_rows: from this many copies (M) the backend runs the reference (ragged_dot) instead.
+    copies_max: up to this many token copies an MoE layer runs routed_experts (one program per copy and tile of
+    copy_block_n columns, copy_block_k of K per step) in the place of the sorted grouped GEMMs."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     max_rows: int = 4096
+    copies_max: int = 128        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
+    copy_block_n: int = 32
+    copy_block_k: int = 128
+    copy_num_warps: int = 4
 
 
 DEFAULT = ExpertGemmConfig()
@@ -112,3 +123,115 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     r = jnp.arange(m, dtype=jnp.int32)
     h = jnp.minimum(jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32), e - 1)
     return jnp.where((r < ends[-1])[:, None], out[bstart[h] * bm + r - starts[h]], 0).astype(out_dtype)
+
+
+def routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=expert_gemm_reference):
+    """The contract of an MoE layer's routed experts on one rank: x [M, H] tokens; experts [M, k] their experts as
+    indices into this rank's weights (-1: another rank's); weights [M, k] their router weights (x.dtype); w_gate_up
+    [E, H, 2I] ([gate | up]), w_down [E, I, H]. -> [M, H] fp32: over each token's experts on this rank, the sum of
+    weight * down(silu(gate) * up), each GEMM accumulated in fp32 and rounded to x.dtype, as is the SiLU product
+    and its product with the weight. Computed on the copies sorted by expert with grouped GEMMs (`gemm`:
+    expert_gemm_reference, or expert_gemm): no group is padded, and copies of other ranks' experts sit past the
+    groups, where the GEMMs give zeros."""
+    m, k = experts.shape
+    e, f32 = w_gate_up.shape[0], jnp.float32
+    group = jnp.where(experts >= 0, experts, e).reshape(-1)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=e + 1)[:e].astype(jnp.int32)
+    tok = order // k
+    gate, up = jnp.split(gemm(x[tok], w_gate_up, sizes), 2, axis=-1)
+    act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
+    out = gemm(act, w_down, sizes)
+    return jnp.zeros((m, x.shape[1]), f32).at[tok].add((out * weights.reshape(-1)[order][:, None]).astype(f32))
+
+
+def _row_dot(row, w):
+    """row [BK] @ w [BK, BN] as Triton's smallest dot (the row, then 15 rows of zeros), so the loop's weight loads
+    are pipelined as a GEMM's; the zero rows add exactly nothing to the sum over rows."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (16, row.shape[0]), 0)
+    return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w).sum(0)
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k, block_k):
+    """Program (c, j): copy c = token c // k times its expert's gate and up columns of tile j, each summed in fp32
+    and rounded, then silu(gate) * up rounded. Refs: ids [C], x [M, H], w [E, H, 2I] (whole), o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    e, bn, f32 = ids_ref[c], o_ref.shape[0], jnp.float32
+    half, h = w_ref.shape[2] // 2, x_ref.shape[1]
+
+    @pl.when(e >= 0)
+    def _():
+        def body(s, acc):
+            rows = pl.ds(s * block_k, block_k)
+            xk = x_ref[c // k, rows]
+            return (acc[0] + _row_dot(xk, w_ref[e, rows, pl.ds(j * bn, bn)]),
+                    acc[1] + _row_dot(xk, w_ref[e, rows, pl.ds(half + j * bn, bn)]))
+
+        zero = jnp.zeros((bn,), f32)
+        gate, up = jax.lax.fori_loop(0, h // block_k, body, (zero, zero))
+        gate, up = (a.astype(o_ref.dtype).astype(f32) for a in (gate, up))
+        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+
+    @pl.when(e < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, o_ref, *, block_k):
+    """Program (c, j): copy c's SiLU product times its expert's down columns of tile j, summed in fp32, rounded,
+    times the copy's router weight, rounded. Refs: ids [C], weights [C], act [C, I], w [E, I, H] (whole), o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    e, bn, f32 = ids_ref[c], o_ref.shape[0], jnp.float32
+
+    @pl.when(e >= 0)
+    def _():
+        def body(s, acc):
+            rows = pl.ds(s * block_k, block_k)
+            return acc + _row_dot(a_ref[c, rows], w_ref[e, rows, pl.ds(j * bn, bn)])
+
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // block_k, body, jnp.zeros((bn,), f32))
+        o_ref[...] = (acc.astype(o_ref.dtype).astype(f32) * wt_ref[c].astype(f32)).astype(o_ref.dtype)
+
+    @pl.when(e < 0)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def routed_experts(x, experts, weights, w_gate_up, w_down, *, config: ExpertGemmConfig | None = None,
+                   interpret: bool = False):
+    """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
+    weight tile in each of two kernels (gate_up with the SiLU product; down with the router weight), then each
+    token's k rows summed in fp32."""
+    config = DEFAULT if config is None else config
+    m, k = experts.shape
+    e, h, i2 = w_gate_up.shape
+    i, c = i2 // 2, m * k
+    bn = min(config.copy_block_n, i, h)
+    bk = min(config.copy_block_k, i, h)
+    for name, v in (("copy_block_n", bn), ("copy_block_k", bk)):
+        if v & (v - 1) or v < 16:
+            raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
+    if i % bn or h % bn or i % bk or h % bk:
+        raise ValueError(f"expert widths H={h}, I={i} must be multiples of the tiles ({bk}, {bn})")
+    if max(w_gate_up.size, w_down.size) >= 2 ** 31:
+        raise ValueError(f"expert weights [{e}, {h}, {i2}] have 2^31 elements or more: split the experts over more "
+                         "devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
+    ids = experts.reshape(c).astype(jnp.int32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, block_k=bk), grid=(c, i // bn),
+        in_specs=[whole(ids), whole(x), whole(w_gate_up)],
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((c, i), x.dtype), compiler_params=params, interpret=interpret,
+        name="expert_gate_up",
+    )(ids, x, w_gate_up)
+    wts = weights.reshape(c).astype(x.dtype)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, block_k=bk), grid=(c, h // bn),
+        in_specs=[whole(ids), whole(wts), whole(act), whole(w_down)],
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((c, h), x.dtype), compiler_params=params, interpret=interpret,
+        name="expert_down",
+    )(ids, wts, act, w_down)
+    return y.reshape(m, k, h).astype(jnp.float32).sum(1)

@@ -567,6 +567,10 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for m, k, n in ((8, 2048, 1024), (128, 512, 2048)):            # 35B-A3B's experts: gate_up at batch 1, down at 16
         text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
         assert "__gpu$xla.gpu.triton" in text
+    for m in (1, 16):                                              # 35B-A3B's per-copy experts at batch 1 and 16
+        text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
+                              S((256, 2048, 1024), bf), S((256, 512, 2048), bf))
+        assert text.count("__gpu$xla.gpu.triton") == 2
 
 
 @pytest.mark.parametrize("m,k,n,sizes,dtype", [
@@ -589,22 +593,52 @@ def test_expert_gemm_matches_ragged_dot(m, k, n, sizes, dtype):
     assert not np.asarray(got[sum(sizes):]).any()
 
 
+@pytest.mark.parametrize("m,k,e,h,i,dtype", [(3, 4, 8, 64, 32, jnp.float32), (2, 8, 16, 128, 64, jnp.bfloat16)])
+def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, dtype):
+    """The per-copy expert kernels (interpret mode) against routed_experts_reference (sorted copies, ragged_dot):
+    two tokens sharing an expert, copies of another rank's experts (-1) adding nothing, a token with none here."""
+    ks = jax.random.split(jax.random.key(m), 5)
+    x = jax.random.normal(ks[0], (m, h)).astype(dtype)
+    wg = (0.2 * jax.random.normal(ks[1], (e, h, 2 * i))).astype(dtype)
+    wd = (0.2 * jax.random.normal(ks[2], (e, i, h))).astype(dtype)
+    ids = np.stack([np.asarray(jax.random.permutation(key, e)[:k]) for key in jax.random.split(ks[3], m)])
+    if ids[0, 0] not in ids[1]:
+        ids[1, 0] = ids[0, 0]                                 # a shared expert
+    ids[0, -1] = ids[-1, 1] = -1                              # another rank's
+    ids[-1] = -1 if m > 2 else ids[-1]                        # no expert on this rank
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (m, k)), -1).astype(dtype)
+    want = expert_gemm.routed_experts_reference(x, jnp.asarray(ids), weights, wg, wd)
+    got = expert_gemm.routed_experts(x, jnp.asarray(ids), weights, wg, wd, interpret=True,
+                                     config=expert_gemm.ExpertGemmConfig(copy_block_n=16, copy_block_k=16))
+    assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+    if m > 2:
+        assert not np.asarray(got[-1]).any()
+
+
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
-    """The pallas backends run the kernel below ExpertGemmConfig.max_rows token copies and ragged_dot from there;
-    expert_gemm=None and the reference backend run ragged_dot; a MoE model whose widths the tiles cannot take is
-    refused before anything compiles."""
+    """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies, the grouped GEMM
+    kernel on sorted copies below max_rows and ragged_dot from there; expert_gemm=None and the reference backend
+    run ragged_dot; a MoE model whose widths the tiles cannot take is refused before anything compiles."""
     from qwen35_jax.model.config import load_config
-    x = lambda m: jax.ShapeDtypeStruct((m, 64), jnp.float32)
-    args = (jax.ShapeDtypeStruct((8, 64, 64), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
-    jaxpr = lambda c, m: str(jax.make_jaxpr(make_kernels(c.resolved()).expert_gemm)(x(m), *args))
-    kernel = KernelConfig(backend="pallas_interpret", expert_gemm=expert_gemm.ExpertGemmConfig(max_rows=64))
-    assert "pallas_call" in jaxpr(kernel, 63) and "ragged_dot" not in jaxpr(kernel, 63)
-    assert "ragged_dot" in jaxpr(kernel, 64) and "pallas_call" not in jaxpr(kernel, 64)
+    f32, i32 = jnp.float32, jnp.int32
+    w = (jax.ShapeDtypeStruct((8, 64, 64), f32), jax.ShapeDtypeStruct((8, 32, 64), f32))
+    args = lambda m: (jax.ShapeDtypeStruct((m, 64), f32), jax.ShapeDtypeStruct((m, 4), i32),
+                      jax.ShapeDtypeStruct((m, 4), f32), *w)
+    jaxpr = lambda c, m: str(jax.make_jaxpr(make_kernels(c.resolved()).routed_experts)(*args(m)))
+    kernel = KernelConfig(backend="pallas_interpret",
+                          expert_gemm=expert_gemm.ExpertGemmConfig(max_rows=64, copies_max=16))
+    assert "expert_gate_up" in jaxpr(kernel, 4) and "ragged_dot" not in jaxpr(kernel, 4)
+    grouped = jaxpr(kernel, 5)                                          # 20 copies
+    assert "pallas_call" in grouped and "expert_gate_up" not in grouped and "ragged_dot" not in grouped
+    assert "ragged_dot" in jaxpr(kernel, 16) and "pallas_call" not in jaxpr(kernel, 16)     # 64 copies
     for c in (KernelConfig(backend="pallas_interpret", expert_gemm=None), KernelConfig(backend="reference")):
-        assert "ragged_dot" in jaxpr(c, 8) and "pallas_call" not in jaxpr(c, 8)
-    with pytest.raises(ValueError, match="2\\^31 elements"):                     # int32 offsets in the kernel
-        jax.eval_shape(expert_gemm.expert_gemm, x(8), jax.ShapeDtypeStruct((512, 4096, 1024), jnp.bfloat16),
+        assert "ragged_dot" in jaxpr(c, 2) and "pallas_call" not in jaxpr(c, 2)
+    with pytest.raises(ValueError, match="2\\^31 elements"):                     # int32 offsets in the kernels
+        jax.eval_shape(expert_gemm.expert_gemm, args(8)[0], jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16),
                        jax.ShapeDtypeStruct((512,), jnp.int32))
+    with pytest.raises(ValueError, match="2\\^31 elements"):
+        big = jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16)
+        jax.eval_shape(expert_gemm.routed_experts, *args(2)[:3], big, jax.ShapeDtypeStruct((512, 2 ** 15, 64), f32))
     cfg = load_config(fixture_dir("moe_text_untied_e16_k4"))                     # moe_intermediate_size 24
     with pytest.raises(ValueError, match="moe_intermediate_size=24"):
         KernelConfig(backend="pallas_interpret").check(cfg, Layout.build(cfg, 1), 16)
@@ -614,7 +648,8 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
-    same output with the kernel (interpret mode) as with ragged_dot."""
+    same output with the kernels (interpret mode: the grouped GEMM on sorted copies, the per-copy kernels) as with
+    ragged_dot."""
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.forward import moe_block
     from qwen35_jax.model.sharding import TP
@@ -633,15 +668,18 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     base = make_kernels(KernelConfig(backend="reference").resolved())
     run = lambda kern: jax.jit(jax.shard_map(lambda w, x: moe_block(cfg, Layout.build(cfg, tp), kern, w, x),
                                              mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))(w, x)
-    tiles = expert_gemm.ExpertGemmConfig(block_n=32, block_k=32)
-    kernel = dataclasses.replace(base, expert_gemm=functools.partial(expert_gemm.expert_gemm, interpret=True,
-                                                                     config=tiles))
-    assert rel(run(kernel), run(base)) <= 1e-6
+    tiles = expert_gemm.ExpertGemmConfig(block_n=32, block_k=32, copy_block_n=16, copy_block_k=16)
+    grouped = functools.partial(expert_gemm.routed_experts_reference,
+                                gemm=functools.partial(expert_gemm.expert_gemm, interpret=True, config=tiles))
+    per_copy = functools.partial(expert_gemm.routed_experts, interpret=True, config=tiles)
+    for experts in (grouped, per_copy):
+        assert rel(run(dataclasses.replace(base, routed_experts=experts)), run(base)) <= 1e-6
 
 
 def test_model_projections_round_once():
     """model.project: prefill rows ask the GEMM for the output dtype itself (no fp32 result and convert); decode
-    rows ask for fp32 and round after (where XLA's K split adds its partial sums), unless the GEMM rounds itself."""
+    rows ask for fp32 and round after (where XLA's K split adds its partial sums), unless the GEMM rounds itself;
+    a single row against fewer than VECTOR_DOT_LIMIT weight elements runs as two rows."""
     from qwen35_jax.model.forward import project
     spec = lambda t: (jax.ShapeDtypeStruct((3, t, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16))
     prefill, decode, rounds = (str(jax.jit(lambda x, w: project(x, w, gemm_rounds=r)).trace(*spec(t)).jaxpr)
@@ -649,6 +687,13 @@ def test_model_projections_round_once():
     assert "preferred_element_type=bfloat16" in prefill and "convert_element_type" not in prefill
     assert "preferred_element_type=float32" in decode and "convert_element_type" in decode
     assert "preferred_element_type=bfloat16" in rounds and "convert_element_type" not in rounds
+    # One row against a small weight is multiplied as two (XLA:GPU would make it a multiply and a reduce).
+    one = lambda n: str(jax.make_jaxpr(project)(jax.ShapeDtypeStruct((1, 1, n), jnp.bfloat16),
+                                                 jax.ShapeDtypeStruct((n, 2048), jnp.bfloat16)))
+    assert "concatenate" in one(2048) and "concatenate" not in one(8192)
+    assert jax.eval_shape(project, *spec(1)[:1], spec(1)[1]).shape == (3, 1, 256)
+    x, w = jax.random.normal(jax.random.key(0), (1, 1, 64)), jax.random.normal(jax.random.key(1), (64, 32))
+    assert rel(project(x, w), x[0] @ w) <= 1e-6 and project(x, w).shape == (1, 1, 32)
 
 
 def test_gate_up_rounds_in_the_gemm_from_64_decode_rows():
@@ -708,16 +753,19 @@ def test_decode_step_has_no_host_synchronisation():
 
 
 def test_moe_decode_step_has_no_host_synchronisation():
-    """The same for a MoE model: its decode step, lowered for CUDA with the expert GEMM kernel, has no while / case /
-    if (the kernel's block table is built by comparisons: jnp.searchsorted's default scan is a while loop)."""
+    """The same for a MoE model: its decode step, lowered for CUDA with the per-copy expert kernels and with the
+    grouped one, has no while / case / if (the grouped kernel's block table is built by comparisons:
+    jnp.searchsorted's default scan is a while loop)."""
     from bench.compile_time import lower_decode_for_cuda
     from qwen35_jax.model.config import load_config
     cfg = dataclasses.replace(load_config(fixture_dir("moe_text_untied_e16_k4")), moe_intermediate_size=32)
-    text = lower_decode_for_cuda(cfg, make_kernels(KernelConfig(backend="pallas", decode_split_k=4)), batch=4,
-                                 slots=4, pages=9, pages_per_seq=8)
-    assert "call @expert_gemm(" in text
-    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
-        assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
+    for copies_max, call in ((16, "call @routed_experts("), (8, "call @expert_gemm(")):   # batch 4 of k 4: 16 copies
+        config = KernelConfig(backend="pallas", decode_split_k=4,
+                              expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=copies_max))
+        text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
+        assert call in text
+        for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+            assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
 
 
 def test_prefill_step_walks_no_data_dependent_loop():

@@ -33,8 +33,9 @@ class KernelConfig:
     the kernel (with XLA's q / k norm, RoPE and K / V write before it); attention_prologue runs those as one kernel
     that also lays out the kernel's query tiles. prefill_attention None runs the jnp reference for prefill chunks
     (a data-dependent loop: a host round trip per key block on the GPU).
-    expert_gemm: an MoE layer's grouped GEMM, as the kernel up to its max_rows token copies (decode; it reads only
-    the experts routed to) and as jax.lax.ragged_dot from there; None: ragged_dot always.
+    expert_gemm: an MoE layer's routed experts: up to copies_max token copies (small decode batches) the per-copy
+    kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
+    jax.lax.ragged_dot from there; None: ragged_dot always.
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -131,10 +132,13 @@ class KernelConfig:
             problems.append(f"head_dim={cfg.head_dim} is not a power of two >= 16 (the prefill attention kernel's "
                             "tiles)")
         if cfg.moe and self.expert_gemm is not None:
+            g = self.expert_gemm
+            tiles = sorted({g.block_n, g.block_k, g.copy_block_n, g.copy_block_k})
             for name, d in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
-                if d < 16 or (d & (d - 1) and d % 64):
-                    problems.append(f"{name}={d} is neither a power of two >= 16 nor a multiple of 64 (the expert "
-                                    "GEMM kernel's tiles)")
+                fit = [min(t, d) for t in tiles]            # the kernels' tiles shrink to a narrower width
+                if d < 16 or any(f & (f - 1) or d % f for f in fit):
+                    problems.append(f"{name}={d} does not split into the expert kernels' tiles {tiles} (a power "
+                                    "of two >= 16, or a multiple of the largest)")
         if cfg.conv_kernel < 2 or cfg.conv_kernel > self.conv.bt + 1:
             problems.append(f"linear_conv_kernel_dim={cfg.conv_kernel} is outside [2, {self.conv.bt + 1}] "
                             "(the conv kernel's tile)")
@@ -202,10 +206,12 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                           interpret=interpret), static_argnums=1)
         prologue = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
-    experts = expert_gemm.expert_gemm_reference
+    experts = expert_gemm.routed_experts_reference
     if config.expert_gemm is not None:
-        experts = functools.partial(_experts, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
-                                    limit=config.expert_gemm.max_rows)
+        gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
+                                 limit=config.expert_gemm.max_rows)
+        experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
+                                    copies_max=config.expert_gemm.copies_max, gemm=gemm)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=config.gdn_prefill),
                    gdn_decode=p(gdn.gdn_decode_packed, config=config.gdn_decode),
                    gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
@@ -214,12 +220,20 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    attention_decode=attention, attention_prefill=prefill,
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
-                   attention_prologue=prologue, attention_tiles=tiles, expert_gemm=experts)
+                   attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts)
 
 
-def _experts(x, w, sizes, out_dtype=None, *, kernel, limit):
-    """The expert GEMM by its static row count: the kernel below `limit` token copies (decode), ragged_dot from
-    there (prefill, where every expert is read anyway)."""
+def _routed(x, experts, weights, w_gate_up, w_down, *, per_copy, copies_max, gemm):
+    """An MoE layer's routed experts by their static count of token copies: the per-copy kernels up to copies_max
+    (small decode batches), else grouped GEMMs over the copies sorted by expert."""
+    if experts.size <= copies_max:
+        return per_copy(x, experts, weights, w_gate_up, w_down)
+    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=gemm)
+
+
+def _grouped(x, w, sizes, out_dtype=None, *, kernel, limit):
+    """The grouped expert GEMM by its static row count: the kernel below `limit` token copies (decode), ragged_dot
+    from there (prefill, where every expert is read anyway)."""
     return (kernel if x.shape[0] < limit else expert_gemm.expert_gemm_reference)(x, w, sizes, out_dtype)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.expert_gemm import expert_gemm_reference
+from pallas_kernels.expert_gemm import routed_experts_reference
 from qwen35_jax.model import attention as attn_ops
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.sharding import DP, TP, Layout
@@ -64,9 +64,11 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
-    # an MoE layer's grouped GEMM over token copies sorted by expert; contract:
-    # pallas_kernels.expert_gemm.expert_gemm_reference
-    expert_gemm: Callable = expert_gemm_reference
+    # an MoE layer's routed experts on this rank; contract: pallas_kernels.expert_gemm.routed_experts_reference
+    routed_experts: Callable = routed_experts_reference
+
+
+VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
 
 
 def project(x, w, out_dtype=None, gemm_rounds=False):
@@ -75,8 +77,13 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
     go to memory and back through a convert of its own. Decode (T = 1) asks for fp32 and rounds after: XLA splits
     those GEMMs over K (or row_parallel does, from kernels.split_k_from rows), and the rounding then rides in the
     fusion that adds the partial sums.
-    gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block)."""
+    gemm_rounds: a decode GEMM rounds its result itself too (gate_up in large batches, mlp_block).
+    A single row against fewer than VECTOR_DOT_LIMIT weight elements is multiplied as two (the second zeros): XLA's
+    GPU compiler rewrites such a vector-matrix product into a multiply and a reduce (DotStrengthReduction), which
+    it emitted as the whole fp32 product written out and read back (a 35B-A3B decode step, bench/RESULTS.md)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.shape[0] * x.shape[1] == 1 and 1 < w.shape[-1] and w.size + x.size < VECTOR_DOT_LIMIT:
+        return project(jnp.concatenate([x, jnp.zeros_like(x)]), w, out_dtype, gemm_rounds)[:1]
     if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -309,10 +316,9 @@ def mlp_block(kernels: Kernels, w, x):
 
 def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
     """Qwen3.5's sparse MLP (weights.MoE) on this rank: the router's softmax over all E experts in fp32, the top k
-    renormalised and rounded to the model dtype (as HF), this rank's E / tp experts as grouped GEMMs over the
-    tokens routed to them (kernels.expert_gemm on the token copies sorted by expert: no group is padded, and copies
-    routed to other ranks' experts sit past the groups, where it writes zeros), the shared expert's partial
-    sums times its sigmoid gate, and one all-reduce of both over tp, in the place of the dense MLP's."""
+    renormalised and rounded to the model dtype (as HF), this rank's E / tp experts over the tokens routed to them
+    (kernels.routed_experts), the shared expert's partial sums times its sigmoid gate, and one all-reduce of both
+    over tp, in the place of the dense MLP's."""
     n, t, h = x.shape
     k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
     xs = x.reshape(n * t, h)
@@ -321,15 +327,9 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
         top, idx = jax.lax.top_k(probs, k)
         top = (top / top.sum(-1, keepdims=True)).astype(x.dtype)
     with jax.named_scope("experts"):
-        local = idx.reshape(-1) - jax.lax.axis_index(TP) * el              # [N*T*k] expert on this rank
-        group = jnp.where((local >= 0) & (local < el), local, el)          # el: another rank's
-        order = jnp.argsort(group, stable=True)
-        sizes = jnp.bincount(group, length=el + 1)[:el].astype(jnp.int32)
-        tok = order // k
-        gate, up = jnp.split(kernels.expert_gemm(xs[tok], w.gate_up, sizes), 2, axis=-1)
-        act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
-        out = kernels.expert_gemm(act, w.down, sizes)
-        routed = jnp.zeros((n * t, h), f32).at[tok].add((out * top.reshape(-1)[order][:, None]).astype(f32))
+        local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
+        routed = kernels.routed_experts(xs, jnp.where((local >= 0) & (local < el), local, -1), top, w.gate_up,
+                                        w.down)
     with jax.named_scope("shared_expert"):
         g, u = jnp.split(project(x, w.shared.gate_up), 2, axis=-1)
         hs = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(x.dtype)
