@@ -567,6 +567,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for m, k, n in ((8, 2048, 1024), (128, 512, 2048)):            # 35B-A3B's experts: gate_up at batch 1, down at 16
         text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
         assert "__gpu$xla.gpu.triton" in text
+    for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers
+        assert lower_for_cuda(lambda x: expert_gemm.router_top_k(x, k), S((m, e), bf)).count("xla.gpu.triton") == 1
     for m in (1, 16):                                              # 35B-A3B's per-copy experts at batch 1 and 16
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
                               S((256, 2048, 1024), bf), S((256, 512, 2048), bf))
@@ -613,6 +615,20 @@ def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, dtype)
     assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
     if m > 2:
         assert not np.asarray(got[-1]).any()
+
+
+@pytest.mark.parametrize("m,e,k,dtype", [(5, 16, 4, jnp.float32), (3, 32, 10, jnp.float32), (4, 256, 8, jnp.bfloat16)])
+def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
+    """The router kernel (interpret mode) against softmax + jax.lax.top_k + renormalisation: the same experts in the
+    same order (ties to the lower index), weights within fp32 / bf16 rounding; k = 10 pads its outputs to 16."""
+    logits = jax.random.normal(jax.random.key(e), (m, e)).astype(dtype)
+    logits = logits.at[0, 3].set(logits[0, 7]).at[0, 7].set(logits.max() + 1).at[0, 3].set(logits.max() + 1)
+    want_w, want_i = expert_gemm.router_top_k_reference(logits, k)
+    got_w, got_i = expert_gemm.router_top_k(logits, k, interpret=True)
+    assert got_w.dtype == dtype and got_i.shape == (m, k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    assert list(np.asarray(got_i[0, :2])) == [3, 7]                     # a tie: the lower index first
+    assert rel(got_w, want_w) <= (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
@@ -672,8 +688,9 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     grouped = functools.partial(expert_gemm.routed_experts_reference,
                                 gemm=functools.partial(expert_gemm.expert_gemm, interpret=True, config=tiles))
     per_copy = functools.partial(expert_gemm.routed_experts, interpret=True, config=tiles)
+    top_k = functools.partial(expert_gemm.router_top_k, interpret=True)
     for experts in (grouped, per_copy):
-        assert rel(run(dataclasses.replace(base, routed_experts=experts)), run(base)) <= 1e-6
+        assert rel(run(dataclasses.replace(base, routed_experts=experts, router_top_k=top_k)), run(base)) <= 1e-6
 
 
 def test_model_projections_round_once():
@@ -763,7 +780,7 @@ def test_moe_decode_step_has_no_host_synchronisation():
         config = KernelConfig(backend="pallas", decode_split_k=4,
                               expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=copies_max))
         text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
-        assert call in text
+        assert call in text and "call @router_top_k(" in text
         for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
             assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
 

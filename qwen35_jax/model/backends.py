@@ -35,7 +35,8 @@ class KernelConfig:
     (a data-dependent loop: a host round trip per key block on the GPU).
     expert_gemm: an MoE layer's routed experts: up to copies_max token copies (small decode batches) the per-copy
     kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
-    jax.lax.ragged_dot from there; None: ragged_dot always.
+    jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
+    always.
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -206,8 +207,9 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                           interpret=interpret), static_argnums=1)
         prologue = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
-    experts = expert_gemm.routed_experts_reference
+    experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
     if config.expert_gemm is not None:
+        top_k = p(expert_gemm.router_top_k, static=("k",))
         gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
                                  limit=config.expert_gemm.max_rows)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
@@ -220,7 +222,8 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    attention_decode=attention, attention_prefill=prefill,
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
-                   attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts)
+                   attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
+                   router_top_k=top_k)
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, *, per_copy, copies_max, gemm):

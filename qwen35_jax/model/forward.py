@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.expert_gemm import routed_experts_reference
+from pallas_kernels.expert_gemm import router_top_k_reference, routed_experts_reference
 from qwen35_jax.model import attention as attn_ops
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.sharding import DP, TP, Layout
@@ -64,8 +64,10 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
-    # an MoE layer's routed experts on this rank; contract: pallas_kernels.expert_gemm.routed_experts_reference
+    # an MoE layer's routed experts on this rank, and its router's choice of them; contracts:
+    # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
+    router_top_k: Callable = router_top_k_reference
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -323,9 +325,7 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
     k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
     xs = x.reshape(n * t, h)
     with jax.named_scope("router"):
-        probs = jax.nn.softmax(project(x, w.router).reshape(n * t, -1).astype(f32), axis=-1)
-        top, idx = jax.lax.top_k(probs, k)
-        top = (top / top.sum(-1, keepdims=True)).astype(x.dtype)
+        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
         routed = kernels.routed_experts(xs, jnp.where((local >= 0) & (local < el), local, -1), top, w.gate_up,
