@@ -30,6 +30,7 @@ def dump(out_dir, only=()):
     from jax._src.pallas.triton import pallas_call_registration as reg
     from bench import kernel_sweeps as ks
     from pallas_kernels import conv1d, gdn, paged_attention as pa, prefill_attention as pfa
+    from pallas_kernels import expert_gemm as ex
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -84,6 +85,13 @@ def dump(out_dir, only=()):
     conv_dec = (S((256, 12352), bf), S((4, 8192), bf), S((257, 3, 8192), bf), S((256,), i32))
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
              for c in ks.conv_decode_sweep()]
+    # MoE at 35B-A3B shapes (H 2048, I 512, E 256, k 8): the router, the per-copy experts at batch 1 and 16, the
+    # grouped expert GEMM (gate_up at batch 16's 128 copies)
+    jobs += [(f"router_top_k_b{b}", functools.partial(ex.router_top_k, k=8), (S((b, 256), bf),)) for b in (1, 64)]
+    jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
+                                                          S((256, 2048, 1024), bf), S((256, 512, 2048), bf)))
+             for b in (1, 16)]
+    jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:
