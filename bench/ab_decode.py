@@ -82,7 +82,8 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")   # 35B-A3B's ~68 GB beside a second engine
     eargs = EngineArgs(max_model_len=args.context + 64, max_num_seqs=max(batches), precompile=False,
-                       max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1)
+                       max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1,
+                       enable_prefix_caching=False, gpu_memory_utilization=0.98)   # room for more than one engine
     engines = [random_engine(args.config, dataclasses.replace(eargs, kernel_config=variants[0]))]
     engines += [random_engine(args.config, dataclasses.replace(eargs, kernel_config=v), weights=engines[0].weights)
                 for v in variants[1:]]

@@ -146,10 +146,11 @@ def routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=expert
 
 
 def _row_dot(row, w):
-    """row [BK] @ w [BK, BN] as Triton's smallest dot (the row, then 15 rows of zeros), so the loop's weight loads
-    are pipelined as a GEMM's; the zero rows add exactly nothing to the sum over rows."""
+    """row [BK] @ w [BK, BN] as Triton's smallest dot: [16, BN] whose first row is the product and the other 15
+    zeros (the row, then rows of zeros), so the loop's weight loads are pipelined as a GEMM's. The loops add these
+    up and sum the 16 rows once at the end, exactly row 0."""
     rows = jax.lax.broadcasted_iota(jnp.int32, (16, row.shape[0]), 0)
-    return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w).sum(0)
+    return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w)
 
 
 def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k, block_k):
@@ -167,9 +168,9 @@ def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k, block_k):
             return (acc[0] + _row_dot(xk, w_ref[e, rows, pl.ds(j * bn, bn)]),
                     acc[1] + _row_dot(xk, w_ref[e, rows, pl.ds(half + j * bn, bn)]))
 
-        zero = jnp.zeros((bn,), f32)
+        zero = jnp.zeros((16, bn), f32)
         gate, up = jax.lax.fori_loop(0, h // block_k, body, (zero, zero))
-        gate, up = (a.astype(o_ref.dtype).astype(f32) for a in (gate, up))
+        gate, up = (a.sum(0).astype(o_ref.dtype).astype(f32) for a in (gate, up))
         o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
 
     @pl.when(e < 0)
@@ -189,7 +190,7 @@ def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, o_ref, *, block_k):
             rows = pl.ds(s * block_k, block_k)
             return acc + _row_dot(a_ref[c, rows], w_ref[e, rows, pl.ds(j * bn, bn)])
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // block_k, body, jnp.zeros((bn,), f32))
+        acc = jax.lax.fori_loop(0, a_ref.shape[1] // block_k, body, jnp.zeros((16, bn), f32)).sum(0)
         o_ref[...] = (acc.astype(o_ref.dtype).astype(f32) * wt_ref[c].astype(f32)).astype(o_ref.dtype)
 
     @pl.when(e < 0)
