@@ -328,8 +328,9 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
         top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
-        routed = kernels.routed_experts(xs, jnp.where((local >= 0) & (local < el), local, -1), top, w.gate_up,
-                                        w.down)
+        if el < cfg.num_experts:                                           # -1: another rank's
+            local = jnp.where((local >= 0) & (local < el), local, -1)
+        routed = kernels.routed_experts(xs, local, top, w.gate_up, w.down)
     with jax.named_scope("shared_expert"):
         g, u = jnp.split(project(x, w.shared.gate_up), 2, axis=-1)
         hs = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(x.dtype)
