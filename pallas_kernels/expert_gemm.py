@@ -238,18 +238,20 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, *, config: ExpertGemm
     return y.reshape(m, k, h).astype(jnp.float32).sum(1)
 
 
-def router_top_k_reference(logits, k):
+def router_top_k_reference(logits, k, live):
     """The router's choice, as HF: logits [M, E] (model dtype) -> (weights [M, k] in the logits' dtype, experts
     [M, k] int32): the softmax over all E experts in fp32, its k largest (the lower index first among equals),
-    renormalised to sum to one."""
+    renormalised to sum to one. Rows where live [M] is False (padding) get expert -1 (none) and weight 0."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, k)
-    return (top / top.sum(-1, keepdims=True)).astype(logits.dtype), idx.astype(jnp.int32)
+    top = (top / top.sum(-1, keepdims=True)).astype(logits.dtype)
+    return jnp.where(live[:, None], top, 0), jnp.where(live[:, None], idx.astype(jnp.int32), -1)
 
 
-def _top_k_kernel(l_ref, w_ref, i_ref, *, k):
+def _top_k_kernel(live_ref, l_ref, w_ref, i_ref, *, k):
     """Program t: token t's softmax over its E logits and k rounds of (largest, lowest index holding it, masked
-    out). Refs: logits [E], weights [KP], experts [KP] (KP: k to a power of two; the rest zeros)."""
+    out). Refs: live [M] (whole), logits [E], weights [KP], experts [KP] (KP: k to a power of two; the rest
+    zeros)."""
     f32 = jnp.float32
     x = l_ref[...].astype(f32)
     p = jnp.exp(x - jnp.max(x))
@@ -263,22 +265,24 @@ def _top_k_kernel(l_ref, w_ref, i_ref, *, k):
         j = jnp.min(jnp.where(p == v, iota, e))
         vals, ids = jnp.where(slot == r, v, vals), jnp.where(slot == r, j, ids)
         p = jnp.where(iota == j, -1.0, p)
-    w_ref[...] = (vals / jnp.sum(vals)).astype(w_ref.dtype)
-    i_ref[...] = ids
+    live = live_ref[pl.program_id(0)] != 0
+    w_ref[...] = jnp.where(live, vals / jnp.sum(vals), 0.0).astype(w_ref.dtype)
+    i_ref[...] = jnp.where(live, ids, -1)
 
 
-def router_top_k(logits, k, *, interpret: bool = False):
+def router_top_k(logits, k, live, *, interpret: bool = False):
     """router_top_k_reference's contract in one kernel (one program per token), in the place of XLA's softmax,
-    its sort for top_k and the renormalisation: four launches per MoE layer."""
+    its sort for top_k, the renormalisation and the padding's mask: five launches per MoE layer."""
     m, e = logits.shape
     kp = 1 << (k - 1).bit_length()
     if k > e:
         raise ValueError(f"top {k} of {e} experts")
+    live = live.astype(jnp.int32)
     w, i = pl.pallas_call(
         functools.partial(_top_k_kernel, k=k), grid=(m,),
-        in_specs=[pl.BlockSpec((None, e), lambda t: (t, 0))],
+        in_specs=[pl.BlockSpec((m,), lambda t: (0,)), pl.BlockSpec((None, e), lambda t: (t, 0))],
         out_specs=[pl.BlockSpec((None, kp), lambda t: (t, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((m, kp), logits.dtype), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="router_top_k",
-    )(logits)
+    )(live, logits)
     return w[:, :k], i[:, :k]

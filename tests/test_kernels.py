@@ -568,7 +568,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
         assert "__gpu$xla.gpu.triton" in text
     for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers
-        assert lower_for_cuda(lambda x: expert_gemm.router_top_k(x, k), S((m, e), bf)).count("xla.gpu.triton") == 1
+        text = lower_for_cuda(lambda x, live: expert_gemm.router_top_k(x, k, live), S((m, e), bf), S((m,), jnp.bool_))
+        assert text.count("xla.gpu.triton") == 1
     for m in (1, 16):                                              # 35B-A3B's per-copy experts at batch 1 and 16
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
                               S((256, 2048, 1024), bf), S((256, 512, 2048), bf))
@@ -620,14 +621,17 @@ def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, dtype)
 @pytest.mark.parametrize("m,e,k,dtype", [(5, 16, 4, jnp.float32), (3, 32, 10, jnp.float32), (4, 256, 8, jnp.bfloat16)])
 def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
     """The router kernel (interpret mode) against softmax + jax.lax.top_k + renormalisation: the same experts in the
-    same order (ties to the lower index), weights within fp32 / bf16 rounding; k = 10 pads its outputs to 16."""
+    same order (ties to the lower index), weights within fp32 / bf16 rounding; a padding row routes nowhere; k = 10
+    pads its outputs to 16."""
     logits = jax.random.normal(jax.random.key(e), (m, e)).astype(dtype)
     logits = logits.at[0, 3].set(logits[0, 7]).at[0, 7].set(logits.max() + 1).at[0, 3].set(logits.max() + 1)
-    want_w, want_i = expert_gemm.router_top_k_reference(logits, k)
-    got_w, got_i = expert_gemm.router_top_k(logits, k, interpret=True)
+    live = jnp.arange(m) != 1                                            # row 1: padding
+    want_w, want_i = expert_gemm.router_top_k_reference(logits, k, live)
+    got_w, got_i = expert_gemm.router_top_k(logits, k, live, interpret=True)
     assert got_w.dtype == dtype and got_i.shape == (m, k)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
     assert list(np.asarray(got_i[0, :2])) == [3, 7]                     # a tie: the lower index first
+    assert (np.asarray(got_i[1]) == -1).all() and not np.asarray(got_w[1], np.float32).any()
     assert rel(got_w, want_w) <= (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
@@ -665,7 +669,7 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
 def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
     same output with the kernels (interpret mode: the grouped GEMM on sorted copies, the per-copy kernels) as with
-    ragged_dot."""
+    ragged_dot; a padding row (live False) gets the shared expert alone and changes no other row."""
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.forward import moe_block
     from qwen35_jax.model.sharding import TP
@@ -682,8 +686,12 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     specs = MoE(router=P(), gate_up=P(TP), down=P(TP), shared=MLP(gate_up=P(None, TP), down=P(TP)),
                 shared_gate=P())
     base = make_kernels(KernelConfig(backend="reference").resolved())
-    run = lambda kern: jax.jit(jax.shard_map(lambda w, x: moe_block(cfg, Layout.build(cfg, tp), kern, w, x),
-                                             mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))(w, x)
+    live = jnp.arange(6) != 2                                              # row 2: padding
+    run = lambda kern, live=live: jax.jit(jax.shard_map(
+        lambda w, x: moe_block(cfg, Layout.build(cfg, tp), kern, w, x, live), mesh=mesh, in_specs=(specs, P()),
+        out_specs=P(), check_vma=False))(w, x)
+    alive, padded = run(base, None), run(base)
+    assert rel(padded[live], alive[live]) == 0 and rel(padded[2], alive[2]) > 0.01   # routed: nothing for row 2
     tiles = expert_gemm.ExpertGemmConfig(block_n=32, block_k=32, copy_block_n=16, copy_block_k=16)
     grouped = functools.partial(expert_gemm.routed_experts_reference,
                                 gemm=functools.partial(expert_gemm.expert_gemm, interpret=True, config=tiles))

@@ -316,16 +316,18 @@ def mlp_block(kernels: Kernels, w, x):
         return row_parallel(kernels, h, w.down)
 
 
-def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x):
+def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=None):
     """Qwen3.5's sparse MLP (weights.MoE) on this rank: the router's softmax over all E experts in fp32, the top k
     renormalised and rounded to the model dtype (as HF), this rank's E / tp experts over the tokens routed to them
     (kernels.routed_experts), the shared expert's partial sums times its sigmoid gate, and one all-reduce of both
-    over tp, in the place of the dense MLP's."""
+    over tp, in the place of the dense MLP's. live [N*T] bool: tokens that route at all (None: every one); the
+    others read no expert and get the shared expert's output alone."""
     n, t, h = x.shape
     k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
     xs = x.reshape(n * t, h)
     with jax.named_scope("router"):
-        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k)
+        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
+                                        live=jnp.ones(n * t, bool) if live is None else live)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
         if el < cfg.num_experts:                                           # -1: another rank's
@@ -362,8 +364,11 @@ def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str,
     xs = [x + h for x, h in zip(xs, hs)]
     with jax.named_scope("mlp"):
         hs = [rms_norm_1p(x, layer.post_norm, cfg.rms_norm_eps) for x in xs]
-        mlp = functools.partial(moe_block, cfg, layout, kernels, layer.mlp) if cfg.moe else \
-            functools.partial(mlp_block, kernels, layer.mlp)
+        if cfg.moe:         # padding tokens (a bucket's empty rows, a chunk's tail) route to no expert
+            live = jnp.concatenate([(jnp.arange(b.tokens.shape[1]) < b.lens[:, None]).reshape(-1) for b in batches])
+            mlp = functools.partial(moe_block, cfg, layout, kernels, layer.mlp, live=live)
+        else:
+            mlp = functools.partial(mlp_block, kernels, layer.mlp)
         xs = [x + h for x, h in zip(xs, shared(mlp, hs))]
     return xs, tuple(cache)
 
