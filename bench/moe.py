@@ -75,11 +75,14 @@ def count_touched(config: str, engine_args, batches, context: int, steps: int = 
     from qwen35_jax.model import forward
     seen, original, rows = [], forward.moe_block, [0]
 
-    def counting(cfg, layout, kernels, w, x):
+    def counting(cfg, layout, kernels, w, x, live=None):
         logits = forward.project(x[:rows[0]], w.router).reshape(-1, cfg.num_experts)
         idx = jax.lax.top_k(logits, cfg.num_experts_per_tok)[1]
-        jax.debug.callback(lambda n: seen.append(int(n)), jnp.zeros(cfg.num_experts, bool).at[idx].set(True).sum())
-        return original(cfg, layout, kernels, w, x)
+        if live is not None:            # padding rows route nowhere (index E: dropped by the scatter)
+            idx = jnp.where(live[:idx.shape[0], None], idx, cfg.num_experts)
+        touched = jnp.zeros(cfg.num_experts, bool).at[idx].set(True, mode="drop").sum()
+        jax.debug.callback(lambda n: seen.append(int(n)), touched)
+        return original(cfg, layout, kernels, w, x, live)
 
     forward.moe_block = counting
     try:
