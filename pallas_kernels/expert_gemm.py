@@ -37,8 +37,8 @@ class ExpertGemmConfig:
     num_stages: int = 3
     max_rows: int = 4096
     copies_max: int = 128        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
-    copy_block_n: int = 32
-    copy_block_k: int = 128
+    copy_block_n: int = 64
+    copy_block_k: int = 256
     copy_num_warps: int = 4
 
 
