@@ -122,16 +122,16 @@ def test_profile_bench_smoke(tmp_path):
 
 
 def test_moe_bench_smoke(tmp_path):
-    """bench/moe.py on a tiny MoE config with the interpret-mode kernels (the expert GEMM kernel among them): the
-    counting engine reports the experts each step routes to, near the uniform expectation, and every batch is
-    timed against its floor."""
+    """bench/moe.py on a tiny MoE config with the interpret-mode kernels (the router kernel, the per-copy expert
+    kernels at batch 1 and the grouped expert GEMM at batch 4, past copies_max): the counting engine reports the
+    experts each step routes to, near the uniform expectation, and every batch is timed against its floor."""
     import ast
     import json
     raw = json.load(open(os.path.join(fixture_dir("moe_text_untied_e16_k4"), "config.json")))
     json.dump(dict(raw, moe_intermediate_size=32), open(tmp_path / "config.json", "w"))   # the kernel's tiles
     cmd = [sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--config", str(tmp_path / "config.json"),
            "--batches", "1,4", "--context", "16", "--iters", "2", "--hf-tokens", "0",
-           "--kernel-backend", "pallas_interpret"]
+           "--kernel-backend", "pallas_interpret", "--kernel-config", "expert_gemm.copies_max=8"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in r.stdout.splitlines() if line.startswith("{'batch'")]
