@@ -45,6 +45,16 @@ class ExpertGemmConfig:
 DEFAULT = ExpertGemmConfig()
 
 
+def _check(w, **tiles):
+    """Refuse tiles Triton cannot take and weights the kernels' int32 element offsets cannot address."""
+    for name, v in tiles.items():
+        if v & (v - 1) or v < 16:
+            raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
+    if w.size >= 2 ** 31:
+        raise ValueError(f"expert weights {list(w.shape)} have 2^31 elements or more: split the experts over more "
+                         "devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
+
+
 def expert_gemm_reference(x, w, sizes, out_dtype=None):
     """The contract: x [M, K] token copies sorted by expert, group g holding the next sizes[g] rows; w [E, K, N];
     -> [M, N] with row m = x[m] @ w[its group], fp32 accumulation rounded once to out_dtype (default x.dtype);
@@ -84,12 +94,7 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     m, kdim = x.shape
     e, _, n = w.shape
     bm, bn, bk = config.block_m, min(config.block_n, n), min(config.block_k, kdim)
-    for name, v in (("block_m", bm), ("block_n", bn), ("block_k", bk)):
-        if v & (v - 1) or v < 16:
-            raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
-    if w.size >= 2 ** 31:       # the kernel's element offsets are int32
-        raise ValueError(f"expert weights [{e}, {kdim}, {n}] have 2^31 elements or more: split the experts over "
-                         "more devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
+    _check(w, block_m=bm, block_n=bn, block_k=bk)
     if n % bn or kdim % bk:
         raise ValueError(f"expert weights [{e}, {kdim}, {n}]: K and N must be multiples of the tiles ({bk}, {bn})")
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -209,14 +214,10 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, *, config: ExpertGemm
     i, c = i2 // 2, m * k
     bn = min(config.copy_block_n, i, h)
     bk = min(config.copy_block_k, i, h)
-    for name, v in (("copy_block_n", bn), ("copy_block_k", bk)):
-        if v & (v - 1) or v < 16:
-            raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
+    _check(w_gate_up, copy_block_n=bn, copy_block_k=bk)
+    _check(w_down)
     if i % bn or h % bn or i % bk or h % bk:
         raise ValueError(f"expert widths H={h}, I={i} must be multiples of the tiles ({bk}, {bn})")
-    if max(w_gate_up.size, w_down.size) >= 2 ** 31:
-        raise ValueError(f"expert weights [{e}, {h}, {i2}] have 2^31 elements or more: split the experts over more "
-                         "devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
     ids = experts.reshape(c).astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
