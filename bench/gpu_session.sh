@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile.
+#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile lmhead ttftab.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
 # (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
@@ -186,6 +186,16 @@ for s in $sections; do
                python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights --batch 1 \
                --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile --top-unattributed 25
              tar czf "$out/moeprofile.tgz" -C /tmp moeprofile ;;
+    lmhead)      # issue 39: the prefill executable's lm_head against the decode step's, and forms of it
+             CUDA_VISIBLE_DEVICES=0 run lmhead ${LH_SHARE:-90} python3 bench/lm_head.py --record \
+               --config bench/configs/qwen3.5-9b.json --tokens 8192 ;;
+    ttftab)      # issue 39: TTFT at TA_LENS as XLA chooses its GEMMs (the default) and with Triton GEMMs off, one engine
+                 # each, no HF or jnp attention runs
+             for kc in "" "xla_options.xla_gpu_enable_triton_gemm=false"; do
+               CUDA_VISIBLE_DEVICES=0 run ttft${kc:+_no_triton} ${TA_SHARE:-150} python3 bench/long_context.py --record \
+                 --config bench/configs/qwen3.5-9b.json --parts ttft --lens ${TA_LENS:-8192,32768} --hf-lens "" \
+                 --jnp-max 0 ${kc:+--kernel-config $kc}
+             done ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \
