@@ -89,8 +89,9 @@ def dump(out_dir, only=()):
     # grouped expert GEMM (gate_up at batch 16's 128 copies)
     jobs += [(f"router_top_k_b{b}", lambda x, live: ex.router_top_k(x, 8, live), (S((b, 256), bf), S((b,), jnp.bool_)))
              for b in (1, 64)]
+    shared = (S((2048, 1024), bf), S((512, 2048), bf), S((2048, 1), bf))
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
-                                                          S((256, 2048, 1024), bf), S((256, 512, 2048), bf)))
+                                                          S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
              for b in (1, 16)]
     jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)

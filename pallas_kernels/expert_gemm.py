@@ -9,9 +9,10 @@ the last group read nothing. Prefill steps, whose copies touch every expert many
 `max_rows` copies the backend calls it.
 
 Small decode batches skip the sort: `routed_experts` runs one program per token copy and weight tile, reading the
-copy's expert by id, with the SiLU gate fused into the gate_up kernel and the router weight into the down kernel. The
-sorted path's block table, gathers and scatter cost ~20 launches per layer, more than the experts' reads at batch 1.
-Copies of one expert in flight together read its tiles from L2 after the first.
+copy's expert by id, with the SiLU gate fused into the gate_up kernel and the router weight into the down kernel; the
+shared expert is one more copy per token, its sigmoid gate computed in the down kernel. The sorted path's block table,
+gathers and scatter cost ~20 launches per layer, more than the experts' reads at batch 1, and the shared expert as
+XLA's GEMMs another six. Copies of one expert in flight together read its tiles from L2 after the first.
 """
 from __future__ import annotations
 
@@ -130,14 +131,28 @@ def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None 
     return jnp.where((r < ends[-1])[:, None], out[bstart[h] * bm + r - starts[h]], 0).astype(out_dtype)
 
 
-def routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=expert_gemm_reference):
-    """The contract of an MoE layer's routed experts on one rank: x [M, H] tokens; experts [M, k] their experts as
-    indices into this rank's weights (-1: another rank's); weights [M, k] their router weights (x.dtype); w_gate_up
-    [E, H, 2I] ([gate | up]), w_down [E, I, H]. -> [M, H] fp32: over each token's experts on this rank, the sum of
-    weight * down(silu(gate) * up), each GEMM accumulated in fp32 and rounded to x.dtype, as is the SiLU product
-    and its product with the weight. Computed on the copies sorted by expert with grouped GEMMs (`gemm`:
-    expert_gemm_reference, or expert_gemm): no group is padded, and copies of other ranks' experts sit past the
-    groups, where the GEMMs give zeros."""
+def shared_expert_reference(x, w_gate_up, w_down, w_gate):
+    """The shared expert of an MoE layer as HF runs it: x [M, H]; w_gate_up [H, 2Is] ([gate | up], this rank's Is),
+    w_down [Is, H], w_gate [H, 1] -> [M, H] in x.dtype: sigmoid(x @ w_gate) * down(silu(gate) * up), each GEMM
+    accumulated in fp32 and rounded to x.dtype, as are the SiLU product, the sigmoid and the last product. Under tp
+    the down GEMM's result is this rank's partial sum over Is."""
+    f32, dt = jnp.float32, x.dtype
+    dot = lambda a, w: jnp.dot(a, w, preferred_element_type=dt)     # fp32 accumulation, rounded once
+    gate, up = jnp.split(dot(x, w_gate_up), 2, axis=-1)
+    act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(dt)
+    g = jax.nn.sigmoid(dot(x, w_gate).astype(f32)).astype(dt)
+    return (dot(act, w_down).astype(f32) * g.astype(f32)).astype(dt)
+
+
+def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=expert_gemm_reference):
+    """The contract of an MoE layer's experts on one rank: x [M, H] tokens; experts [M, k] their experts as indices
+    into this rank's weights (-1: another rank's); weights [M, k] their router weights (x.dtype); w_gate_up
+    [E, H, 2I] ([gate | up]), w_down [E, I, H]; shared: the shared expert's (w_gate_up, w_down, w_gate) as
+    shared_expert_reference takes them. -> [M, H] fp32: over each token's experts on this rank, the sum of
+    weight * down(silu(gate) * up), each GEMM accumulated in fp32 and rounded to x.dtype, as is the SiLU product and
+    its product with the weight; plus the shared expert's output. Computed on the copies sorted by expert with
+    grouped GEMMs (`gemm`: expert_gemm_reference, or expert_gemm): no group is padded, and copies of other ranks'
+    experts sit past the groups, where the GEMMs give zeros."""
     m, k = experts.shape
     e, f32 = w_gate_up.shape[0], jnp.float32
     group = jnp.where(experts >= 0, experts, e).reshape(-1)
@@ -147,7 +162,8 @@ def routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=expert
     gate, up = jnp.split(gemm(x[tok], w_gate_up, sizes), 2, axis=-1)
     act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
     out = gemm(act, w_down, sizes)
-    return jnp.zeros((m, x.shape[1]), f32).at[tok].add((out * weights.reshape(-1)[order][:, None]).astype(f32))
+    routed = jnp.zeros((m, x.shape[1]), f32).at[tok].add((out * weights.reshape(-1)[order][:, None]).astype(f32))
+    return routed + shared_expert_reference(x, *shared).astype(f32)
 
 
 def _row_dot(row, w):
@@ -158,85 +174,124 @@ def _row_dot(row, w):
     return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w)
 
 
-def _gate_up_kernel(ids_ref, x_ref, w_ref, o_ref, *, k, block_k):
-    """Program (c, j): copy c = token c // k times its expert's gate and up columns of tile j, each summed in fp32
-    and rounded, then silu(gate) * up rounded. Refs: ids [C], x [M, H], w [E, H, 2I] (whole), o [BN]."""
+def _row_times(a_ref, c, w_ref, e, j, bn, width, block_k):
+    """fp32 [BN]: a_ref[c, :width] @ w[e][:width, tile j] (e None: w is one matrix), block_k of K per step."""
+    def body(s, acc):
+        rows = pl.ds(s * block_k, block_k)
+        wk = w_ref[rows, pl.ds(j * bn, bn)] if e is None else w_ref[e, rows, pl.ds(j * bn, bn)]
+        return acc + _row_dot(a_ref[c, rows], wk)
+
+    return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((16, bn), jnp.float32)).sum(0)
+
+
+def _silu_product(gate, up, dtype):
+    """silu(gate) * up from fp32 GEMM sums, each rounded to dtype as HF's bf16 modules do."""
+    f32 = jnp.float32
+    gate, up = (a.astype(dtype).astype(f32) for a in (gate, up))
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
+    """Program (c, j): copy c < routed is token c // k times its expert's gate and up columns of tile j; copy
+    routed + t is token t times the shared expert's; silu(gate) * up, rounded. Tiles past a copy's width (the
+    routed I or the shared Is, whichever is narrower) write zeros. Refs: ids [C], x [M, H], w [E, H, 2I], s [H, 2Is]
+    (whole), o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
-    e, bn, f32 = ids_ref[c], o_ref.shape[0], jnp.float32
-    half, h = w_ref.shape[2] // 2, x_ref.shape[1]
+    bn, dt = o_ref.shape[0], o_ref.dtype
+    half, half_s, h = w_ref.shape[2] // 2, s_ref.shape[1] // 2, x_ref.shape[1]
+    e = ids_ref[jnp.minimum(c, routed - 1)]
 
-    @pl.when(e >= 0)
-    def _():
+    def tile(w, e, half, t, bk):
         def body(s, acc):
-            rows = pl.ds(s * block_k, block_k)
-            xk = x_ref[c // k, rows]
-            return (acc[0] + _row_dot(xk, w_ref[e, rows, pl.ds(j * bn, bn)]),
-                    acc[1] + _row_dot(xk, w_ref[e, rows, pl.ds(half + j * bn, bn)]))
+            rows = pl.ds(s * bk, bk)
+            xk = x_ref[t, rows]
+            cols = lambda at: (rows, pl.ds(at, bn)) if e is None else (e, rows, pl.ds(at, bn))
+            return acc[0] + _row_dot(xk, w[cols(j * bn)]), acc[1] + _row_dot(xk, w[cols(half + j * bn)])
 
-        zero = jnp.zeros((16, bn), f32)
-        gate, up = jax.lax.fori_loop(0, h // block_k, body, (zero, zero))
-        gate, up = (a.sum(0).astype(o_ref.dtype).astype(f32) for a in (gate, up))
-        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(o_ref.dtype)
+        zero = jnp.zeros((16, bn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, h // bk, body, (zero, zero))
+        o_ref[...] = _silu_product(gate.sum(0), up.sum(0), dt)
 
-    @pl.when(e < 0)
+    @pl.when((c < routed) & (e >= 0) & (j * bn < half))
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        tile(w_ref, e, half, c // k, block_k)
+
+    @pl.when((c >= routed) & (j * bn < half_s))
+    def _():
+        tile(s_ref, None, half_s, c - routed, block_k_shared)
+
+    @pl.when(((c < routed) & ((e < 0) | (j * bn >= half))) | ((c >= routed) & (j * bn >= half_s)))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, o_ref, *, block_k):
-    """Program (c, j): copy c's SiLU product times its expert's down columns of tile j, summed in fp32, rounded,
-    times the copy's router weight, rounded. Refs: ids [C], weights [C], act [C, I], w [E, I, H] (whole), o [BN]."""
+def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k, block_k_shared):
+    """Program (c, j): copy c's SiLU product times its expert's down columns of tile j (copy routed + t: the
+    shared expert's), summed in fp32 and rounded, times the copy's weight (the router's; the shared expert's
+    sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C'] (C' = routed), act [C, W],
+    w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
-    e, bn, f32 = ids_ref[c], o_ref.shape[0], jnp.float32
+    bn, dt, f32 = o_ref.shape[0], o_ref.dtype, jnp.float32
+    i, i_s = w_ref.shape[1], sd_ref.shape[0]
+    r = jnp.minimum(c, routed - 1)
+    e = ids_ref[r]
 
-    @pl.when(e >= 0)
+    @pl.when((c < routed) & (e >= 0))
     def _():
-        def body(s, acc):
-            rows = pl.ds(s * block_k, block_k)
-            return acc + _row_dot(a_ref[c, rows], w_ref[e, rows, pl.ds(j * bn, bn)])
+        acc = _row_times(a_ref, c, w_ref, e, j, bn, i, block_k)
+        o_ref[...] = (acc.astype(dt).astype(f32) * wt_ref[r].astype(f32)).astype(dt)
 
-        acc = jax.lax.fori_loop(0, a_ref.shape[1] // block_k, body, jnp.zeros((16, bn), f32)).sum(0)
-        o_ref[...] = (acc.astype(o_ref.dtype).astype(f32) * wt_ref[c].astype(f32)).astype(o_ref.dtype)
-
-    @pl.when(e < 0)
+    @pl.when(c >= routed)
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        acc = _row_times(a_ref, c, sd_ref, None, j, bn, i_s, block_k_shared)
+        logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
+        gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
+        o_ref[...] = (acc.astype(dt).astype(f32) * gate).astype(dt)
+
+    @pl.when((c < routed) & (e < 0))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def routed_experts(x, experts, weights, w_gate_up, w_down, *, config: ExpertGemmConfig | None = None,
+def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
                    interpret: bool = False):
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
-    weight tile in each of two kernels (gate_up with the SiLU product; down with the router weight), then each
-    token's k rows summed in fp32."""
+    weight tile in each of two kernels (gate_up with the SiLU product; down with the copy's weight), the shared
+    expert as one more copy per token (its gate computed in the down kernel), then each token's k + 1 rows summed in
+    fp32."""
     config = DEFAULT if config is None else config
     m, k = experts.shape
     e, h, i2 = w_gate_up.shape
-    i, c = i2 // 2, m * k
-    bn = min(config.copy_block_n, i, h)
-    bk = min(config.copy_block_k, i, h)
-    _check(w_gate_up, copy_block_n=bn, copy_block_k=bk)
+    s_gate_up, s_down, s_gate = shared
+    i, i_s, routed = i2 // 2, s_down.shape[0], m * k
+    width = max(i, i_s)
+    bn = min(config.copy_block_n, i, i_s, h)
+    bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
+    _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
     _check(w_down)
-    if i % bn or h % bn or i % bk or h % bk:
-        raise ValueError(f"expert widths H={h}, I={i} must be multiples of the tiles ({bk}, {bn})")
-    ids = experts.reshape(c).astype(jnp.int32)
+    if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk_s or h % bk_s:
+        raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn})")
+    ids = experts.reshape(routed).astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
+    grid = lambda n: (routed + m, n // bn)
     act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, block_k=bk), grid=(c, i // bn),
-        in_specs=[whole(ids), whole(x), whole(w_gate_up)],
+        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(width),
+        in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
-        out_shape=jax.ShapeDtypeStruct((c, i), x.dtype), compiler_params=params, interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((routed + m, width), x.dtype), compiler_params=params, interpret=interpret,
         name="expert_gate_up",
-    )(ids, x, w_gate_up)
-    wts = weights.reshape(c).astype(x.dtype)
+    )(ids, x, w_gate_up, s_gate_up)
+    wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, block_k=bk), grid=(c, h // bn),
-        in_specs=[whole(ids), whole(wts), whole(act), whole(w_down)],
+        functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
+        in_specs=[whole(ids), whole(wts), whole(act), whole(w_down), whole(x), whole(s_down), whole(gate)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
-        out_shape=jax.ShapeDtypeStruct((c, h), x.dtype), compiler_params=params, interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
         name="expert_down",
-    )(ids, wts, act, w_down)
-    return y.reshape(m, k, h).astype(jnp.float32).sum(1)
+    )(ids, wts, act, w_down, x, s_down, gate)
+    f32 = jnp.float32
+    return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 
 
 def router_top_k_reference(logits, k, live):

@@ -570,9 +570,10 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers
         text = lower_for_cuda(lambda x, live: expert_gemm.router_top_k(x, k, live), S((m, e), bf), S((m,), jnp.bool_))
         assert text.count("xla.gpu.triton") == 1
-    for m in (1, 16):                                              # 35B-A3B's per-copy experts at batch 1 and 16
+    for m, i_s in ((1, 512), (16, 512), (4, 128)):         # 35B-A3B's per-copy experts at batch 1, 16; Is / 4
+        shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
-                              S((256, 2048, 1024), bf), S((256, 512, 2048), bf))
+                              S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared)
         assert text.count("__gpu$xla.gpu.triton") == 2
 
 
@@ -596,26 +597,33 @@ def test_expert_gemm_matches_ragged_dot(m, k, n, sizes, dtype):
     assert not np.asarray(got[sum(sizes):]).any()
 
 
-@pytest.mark.parametrize("m,k,e,h,i,dtype", [(3, 4, 8, 64, 32, jnp.float32), (2, 8, 16, 128, 64, jnp.bfloat16)])
-def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, dtype):
-    """The per-copy expert kernels (interpret mode) against routed_experts_reference (sorted copies, ragged_dot):
-    two tokens sharing an expert, copies of another rank's experts (-1) adding nothing, a token with none here."""
-    ks = jax.random.split(jax.random.key(m), 5)
+@pytest.mark.parametrize("m,k,e,h,i,i_s,dtype", [(3, 4, 8, 64, 32, 32, jnp.float32),
+                                                   (2, 8, 16, 128, 64, 16, jnp.bfloat16),    # shared narrower
+                                                   (2, 2, 4, 64, 16, 48, jnp.float32)])      # shared wider
+def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, i_s, dtype):
+    """The per-copy expert kernels (interpret mode) against routed_experts_reference (sorted copies, ragged_dot,
+    the shared expert as HF): two tokens sharing an expert, copies of another rank's experts (-1) adding nothing, a
+    token with none here (the shared expert's output alone), a shared expert narrower and wider than the routed."""
+    ks = jax.random.split(jax.random.key(m), 8)
     x = jax.random.normal(ks[0], (m, h)).astype(dtype)
     wg = (0.2 * jax.random.normal(ks[1], (e, h, 2 * i))).astype(dtype)
     wd = (0.2 * jax.random.normal(ks[2], (e, i, h))).astype(dtype)
+    shared = tuple((0.2 * jax.random.normal(key, shape)).astype(dtype)
+                   for key, shape in zip(ks[5:], ((h, 2 * i_s), (i_s, h), (h, 1))))
     ids = np.stack([np.asarray(jax.random.permutation(key, e)[:k]) for key in jax.random.split(ks[3], m)])
     if ids[0, 0] not in ids[1]:
         ids[1, 0] = ids[0, 0]                                 # a shared expert
     ids[0, -1] = ids[-1, 1] = -1                              # another rank's
     ids[-1] = -1 if m > 2 else ids[-1]                        # no expert on this rank
     weights = jax.nn.softmax(jax.random.normal(ks[4], (m, k)), -1).astype(dtype)
-    want = expert_gemm.routed_experts_reference(x, jnp.asarray(ids), weights, wg, wd)
-    got = expert_gemm.routed_experts(x, jnp.asarray(ids), weights, wg, wd, interpret=True,
+    want = expert_gemm.routed_experts_reference(x, jnp.asarray(ids), weights, wg, wd, shared)
+    got = expert_gemm.routed_experts(x, jnp.asarray(ids), weights, wg, wd, shared, interpret=True,
                                      config=expert_gemm.ExpertGemmConfig(copy_block_n=16, copy_block_k=16))
     assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
-    if m > 2:
-        assert not np.asarray(got[-1]).any()
+    alone = expert_gemm.shared_expert_reference(x, *shared).astype(jnp.float32)
+    if m > 2:                                                 # no routed expert here: the shared expert's output
+        assert rel(got[-1], alone[-1]) <= 1e-6
+    assert rel(got[0], alone[0]) > 0.01
 
 
 @pytest.mark.parametrize("m,e,k,dtype", [(5, 16, 4, jnp.float32), (3, 32, 10, jnp.float32), (4, 256, 8, jnp.bfloat16)])
@@ -642,8 +650,10 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
     from qwen35_jax.model.config import load_config
     f32, i32 = jnp.float32, jnp.int32
     w = (jax.ShapeDtypeStruct((8, 64, 64), f32), jax.ShapeDtypeStruct((8, 32, 64), f32))
+    shared = (jax.ShapeDtypeStruct((64, 32), f32), jax.ShapeDtypeStruct((16, 64), f32),
+              jax.ShapeDtypeStruct((64, 1), f32))
     args = lambda m: (jax.ShapeDtypeStruct((m, 64), f32), jax.ShapeDtypeStruct((m, 4), i32),
-                      jax.ShapeDtypeStruct((m, 4), f32), *w)
+                      jax.ShapeDtypeStruct((m, 4), f32), *w, shared)
     jaxpr = lambda c, m: str(jax.make_jaxpr(make_kernels(c.resolved()).routed_experts)(*args(m)))
     kernel = KernelConfig(backend="pallas_interpret",
                           expert_gemm=expert_gemm.ExpertGemmConfig(max_rows=64, copies_max=16))
@@ -658,7 +668,8 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
                        jax.ShapeDtypeStruct((512,), jnp.int32))
     with pytest.raises(ValueError, match="2\\^31 elements"):
         big = jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16)
-        jax.eval_shape(expert_gemm.routed_experts, *args(2)[:3], big, jax.ShapeDtypeStruct((512, 2 ** 15, 64), f32))
+        jax.eval_shape(expert_gemm.routed_experts, *args(2)[:3], big, jax.ShapeDtypeStruct((512, 2 ** 15, 64), f32),
+                       shared)
     cfg = load_config(fixture_dir("moe_text_untied_e16_k4"))                     # moe_intermediate_size 24
     with pytest.raises(ValueError, match="moe_intermediate_size=24"):
         KernelConfig(backend="pallas_interpret").check(cfg, Layout.build(cfg, 1), 16)
@@ -680,7 +691,7 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     ks = jax.random.split(jax.random.key(tp), 7)
     r = lambda i, *shape: 0.2 * jax.random.normal(ks[i], shape)
     w = MoE(router=r(0, h, e), gate_up=r(1, e, h, 2 * im), down=r(2, e, im, h),
-            shared=MLP(gate_up=r(3, h, 2 * 48), down=r(4, 48, h)), shared_gate=r(5, h, 1))
+            shared=MLP(gate_up=r(3, h, 2 * 64), down=r(4, 64, h)), shared_gate=r(5, h, 1))
     x = r(6, 6, 1, h)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), (TP,))
     specs = MoE(router=P(), gate_up=P(TP), down=P(TP), shared=MLP(gate_up=P(None, TP), down=P(TP)),

@@ -135,10 +135,13 @@ class KernelConfig:
         if cfg.moe and self.expert_gemm is not None:
             g = self.expert_gemm
             tiles = sorted({g.block_n, g.block_k, g.copy_block_n, g.copy_block_k})
-            for name, d in (("hidden_size", cfg.hidden_size), ("moe_intermediate_size", cfg.moe_intermediate_size)):
-                fit = [min(t, d) for t in tiles]            # the kernels' tiles shrink to a narrower width
+            copy_tiles = sorted({g.copy_block_n, g.copy_block_k})  # the shared expert rides the per-copy kernels
+            for name, d, ts in (("hidden_size", cfg.hidden_size, tiles),
+                                ("moe_intermediate_size", cfg.moe_intermediate_size, tiles),
+                                ("shared_expert_intermediate_size per rank", layout.shared_ffn, copy_tiles)):
+                fit = [min(t, d) for t in ts]               # the kernels' tiles shrink to a narrower width
                 if d < 16 or any(f & (f - 1) or d % f for f in fit):
-                    problems.append(f"{name}={d} does not split into the expert kernels' tiles {tiles} (a power "
+                    problems.append(f"{name}={d} does not split into the expert kernels' tiles {ts} (a power "
                                     "of two >= 16, or a multiple of the largest)")
         if cfg.conv_kernel < 2 or cfg.conv_kernel > self.conv.bt + 1:
             problems.append(f"linear_conv_kernel_dim={cfg.conv_kernel} is outside [2, {self.conv.bt + 1}] "
@@ -226,12 +229,13 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    router_top_k=top_k)
 
 
-def _routed(x, experts, weights, w_gate_up, w_down, *, per_copy, copies_max, gemm):
-    """An MoE layer's routed experts by their static count of token copies: the per-copy kernels up to copies_max
-    (small decode batches), else grouped GEMMs over the copies sorted by expert."""
+def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):
+    """An MoE layer's experts by their static count of token copies: the per-copy kernels up to copies_max (small
+    decode batches; the shared expert one more copy per token), else grouped GEMMs over the copies sorted by expert
+    and the shared expert as XLA's GEMMs."""
     if experts.size <= copies_max:
-        return per_copy(x, experts, weights, w_gate_up, w_down)
-    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, gemm=gemm)
+        return per_copy(x, experts, weights, w_gate_up, w_down, shared)
+    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=gemm)
 
 
 def _grouped(x, w, sizes, out_dtype=None, *, kernel, limit):

@@ -64,7 +64,7 @@ class Kernels:
     # k_pages, v_pages, pages, ctx) -> [N, Hq, D]; None: XLA's norm / RoPE / K-V write, then attention_decode
     attention_prologue: Callable | None = None
     attention_tiles: Callable | None = None
-    # an MoE layer's routed experts on this rank, and its router's choice of them; contracts:
+    # an MoE layer's routed and shared experts on this rank, and its router's choice of them; contracts:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
@@ -319,11 +319,11 @@ def mlp_block(kernels: Kernels, w, x):
 def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=None):
     """Qwen3.5's sparse MLP (weights.MoE) on this rank: the router's softmax over all E experts in fp32, the top k
     renormalised and rounded to the model dtype (as HF), this rank's E / tp experts over the tokens routed to them
-    (kernels.routed_experts), the shared expert's partial sums times its sigmoid gate, and one all-reduce of both
+    and the shared expert's partial sums times its sigmoid gate (kernels.routed_experts), and one all-reduce of both
     over tp, in the place of the dense MLP's. live [N*T] bool: tokens that route at all (None: every one); the
     others read no expert and get the shared expert's output alone."""
     n, t, h = x.shape
-    k, el, f32 = cfg.num_experts_per_tok, layout.experts, jnp.float32
+    k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
     with jax.named_scope("router"):
         top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
@@ -332,13 +332,9 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
         if el < cfg.num_experts:                                           # -1: another rank's
             local = jnp.where((local >= 0) & (local < el), local, -1)
-        routed = kernels.routed_experts(xs, local, top, w.gate_up, w.down)
-    with jax.named_scope("shared_expert"):
-        g, u = jnp.split(project(x, w.shared.gate_up), 2, axis=-1)
-        hs = (jax.nn.silu(g.astype(f32)) * u.astype(f32)).astype(x.dtype)
-        part = project(hs, w.shared.down, f32)                             # this rank's share of Is, fp32
-        part = part * jax.nn.sigmoid(project(x, w.shared_gate).astype(f32))
-    return jax.lax.psum(routed.reshape(n, t, h) + part, TP).astype(x.dtype)
+        out = kernels.routed_experts(xs, local, top, w.gate_up, w.down, (w.shared.gate_up, w.shared.down,
+                                                                           w.shared_gate))
+    return jax.lax.psum(out.reshape(n, t, h), TP).astype(x.dtype)
 
 
 def decoder_layer(cfg: ModelConfig, layout: Layout, kernels: Kernels, kind: str, layer, xs, cache, batches,
