@@ -50,6 +50,9 @@ def child(args):
             weights = random_weights(ModelConfig.from_hf(raw), make_mesh(1), jnp.bfloat16)
             engine = engine_module.Engine(d, engine_module.EngineArgs(**kw), weights=weights)
         for b in batches:
+            if getattr(engine.cfg, "moe", False):       # rows of one token would all route to the same experts
+                from bench.ab_decode import distinct_tokens
+                distinct_tokens(engine, b)
             call = decode_call(engine, b, args.context)
             jax.block_until_ready([call() for _ in range(3)])
 
