@@ -60,7 +60,7 @@ def gemv(x, w, *, bn, bk, split, stages, warps=4, interpret=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="names of SHAPES, or KxN")
     ap.add_argument("--calls", default="4,16")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
@@ -68,7 +68,7 @@ def main():
     calls = tuple(int(c) for c in args.calls.split(","))
     rows = []
     for name in args.shapes.split(","):
-        kdim, n = SHAPES[name]
+        kdim, n = SHAPES[name] if name in SHAPES else (int(d) for d in name.split("x"))
         ks = jax.random.split(jax.random.key(0), 2)
         x = jax.random.normal(ks[0], (1, kdim), jnp.float32).astype(jnp.bfloat16)
         w = (0.02 * jax.random.normal(ks[1], (kdim, n), jnp.float32)).astype(jnp.bfloat16)

@@ -139,3 +139,18 @@ def test_moe_bench_smoke(tmp_path):
     assert rows[0]["experts_touched_per_layer"] == 4.0        # k of one token's routing
     assert abs(rows[1]["experts_touched_per_layer"] - rows[1]["uniform_expectation"]) < 3
     assert all(row["floor_ms"] > 0 and row["step_ms"] > 0 for row in rows) and "No HF run." in r.stdout
+
+
+def test_gemv_and_lm_head_bench_smoke():
+    """bench/gemv.py (the Pallas GEMV in interpret mode against forward.project, exact on the same row) and
+    bench/lm_head.py (the head's prefill forms) run and print their tables."""
+    gemv = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gemv.py"), "--shapes", "256x128",
+                           "--calls", "1,2"], capture_output=True, text=True, env=server_env(), timeout=600)
+    assert gemv.returncode == 0, gemv.stdout[-3000:] + gemv.stderr[-3000:]
+    assert '"form": "n64_k128_s2_st3"' in gemv.stdout and '"max_abs_err": 0.0' in gemv.stdout
+    assert "| 256x128 [256, 128] |" in gemv.stdout
+    head = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lm_head.py"), "--config",
+                           os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--tokens", "16",
+                           "--calls", "1,2"], capture_output=True, text=True, env=server_env(), timeout=600)
+    assert head.returncode == 0, head.stdout[-3000:] + head.stderr[-3000:]
+    assert "| barrier | 16 |" in head.stdout and "| decode | 1 |" in head.stdout
