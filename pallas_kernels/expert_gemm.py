@@ -174,76 +174,72 @@ def _row_dot(row, w):
     return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w)
 
 
-def _row_times(a_ref, c, w_ref, e, j, bn, width, block_k):
-    """fp32 [BN]: a_ref[c, :width] @ w[e][:width, tile j] (e None: w is one matrix), block_k of K per step."""
+def _row_times(row, w_ref, e, j, bn, width, block_k):
+    """fp32 [BN]: row(K range) over [0, width) @ w[e][:width, tile j] (e None: w is one matrix), block_k of K per
+    step."""
     def body(s, acc):
         rows = pl.ds(s * block_k, block_k)
         wk = w_ref[rows, pl.ds(j * bn, bn)] if e is None else w_ref[e, rows, pl.ds(j * bn, bn)]
-        return acc + _row_dot(a_ref[c, rows], wk)
+        return acc + _row_dot(row(rows), wk)
 
     return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((16, bn), jnp.float32)).sum(0)
 
 
-def _silu_product(gate, up, dtype):
-    """silu(gate) * up from fp32 GEMM sums, each rounded to dtype as HF's bf16 modules do."""
-    f32 = jnp.float32
-    gate, up = (a.astype(dtype).astype(f32) for a in (gate, up))
-    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
-
-
 def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
-    """Program (c, j): copy c < routed is token c // k times its expert's gate and up columns of tile j; copy
-    routed + t is token t times the shared expert's; silu(gate) * up, rounded. Tiles past a copy's width (the
-    routed I or the shared Is, whichever is narrower) write zeros. Refs: ids [C], x [M, H], w [E, H, 2I], s [H, 2Is]
-    (whole), o [BN]."""
+    """Program (c, j): column tile j of copy c's [gate | up] (each half W = max(I, Is) wide), rounded: copy
+    c < routed is token c // k times its expert's columns, copy routed + t token t times the shared expert's. Tiles
+    past a copy's own width write zeros. Refs: ids [C'] (C' = routed), x [M, H], w [E, H, 2I], s [H, 2Is] (whole),
+    o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
-    bn, dt = o_ref.shape[0], o_ref.dtype
-    half, half_s, h = w_ref.shape[2] // 2, s_ref.shape[1] // 2, x_ref.shape[1]
+    bn, dt, h = o_ref.shape[0], o_ref.dtype, x_ref.shape[1]
+    half, half_s = w_ref.shape[2] // 2, s_ref.shape[1] // 2
+    wide = max(half, half_s)
     e = ids_ref[jnp.minimum(c, routed - 1)]
+    up = (j * bn >= wide).astype(jnp.int32)
+    at = j * bn - up * wide                                      # the tile's offset in its half
 
     def tile(w, e, half, t, bk):
-        def body(s, acc):
-            rows = pl.ds(s * bk, bk)
-            xk = x_ref[t, rows]
-            cols = lambda at: (rows, pl.ds(at, bn)) if e is None else (e, rows, pl.ds(at, bn))
-            return acc[0] + _row_dot(xk, w[cols(j * bn)]), acc[1] + _row_dot(xk, w[cols(half + j * bn)])
+        start = at + up * half
+        row = lambda rows: x_ref[t, rows]
+        o_ref[...] = _row_times(row, w, e, start // bn, bn, h, bk).astype(dt)
 
-        zero = jnp.zeros((16, bn), jnp.float32)
-        gate, up = jax.lax.fori_loop(0, h // bk, body, (zero, zero))
-        o_ref[...] = _silu_product(gate.sum(0), up.sum(0), dt)
-
-    @pl.when((c < routed) & (e >= 0) & (j * bn < half))
+    @pl.when((c < routed) & (e >= 0) & (at < half))
     def _():
         tile(w_ref, e, half, c // k, block_k)
 
-    @pl.when((c >= routed) & (j * bn < half_s))
+    @pl.when((c >= routed) & (at < half_s))
     def _():
         tile(s_ref, None, half_s, c - routed, block_k_shared)
 
-    @pl.when(((c < routed) & ((e < 0) | (j * bn >= half))) | ((c >= routed) & (j * bn >= half_s)))
+    @pl.when(((c < routed) & ((e < 0) | (at >= half))) | ((c >= routed) & (at >= half_s)))
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
 def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k, block_k_shared):
-    """Program (c, j): copy c's SiLU product times its expert's down columns of tile j (copy routed + t: the
-    shared expert's), summed in fp32 and rounded, times the copy's weight (the router's; the shared expert's
-    sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C'] (C' = routed), act [C, W],
-    w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
+    """Program (c, j): copy c's silu(gate) * up (from its rounded GEMM results, rounded as HF) times its expert's
+    down columns of tile j (copy routed + t: the shared expert's), summed in fp32 and rounded, times the copy's weight
+    (the router's; the shared expert's sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C']
+    (C' = routed), gate_up [C, 2W], w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
     bn, dt, f32 = o_ref.shape[0], o_ref.dtype, jnp.float32
-    i, i_s = w_ref.shape[1], sd_ref.shape[0]
+    i, i_s, wide = w_ref.shape[1], sd_ref.shape[0], a_ref.shape[1] // 2
     r = jnp.minimum(c, routed - 1)
     e = ids_ref[r]
 
+    def act(rows):
+        gate = a_ref[c, rows].astype(f32)
+        up = a_ref[c, pl.ds(wide + rows.start, rows.size)].astype(f32)
+        return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
+
     @pl.when((c < routed) & (e >= 0))
     def _():
-        acc = _row_times(a_ref, c, w_ref, e, j, bn, i, block_k)
+        acc = _row_times(act, w_ref, e, j, bn, i, block_k)
         o_ref[...] = (acc.astype(dt).astype(f32) * wt_ref[r].astype(f32)).astype(dt)
 
     @pl.when(c >= routed)
     def _():
-        acc = _row_times(a_ref, c, sd_ref, None, j, bn, i_s, block_k_shared)
+        acc = _row_times(act, sd_ref, None, j, bn, i_s, block_k_shared)
         logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
         gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
         o_ref[...] = (acc.astype(dt).astype(f32) * gate).astype(dt)
@@ -256,15 +252,16 @@ def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *,
 def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
                    interpret: bool = False):
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
-    weight tile in each of two kernels (gate_up with the SiLU product; down with the copy's weight), the shared
-    expert as one more copy per token (its gate computed in the down kernel), then each token's k + 1 rows summed in
-    fp32."""
+    weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
+    copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
+    each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
+    that computes both: a batch-1 step has 8 copies)."""
     config = DEFAULT if config is None else config
     m, k = experts.shape
     e, h, i2 = w_gate_up.shape
     s_gate_up, s_down, s_gate = shared
     i, i_s, routed = i2 // 2, s_down.shape[0], m * k
-    width = max(i, i_s)
+    wide = max(i, i_s)
     bn = min(config.copy_block_n, i, i_s, h)
     bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
     _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
@@ -275,21 +272,21 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
     grid = lambda n: (routed + m, n // bn)
-    act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(width),
+    gate_up = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(2 * wide),
         in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
-        out_shape=jax.ShapeDtypeStruct((routed + m, width), x.dtype), compiler_params=params, interpret=interpret,
-        name="expert_gate_up",
+        out_shape=jax.ShapeDtypeStruct((routed + m, 2 * wide), x.dtype), compiler_params=params,
+        interpret=interpret, name="expert_gate_up",
     )(ids, x, w_gate_up, s_gate_up)
     wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
     y = pl.pallas_call(
         functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
-        in_specs=[whole(ids), whole(wts), whole(act), whole(w_down), whole(x), whole(s_down), whole(gate)],
+        in_specs=[whole(ids), whole(wts), whole(gate_up), whole(w_down), whole(x), whole(s_down), whole(gate)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
         out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
         name="expert_down",
-    )(ids, wts, act, w_down, x, s_down, gate)
+    )(ids, wts, gate_up, w_down, x, s_down, gate)
     f32 = jnp.float32
     return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 
