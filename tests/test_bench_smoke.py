@@ -2,6 +2,7 @@
 GPU runs of the benches are rare, so a bench that no longer matches the library's API must fail here first."""
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -142,13 +143,16 @@ def test_moe_bench_smoke(tmp_path):
 
 
 def test_gemv_and_lm_head_bench_smoke():
-    """bench/gemv.py (the Pallas GEMV in interpret mode against forward.project, exact on the same row) and
+    """bench/gemv.py (the GEMV kernel in interpret mode against forward.project, exact on the same row, timed from
+    a CPU trace) and
     bench/lm_head.py (the head's prefill forms) run and print their tables."""
-    gemv = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gemv.py"), "--shapes", "256x128",
-                           "--calls", "1,2"], capture_output=True, text=True, env=server_env(), timeout=600)
+    gemv = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gemv.py"), "--shapes", "256x128", "--tiles",
+                           "n64_k128_p264,n32_k256_p264", "--calls", "2"], capture_output=True, text=True,
+                          env=server_env(), timeout=600)
     assert gemv.returncode == 0, gemv.stdout[-3000:] + gemv.stderr[-3000:]
-    assert '"form": "n64_k128_s2_st3"' in gemv.stdout and '"max_abs_err": 0.0' in gemv.stdout
+    assert '"form": "n64_k128_p264"' in gemv.stdout and '"max_abs_err": 0.0' in gemv.stdout
     assert "| 256x128 [256, 128] |" in gemv.stdout
+    assert re.search(r"\| n(64_k128|32_k256)_p264 \(\d+\.\d\dx\) \|", gemv.stdout)          # the best tile
     head = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "lm_head.py"), "--config",
                            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--tokens", "16",
                            "--calls", "1,2"], capture_output=True, text=True, env=server_env(), timeout=600)

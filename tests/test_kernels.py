@@ -12,8 +12,8 @@ import pytest
 
 from conftest import fixture_dir
 from bench import kernel_sweeps
-from pallas_kernels import (conv1d, conv1d_reference, expert_gemm, gdn, gdn_mgpu, gdn_reference, paged_attention,
-                            prefill_attention)
+from pallas_kernels import (conv1d, conv1d_reference, expert_gemm, gdn, gdn_mgpu, gdn_reference, gemv,
+                            paged_attention, prefill_attention)
 from qwen35_jax.model.attention import decode_attention, paged_attention as paged_attention_reference
 from qwen35_jax.model.backends import KernelConfig, make_kernels
 from qwen35_jax.model.sharding import Layout
@@ -567,6 +567,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for m, k, n in ((8, 2048, 1024), (128, 512, 2048)):            # 35B-A3B's experts: gate_up at batch 1, down at 16
         text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
         assert "__gpu$xla.gpu.triton" in text
+    for k, n, out in ((4096, 12352, bf), (2048, 12352, bf), (5120, 16432, bf), (4096, 4096, f32)):   # decode GEMVs
+        text = lower_for_cuda(lambda x, w: gemv.gemv(x, w, out), S((1, k), bf), S((k, n), bf))
+        assert text.count("__gpu$xla.gpu.triton") == 1
     for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers
         text = lower_for_cuda(lambda x, live: expert_gemm.router_top_k(x, k, live), S((m, e), bf), S((m,), jnp.bool_))
         assert text.count("xla.gpu.triton") == 1
@@ -575,6 +578,28 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
                               S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared)
         assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("m,k,n,config,dtype,out_dtype", [
+    (1, 256, 96, gemv.GemvConfig(block_n=32, block_k=64), jnp.bfloat16, None),            # K split in 4
+    (3, 100, 40, gemv.GemvConfig(block_n=16, block_k=32), jnp.float32, None),              # ragged N, K; split
+    (16, 64, 48, gemv.GemvConfig(block_n=64, block_k=64, min_programs=1), jnp.bfloat16, jnp.float32),   # one
+    (2, 96, 1000, gemv.GemvConfig(block_n=128, block_k=16, min_programs=4), jnp.bfloat16, jnp.float32)])
+def test_gemv_matches_the_dot(m, k, n, config, dtype, out_dtype):
+    """The GEMV kernel (interpret mode) against its contract: x @ w with fp32 accumulation rounded once, any N and K
+    (masked tiles), K split or not."""
+    ks = jax.random.split(jax.random.key(m), 2)
+    x = jax.random.normal(ks[0], (m, k)).astype(dtype)
+    w = jax.random.normal(ks[1], (k, n)).astype(dtype)
+    want = gemv.gemv_reference(x, w, out_dtype)
+    got = gemv.gemv(x, w, out_dtype, config=config, interpret=True)
+    assert got.dtype == want.dtype and got.shape == (m, n)
+    if got.dtype == jnp.bfloat16:            # one rounding of nearly the same fp32 sum: at most one bf16 ulp apart
+        assert np.mean(np.asarray(got != want)) < 0.02 and rel(got, want) <= 1e-2
+    else:
+        assert rel(got, want) <= 1e-6
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv.gemv(jnp.zeros((17, k), dtype), w, config=config, interpret=True)
 
 
 @pytest.mark.parametrize("m,k,n,sizes,dtype", [
@@ -788,6 +813,21 @@ def test_decode_step_has_no_host_synchronisation():
                                                             attention_prologue=None, attention_tiles=None))
 
 
+def test_gemv_runs_the_decode_projections_up_to_max_rows():
+    """KernelConfig.gemv: a decode step of up to max_rows rows runs every dense projection (in_proj, qkv, gate_up
+    and the row-parallel out_proj / o_proj / down) on the GEMV kernel, a larger one none (XLA's GEMMs)."""
+    from bench.compile_time import lower_decode_for_cuda
+    from qwen35_jax.model.config import load_config
+    cfg = load_config(fixture_dir("mm_tied_r2_g2"))
+    calls = {}
+    for rows in (4, 3):
+        config = KernelConfig(backend="pallas", decode_split_k=4, gemv=gemv.GemvConfig(max_rows=rows))
+        text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
+        calls[rows] = len(re.findall(r"call @gemv(_\d+)?\(", text))
+        assert "stablehlo.while" not in text
+    assert calls == {4: 4 * len(cfg.layer_types), 3: 0}
+
+
 def test_moe_decode_step_has_no_host_synchronisation():
     """The same for a MoE model: its decode step, lowered for CUDA with the per-copy expert kernels and with the
     grouped one, has no while / case / if (the grouped kernel's block table is built by comparisons:
@@ -903,8 +943,11 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
     tokens = rng.integers(0, cfg.vocab_size, (3, t))
     page_table = np.array([1 + np.arange(pages), 1 + pages + np.arange(pages), np.zeros(pages, int)])
     out = {}
-    for backend in ("reference", "pallas_interpret"):
-        kernels = make_kernels(KernelConfig(backend=backend).resolved())
+    gemv_config = gemv.GemvConfig(block_n=16, block_k=16, min_programs=8, max_rows=3)   # split K, masked tiles
+    configs = {"reference": KernelConfig(backend="reference"), "pallas_interpret": KernelConfig(
+        backend="pallas_interpret"), "gemv": KernelConfig(backend="pallas_interpret", gemv=gemv_config)}
+    for backend, config in configs.items():
+        kernels = make_kernels(config.resolved())
         runner = ModelRunner(cfg, mesh, Layout.build(cfg, tp), weights, jnp.float32, kernels, num_slots=3,
                              num_pages=1 + 2 * pages, page_size=16)
         logits = [runner.run(make_batch(tokens, [0, 0, 0], lens, [1, 2, 0], page_table), all_logits=True)]
@@ -912,16 +955,18 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
             nxt = tokens[:, step:step + 1]
             logits.append(runner.run(make_batch(nxt, [70 + step, 5 + step, 0], [1, 1, 0], [1, 2, 0], page_table)))
         out[backend] = [np.asarray(x, np.float32) for x in logits]
-    ref, got = out["reference"], out["pallas_interpret"]
+    ref = out["reference"]
     # |logits| reach ~300 here, where one fp32 ulp is 3e-5: a literal 1e-4 absolute bar is ~3 ulps of summation
     # order. The bar is 1e-6 relative to the largest logit (~3e-4 absolute, ~10 ulps).
     scale = np.abs(ref[0][:2, :, :cfg.vocab_size]).max()
-    for i, n in enumerate(lens[:2]):
-        err = np.abs(got[0][i, :n, :cfg.vocab_size] - ref[0][i, :n, :cfg.vocab_size]).max()
-        assert err <= 1e-6 * scale, f"prefill row {i}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
-    for step in (1, 2):
-        err = np.abs(got[step][:2, :cfg.vocab_size] - ref[step][:2, :cfg.vocab_size]).max()
-        assert err <= 1e-6 * scale, f"decode step {step}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
+    for name in ("pallas_interpret", "gemv"):          # gemv: the decode steps' projections on the GEMV kernel
+        got = out[name]
+        for i, n in enumerate(lens[:2]):
+            err = np.abs(got[0][i, :n, :cfg.vocab_size] - ref[0][i, :n, :cfg.vocab_size]).max()
+            assert err <= 1e-6 * scale, f"{name} prefill row {i}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
+        for step in (1, 2):
+            err = np.abs(got[step][:2, :cfg.vocab_size] - ref[step][:2, :cfg.vocab_size]).max()
+            assert err <= 1e-6 * scale, f"{name} decode step {step}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
 
 
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():

@@ -14,7 +14,8 @@ import typing
 
 import jax
 
-from pallas_kernels import conv1d, conv1d_reference, expert_gemm, gdn, gdn_reference, paged_attention, prefill_attention
+from pallas_kernels import (conv1d, conv1d_reference, expert_gemm, gdn, gdn_reference, gemv, paged_attention,
+                            prefill_attention)
 from qwen35_jax.model.attention import decode_attention, paged_attention as prefill_attention_reference
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.forward import Kernels
@@ -37,6 +38,8 @@ class KernelConfig:
     kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
     jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
     always.
+    gemv: decode projections of up to gemv.max_rows tokens (in_proj, qkv, gate_up, the row-parallel ones) as
+    the GEMV kernel; None: XLA's GEMMs.
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -54,6 +57,7 @@ class KernelConfig:
     attention_prologue: bool = True
     prefill_attention: prefill_attention.PrefillAttentionConfig | None = prefill_attention.DEFAULT
     expert_gemm: expert_gemm.ExpertGemmConfig | None = expert_gemm.DEFAULT
+    gemv: gemv.GemvConfig | None = None
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
@@ -226,7 +230,9 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
-                   router_top_k=top_k)
+                   router_top_k=top_k,
+                   gemv=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",), config=config.gemv),
+                   gemv_rows=0 if config.gemv is None else config.gemv.max_rows)
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):

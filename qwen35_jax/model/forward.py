@@ -68,6 +68,10 @@ class Kernels:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
+    # decode projections of up to gemv_rows tokens: (x [M, K], w [K, N], out_dtype) -> [M, N]; contract:
+    # pallas_kernels.gemv.gemv_reference; None: XLA's GEMM for every projection (project)
+    gemv: Callable | None = None
+    gemv_rows: int = 0
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -89,6 +93,13 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
     if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def decode_project(kernels: Kernels, x, w, out_dtype=None):
+    """project, with a decode projection of up to kernels.gemv_rows tokens (x [N, 1, K]) on kernels.gemv."""
+    if kernels.gemv is not None and x.shape[1] == 1 and x.shape[0] <= kernels.gemv_rows:
+        return kernels.gemv(x[:, 0], w, out_dtype)[:, None]
+    return project(x, w, out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -120,7 +131,7 @@ def row_parallel(kernels: Kernels, x, w):
         parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1), (((2,), (1,)), ((1,), (0,))),
                                     preferred_element_type=jnp.float32)              # [S, N, D]
         return jax.lax.psum(parts.sum(0)[:, None], TP).astype(x.dtype)
-    return jax.lax.psum(project(x, w, jnp.float32), TP).astype(x.dtype)
+    return jax.lax.psum(decode_project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -167,7 +178,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     """Gated full attention of each group of rows (xs, batches and positions: one per group), the projections
     shared by the groups."""
     with jax.named_scope("qkv_proj"):
-        qkvs = shared(lambda x: project(x, w.qkv), xs)
+        qkvs = shared(lambda x: decode_project(kernels, x, w.qkv), xs)
     outs = []
     for qkv, batch, pos in zip(qkvs, batches, positions):
         o, k_pages, v_pages = attention_core(cfg, layout, kernels, w, qkv, k_pages, v_pages, batch, pos)
@@ -217,7 +228,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     """Gated DeltaNet of each group of rows (xs and batches: one per group), the projections shared by the
     groups."""
     with jax.named_scope("in_proj"):
-        projs = shared(lambda x: project(x, w.in_proj), xs)            # [q | k | v | z | b | a] per rank
+        projs = shared(lambda x: decode_project(kernels, x, w.in_proj), xs)     # [q | k | v | z | b | a] per rank
     outs = []
     for proj, batch in zip(projs, batches):
         o, conv_pool, rec_pool = gdn_core(cfg, layout, kernels, w, proj, conv_pool, rec_pool, batch)
@@ -308,8 +319,9 @@ def mlp_block(kernels: Kernels, w, x):
         # gate_proj and up_proj), half the bytes to the SiLU. Smaller decode batches: fp32 from the dot into the
         # SiLU, which measured faster there (bench/RESULTS.md).
         fp32_out = x.shape[1] == 1 and x.shape[0] < kernels.gate_up_rounds_from
-        gate, up = jnp.split(project(x, w.gate_up, jnp.float32 if fp32_out else None,
-                                     gemm_rounds=not fp32_out), 2, axis=-1)
+        gu = (decode_project(kernels, x, w.gate_up, jnp.float32) if fp32_out else
+              project(x, w.gate_up, gemm_rounds=True))
+        gate, up = jnp.split(gu, 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
