@@ -30,7 +30,7 @@ def dump(out_dir, only=()):
     from jax._src.pallas.triton import pallas_call_registration as reg
     from bench import kernel_sweeps as ks
     from pallas_kernels import conv1d, gdn, paged_attention as pa, prefill_attention as pfa
-    from pallas_kernels import expert_gemm as ex
+    from pallas_kernels import expert_gemm as ex, gemv as gv
 
     os.makedirs(out_dir, exist_ok=True)
     captured, meta = [], []
@@ -94,6 +94,9 @@ def dump(out_dir, only=()):
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
              for b in (1, 16)]
     jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
+    # the decode GEMV at batch 1: the 9B in_proj, the 35B-A3B in_proj, the 9B out_proj (fp32 out, K split)
+    jobs += [(f"gemv_{k}x{n}", functools.partial(gv.gemv, out_dtype=out), (S((1, k), bf), S((k, n), bf)))
+             for k, n, out in ((4096, 12352, bf), (2048, 12352, bf), (4096, 4096, f32))]
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
     for name, fn, shapes in jobs:
         if only and name not in only:
