@@ -26,10 +26,10 @@ class GemvConfig:
     of programs (K is split until the column tiles times the splits reach it). max_rows: decode projections of up
     to this many rows (tokens) run the kernel, larger ones XLA's GEMM."""
     block_n: int = 64
-    block_k: int = 256
+    block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    min_programs: int = 256
+    min_programs: int = 264
     max_rows: int = 1
 
 

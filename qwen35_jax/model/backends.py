@@ -38,8 +38,8 @@ class KernelConfig:
     kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
     jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
     always.
-    gemv: decode projections of up to gemv.max_rows tokens (in_proj, qkv, gate_up, the row-parallel ones) as
-    the GEMV kernel; None: XLA's GEMMs.
+    gemv: the GDN in_proj and attention qkv of decode steps of up to gemv.max_rows tokens as the GEMV kernel;
+    None: XLA's GEMMs. (The row-parallel GEMMs and gate_up measured no faster on it: bench/gemv.py.)
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -182,8 +182,9 @@ def _replace_path(obj, path: list[str], value: str):
         raise ValueError(f"{type(obj).__name__} has no field {name!r} (fields: {', '.join(fields)})")
     current = getattr(obj, name)
     if rest:
-        if current is None:
-            current = type(fields[name].default)() if dataclasses.is_dataclass(fields[name].default) else None
+        if current is None:      # a configuration that is off: its defaults, from the field's declared type
+            kinds = typing.get_args(typing.get_type_hints(type(obj))[name])
+            current = next((k() for k in kinds if dataclasses.is_dataclass(k)), None)
         if not dataclasses.is_dataclass(current):
             raise ValueError(f"{type(obj).__name__}.{name} has no fields")
         return dataclasses.replace(obj, **{name: _replace_path(current, rest, value)})

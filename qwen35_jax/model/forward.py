@@ -68,8 +68,8 @@ class Kernels:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
-    # decode projections of up to gemv_rows tokens: (x [M, K], w [K, N], out_dtype) -> [M, N]; contract:
-    # pallas_kernels.gemv.gemv_reference; None: XLA's GEMM for every projection (project)
+    # the in_proj and qkv of decode steps of up to gemv_rows tokens: (x [M, K], w [K, N], out_dtype) -> [M, N];
+    # contract: pallas_kernels.gemv.gemv_reference; None: XLA's GEMMs (project)
     gemv: Callable | None = None
     gemv_rows: int = 0
 
@@ -96,7 +96,8 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
 
 
 def decode_project(kernels: Kernels, x, w, out_dtype=None):
-    """project, with a decode projection of up to kernels.gemv_rows tokens (x [N, 1, K]) on kernels.gemv."""
+    """project, with a decode projection of up to kernels.gemv_rows tokens (x [N, 1, K]) on kernels.gemv: the
+    column-parallel in_proj and qkv, which XLA's batch-1 GEMM tiles read slowest (bench/gemv.py)."""
     if kernels.gemv is not None and x.shape[1] == 1 and x.shape[0] <= kernels.gemv_rows:
         return kernels.gemv(x[:, 0], w, out_dtype)[:, None]
     return project(x, w, out_dtype)
@@ -131,7 +132,7 @@ def row_parallel(kernels: Kernels, x, w):
         parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1), (((2,), (1,)), ((1,), (0,))),
                                     preferred_element_type=jnp.float32)              # [S, N, D]
         return jax.lax.psum(parts.sum(0)[:, None], TP).astype(x.dtype)
-    return jax.lax.psum(decode_project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
+    return jax.lax.psum(project(x, w, jnp.float32), TP).astype(x.dtype)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -319,9 +320,8 @@ def mlp_block(kernels: Kernels, w, x):
         # gate_proj and up_proj), half the bytes to the SiLU. Smaller decode batches: fp32 from the dot into the
         # SiLU, which measured faster there (bench/RESULTS.md).
         fp32_out = x.shape[1] == 1 and x.shape[0] < kernels.gate_up_rounds_from
-        gu = (decode_project(kernels, x, w.gate_up, jnp.float32) if fp32_out else
-              project(x, w.gate_up, gemm_rounds=True))
-        gate, up = jnp.split(gu, 2, axis=-1)
+        gate, up = jnp.split(project(x, w.gate_up, jnp.float32 if fp32_out else None,
+                                     gemm_rounds=not fp32_out), 2, axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
         h = (jax.nn.silu(f32(gate)) * f32(up)).astype(x.dtype)
     with jax.named_scope("down_proj"):
