@@ -57,7 +57,7 @@ class KernelConfig:
     attention_prologue: bool = True
     prefill_attention: prefill_attention.PrefillAttentionConfig | None = prefill_attention.DEFAULT
     expert_gemm: expert_gemm.ExpertGemmConfig | None = expert_gemm.DEFAULT
-    gemv: gemv.GemvConfig | None = None
+    gemv: gemv.GemvConfig | None = gemv.DEFAULT
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
