@@ -9,10 +9,11 @@ the last group read nothing. Prefill steps, whose copies touch every expert many
 `max_rows` copies the backend calls it.
 
 Small decode batches skip the sort: `routed_experts` runs one program per token copy and weight tile, reading the
-copy's expert by id, with the SiLU gate fused into the gate_up kernel and the router weight into the down kernel; the
-shared expert is one more copy per token, its sigmoid gate computed in the down kernel. The sorted path's block table,
-gathers and scatter cost ~20 launches per layer, more than the experts' reads at batch 1, and the shared expert as
-XLA's GEMMs another six. Copies of one expert in flight together read its tiles from L2 after the first.
+copy's expert by id: gate and up tiles as programs of their own, the SiLU product on the down kernel's loads and the
+router weight after it; the shared expert is one more copy per token, its sigmoid gate computed in the down
+kernel. The sorted path's block table, gathers and scatter cost ~20 launches per layer, more than the experts'
+reads at batch 1, and the shared expert as XLA's GEMMs another six. Copies of one expert in flight together read
+its tiles from L2 after the first.
 """
 from __future__ import annotations
 
