@@ -32,15 +32,18 @@ SHAPES = {"9b_in_proj": (4096, 12352, False), "35b_in_proj": (2048, 12352, False
           "35b_qkv": (2048, 9216, False), "9b_out_proj": (4096, 4096, True), "35b_out_proj": (4096, 2048, True),
           "27b_in_proj": (5120, 16432, False), "9b_gate_up": (4096, 24576, True), "9b_down": (12288, 4096, True),
           "27b_out_proj": (6144, 5120, True)}
-TILES = {f"n{n}_k{k}_p{p}": dict(block_n=n, block_k=k, min_programs=p)
-         for n, k, p in ((32, 256, 264), (64, 128, 264), (64, 256, 264), (64, 256, 132), (128, 128, 264),
-                         (128, 256, 264))}
+TILES = ("n32_k256_p264", "n64_k128_p264", "n64_k256_p264", "n64_k256_p132", "n128_k128_p264", "n128_k256_p264")
 
+
+def tile_config(name: str) -> gemv_kernel.GemvConfig:
+    """'n64_k128_p264' (block_n, block_k, min_programs), optionally '_w8' (warps) and '_s4' (pipeline stages)."""
+    keys = {"n": "block_n", "k": "block_k", "p": "min_programs", "w": "num_warps", "s": "num_stages"}
+    return dataclasses.replace(gemv_kernel.DEFAULT, **{keys[p[0]]: int(p[1:]) for p in name.split("_")})
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="names of SHAPES, or KxN (bf16 out)")
-    ap.add_argument("--tiles", default=",".join(TILES), help="names of TILES")
+    ap.add_argument("--tiles", default=",".join(TILES), help="GEMV tiles: nN_kK_pP[_wW][_sS] (tile_config)")
     ap.add_argument("--calls", type=int, default=16)
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
@@ -54,7 +57,7 @@ def main():
         w = (0.02 * jax.random.normal(ks[1], (kdim, n), jnp.float32)).astype(jnp.bfloat16)
         forms = {"xla_project": lambda x, w: project(x[None], w, out_dtype)[0]}
         for tile in args.tiles.split(","):
-            config = dataclasses.replace(gemv_kernel.DEFAULT, **TILES[tile])
+            config = tile_config(tile)
             forms[tile] = functools.partial(gemv_kernel.gemv, out_dtype=out_dtype, config=config,
                                             interpret=interpret)
         want = forms["xla_project"](x, w).astype(jnp.float32)
@@ -72,8 +75,8 @@ def main():
     forms = ["xla_project", *args.tiles.split(",")]
     table = [{"shape": r["shape"], **{f: f"{r[f]:.1f}" for f in forms}, "best": r["best"]} for r in rows]
     body = (f"Device time per call, us (kernel time from a profiler trace, {args.calls} calls), one bf16 row. "
-            "xla_project: forward.project; nN_kK_pP: the GEMV kernel's block_n, block_k, min_programs (row pad and "
-            "split sums included); best: the fastest tile and XLA's time over its.\n\n"
+            "xla_project: forward.project; nN_kK_pP[_wW][_sS]: the GEMV kernel's block_n, block_k, min_programs "
+            "(warps, stages; row pad and split sums included); best: the fastest tile and XLA's time over its.\n\n"
             + results.table(table, ["shape", *forms, "best"]))
     print(body)
     if args.record:
