@@ -148,6 +148,23 @@ def test_shared_kernels_attributed_by_launch_order():
     assert pt.by_layer(odd) == {} and set(pt.by_block(odd)) == {"gdn"}
 
 
+def test_one_pallas_kernel_at_two_shapes_is_two_groups():
+    """A Pallas kernel called at two shapes (the GEMV of the GDN in_proj and of the attention qkv) compiles to two
+    kernels, which XLA names `gemv` and `gemv__1` in launch order: each launch goes to its own shape's calls."""
+    call = ('  %c{i} = bf16[1,{n}]{{1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", '
+            'metadata={{op_name="jit(step)/layer{i}/{scope}/pallas_call"}}, backend_config={{"name":"gemv"}}')
+    body = [call.format(i=0, n=96, scope="gdn/in_proj"), call.format(i=1, n=64, scope="attention/qkv_proj"),
+            call.format(i=2, n=96, scope="gdn/in_proj")]
+    hlo = ("HloModule jit_step, is_scheduled=true\n\nENTRY %main (a: bf16[1,8]) -> bf16[1,96] {\n"
+           "  %a = bf16[1,8]{1,0} parameter(0)\n" + "\n".join(body) + "\n  ROOT %r = bf16[1,96]{1,0} copy(%c2)\n}\n")
+    exe = pt.Executable(hlo)
+    assert exe.kernel_groups["gemv"] == ["c0", "c2"] and exe.kernel_groups["gemv__1"] == ["c1"]
+    ev = lambda n, t: pt.OpEvent(n, "jit_step", None, "1", t, 1, "line", None)
+    got = pt.resolve([ev("gemv", 0), ev("gemv__1", 1), ev("gemv", 2)], pt.HloIndex([hlo]))
+    assert [e.scope for e in got] == [("layer0", "gdn", "in_proj"), ("layer1", "attention", "qkv_proj"),
+                                      ("layer2", "gdn", "in_proj")]
+
+
 def test_cublas_launches_placed_between_known_kernels():
     """A GEMM call may launch more than one cuBLAS kernel: launches go to the cuBLAS calls between the known
     kernels around them in launch order (two kernels of layer 0's in_proj, one of layer 1's), over two

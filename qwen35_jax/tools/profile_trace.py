@@ -227,19 +227,29 @@ class Executable:
     def _kernel_groups(self) -> dict[str, list[str]]:
         """Kernel name -> the instructions (launch order) that may launch a kernel of that name, where there is
         more than one: fusions with identical bodies (XLA reuses the first one's kernel and name), custom calls
-        of one Pallas kernel, and the cuBLAS GEMMs (key "cublas")."""
+        of one Pallas kernel, and the cuBLAS GEMMs (key "cublas"). A Pallas kernel called at several shapes is
+        one kernel per shape, which XLA names `name`, `name__1`, ... in launch order (the one-row GEMV of the
+        GDN in_proj and of the attention qkv: `gemv`, `gemv__1`); each is a group of its own."""
         twins: dict[str, list[str]] = collections.defaultdict(list)
         named: dict[str, list[str]] = collections.defaultdict(list)
+        shapes: dict[str, list[str]] = collections.defaultdict(list)     # Pallas kernel -> its shapes, in order
         for n in self.position:
             ins = self.instrs[n]
             if ins.opcode == "fusion" and ins.calls:
                 body = self.comps.get(ins.calls[0], ("", []))[1]
                 key = ins.shape_text + "|" + "|".join(self.instrs[m].shape_text for m in body)
                 twins[key].append(n)
+            elif ins.kernel == "cublas":
+                named["cublas"].append(n)
             elif ins.kernel:
-                named[ins.kernel].append(n)
+                seen = shapes[ins.kernel]
+                if ins.shape_text not in seen:
+                    seen.append(ins.shape_text)
+                i = seen.index(ins.shape_text)
+                named[ins.kernel if i == 0 else f"{ins.kernel}__{i}"].append(n)
         groups = {re.sub(r"[.\-]", "_", g[0]): g for g in twins.values() if len(g) > 1}
-        groups.update({k: g for k, g in named.items() if len(g) > 1 or k == "cublas"})
+        groups.update({k: g for k, g in named.items()
+                       if len(g) > 1 or k == "cublas" or len(shapes[re.sub(r"__\d+$", "", k)]) > 1})
         return groups
 
     def find(self, op: str | None, event_name: str) -> str | None:
