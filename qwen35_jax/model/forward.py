@@ -97,8 +97,7 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
 
 def decode_project(kernels: Kernels, x, w, out_dtype=None):
     """project, with a decode projection of up to kernels.gemv_rows tokens (x [N, 1, K]) on kernels.gemv: the
-    column-parallel in_proj and qkv, which XLA's batch-1 GEMM tiles read slowest (bench/gemv.py), the row-parallel
-    GEMMs and the MoE router (one kernel where XLA ran a pad, its GEMM and a slice)."""
+    column-parallel in_proj and qkv, which XLA's batch-1 GEMM tiles read slowest (bench/gemv.py)."""
     if kernels.gemv is not None and x.shape[1] == 1 and x.shape[0] <= kernels.gemv_rows:
         return kernels.gemv(x[:, 0], w, out_dtype)[:, None]
     return project(x, w, out_dtype)
@@ -133,7 +132,7 @@ def row_parallel(kernels: Kernels, x, w):
         parts = jax.lax.dot_general(x.reshape(n, s, k // s), w.reshape(s, k // s, -1), (((2,), (1,)), ((1,), (0,))),
                                     preferred_element_type=jnp.float32)              # [S, N, D]
         return jax.lax.psum(parts.sum(0)[:, None], TP).astype(x.dtype)
-    return jax.lax.psum(decode_project(kernels, x, w, jnp.float32), TP).astype(x.dtype)
+    return jax.lax.psum(project(x, w, jnp.float32), TP).astype(x.dtype)
 
 
 def rope(x, positions, rotary_dim, theta):
@@ -339,7 +338,7 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
     k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
     with jax.named_scope("router"):
-        top, idx = kernels.router_top_k(decode_project(kernels, x, w.router).reshape(n * t, -1), k=k,
+        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
                                         live=jnp.ones(n * t, bool) if live is None else live)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
