@@ -87,8 +87,9 @@ def dump(out_dir, only=()):
              for c in ks.conv_decode_sweep()]
     # MoE at 35B-A3B shapes (H 2048, I 512, E 256, k 8): the router, the per-copy experts at batch 1 and 16, the
     # grouped expert GEMM (gate_up at batch 16's 128 copies)
-    jobs += [(f"router_top_k_b{b}", lambda x, live: ex.router_top_k(x, 8, live), (S((b, 256), bf), S((b,), jnp.bool_)))
-             for b in (1, 64)]
+    jobs += [(f"router_top_k_b{b}_w{w}", functools.partial(lambda x, live, w: ex.router_top_k(x, 8, live, num_warps=w),
+                                                          w=w), (S((b, 256), bf), S((b,), jnp.bool_)))
+             for b in (1, 64) for w in (1, 4)]
     shared = (S((2048, 1024), bf), S((512, 2048), bf), S((2048, 1), bf))
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))

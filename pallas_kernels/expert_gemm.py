@@ -29,9 +29,10 @@ from jax.experimental.pallas import triton as pltriton
 @dataclasses.dataclass(frozen=True)
 class ExpertGemmConfig:
     """Tiles: copies per block (Triton's smallest dot), weight columns per program, K per loop step; Triton's warps
-    and pipeline depth. max_rows: from this many copies (M) the backend runs the reference (ragged_dot) instead.
-    copies_max: up to this many token copies an MoE layer runs routed_experts (one program per copy and tile of
-    copy_block_n columns, copy_block_k of K per step) in the place of the sorted grouped GEMMs."""
+    and pipeline depth (router_num_warps: the router kernel's). max_rows: from this many copies (M) the backend runs
+    the reference (ragged_dot) instead. copies_max: up to this many token copies an MoE layer runs routed_experts
+    (one program per copy and tile of copy_block_n columns, copy_block_k of K per step) in the place of the sorted
+    grouped GEMMs."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 128
@@ -42,6 +43,7 @@ class ExpertGemmConfig:
     copy_block_n: int = 64
     copy_block_k: int = 256
     copy_num_warps: int = 4
+    router_num_warps: int = 4    # router_top_k's warps (its 2k + 2 reductions over E)
 
 
 DEFAULT = ExpertGemmConfig()
@@ -324,7 +326,7 @@ def _top_k_kernel(live_ref, l_ref, w_ref, i_ref, *, k):
     i_ref[...] = jnp.where(live, ids, -1)
 
 
-def router_top_k(logits, k, live, *, interpret: bool = False):
+def router_top_k(logits, k, live, *, num_warps: int = 4, interpret: bool = False):
     """router_top_k_reference's contract in one kernel (one program per token), in the place of XLA's softmax,
     its sort for top_k, the renormalisation and the padding's mask: five launches per MoE layer."""
     m, e = logits.shape
@@ -337,6 +339,7 @@ def router_top_k(logits, k, live, *, interpret: bool = False):
         in_specs=[pl.BlockSpec((m,), lambda t: (0,)), pl.BlockSpec((None, e), lambda t: (t, 0))],
         out_specs=[pl.BlockSpec((None, kp), lambda t: (t, 0))] * 2,
         out_shape=[jax.ShapeDtypeStruct((m, kp), logits.dtype), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret, name="router_top_k",
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="router_top_k",
     )(live, logits)
     return w[:, :k], i[:, :k]

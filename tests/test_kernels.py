@@ -570,9 +570,10 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
     for k, n, out in ((4096, 12352, bf), (2048, 12352, bf), (5120, 16432, bf), (4096, 4096, f32)):   # decode GEMVs
         text = lower_for_cuda(lambda x, w: gemv.gemv(x, w, out), S((1, k), bf), S((k, n), bf))
         assert text.count("__gpu$xla.gpu.triton") == 1
-    for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers
-        text = lower_for_cuda(lambda x, live: expert_gemm.router_top_k(x, k, live), S((m, e), bf), S((m,), jnp.bool_))
-        assert text.count("xla.gpu.triton") == 1
+    for m, e, k in ((1, 256, 8), (64, 512, 10)):                   # 35B-A3B's and 397B's routers, 4 and 1 warps
+        text = lower_for_cuda(lambda x, live: [expert_gemm.router_top_k(x, k, live, num_warps=w) for w in (4, 1)],
+                              S((m, e), bf), S((m,), jnp.bool_))
+        assert text.count("xla.gpu.triton") == 2
     for m, i_s in ((1, 512), (16, 512), (4, 128)):         # 35B-A3B's per-copy experts at batch 1, 16; Is / 4
         shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),

@@ -217,7 +217,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
     if config.expert_gemm is not None:
-        top_k = p(expert_gemm.router_top_k, static=("k",))
+        top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
         gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
                                  limit=config.expert_gemm.max_rows)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
