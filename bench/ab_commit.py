@@ -5,8 +5,8 @@ Separate processes because two trees cannot be imported in one; alternating (A B
 falls on both. Each child imports qwen35_jax and bench from its --root and prints one JSON line; the parent
 reports the median per tree and the median of the per-round differences.
 
-    git worktree add /tmp/base <commit>          # or: git archive <commit> | tar -x -C /tmp/base
-    python bench/ab_commit.py --base /tmp/base --rounds 3 --record
+    bash bench/ab_tree.sh <commit> _ab/base        # an untracked tree small enough for the device
+    python bench/ab_commit.py --base $PWD/_ab/base --rounds 3 --record
 """
 from __future__ import annotations
 

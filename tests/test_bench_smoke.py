@@ -158,3 +158,13 @@ def test_gemv_and_lm_head_bench_smoke():
                            "--calls", "1,2"], capture_output=True, text=True, env=server_env(), timeout=600)
     assert head.returncode == 0, head.stdout[-3000:] + head.stderr[-3000:]
     assert "| barrier | 16 |" in head.stdout and "| decode | 1 |" in head.stdout
+
+
+def test_ab_tree_leaves_out_runs_and_assets(tmp_path):
+    """bench/ab_tree.sh: a commit's product and bench/ without bench/runs and the assets (the device's 64 MiB)."""
+    out = tmp_path / "tree"
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "ab_tree.sh"), "HEAD", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "qwen35_jax" / "model" / "forward.py").exists() and (out / "bench" / "ab_commit.py").exists()
+    assert not (out / "bench" / "runs").exists() and not (out / "qwen35_jax" / "assets").exists()
