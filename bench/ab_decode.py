@@ -34,6 +34,7 @@ from qwen35_jax.model.backends import KernelConfig  # noqa: E402
 from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.tools.profile import steady_step_seconds  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch  # noqa: E402
+from qwen35_jax.engine.scheduler import next_bucket  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -47,18 +48,21 @@ def parse_variant(text: str, base: KernelConfig) -> tuple[KernelConfig, float]:
 
 def decode_call(engine: Engine, batch: int, ctx: int, temperature: float = 0.0):
     """One decode step of `batch` live rows at context ctx (greedy, or sampled at `temperature` with top_k 20 and
-    top_p 0.8), as bench/throughput.py dispatches it."""
+    top_p 0.8), as bench/throughput.py dispatches it, in the engine's bucket for them (padding rows on the null
+    slot past `batch`, as the engine pads; KernelConfig.decode_min_rows)."""
     ex = engine.executor
     pps = engine.pages_per_seq
-    slots = np.arange(1, batch + 1, dtype=np.int32)
-    positions = np.full(batch, ctx, np.int32)
-    pages = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
+    b = next_bucket(batch, ex.decode_buckets)
+    slots, positions, pages = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, pps), np.int32)
+    slots[:batch] = np.arange(1, batch + 1)
+    positions[:batch] = ctx
+    pages[:batch] = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
     rows = [Row() for _ in range(batch)]
     if temperature > 0:
         for r in rows:
             r.params = SamplingParams(temperature=temperature, top_k=20, top_p=0.8)
-    sp = host_batch(rows, batch)
-    return lambda: ex.decode(batch, slots, positions, pages, sp)
+    sp = host_batch(rows, b)
+    return lambda: ex.decode(b, slots, positions, pages, sp)
 
 
 def main():

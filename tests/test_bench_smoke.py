@@ -26,17 +26,16 @@ def test_tp_bench_smoke():
 
 def test_ab_decode_bench_smoke():
     """bench/ab_decode.py: two kernel variants, each its own engine in one process, timed in alternating rounds
-    (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's)."""
+    (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's; and running
+    its one row in a bucket of two, decode_min_rows)."""
+    variant = "gdn_decode.bv=32 gdn_decode.num_warps=2 decode_min_rows=2 temperature=0.7"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ab_decode.py"), "--config",
            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--kernel-backend", "pallas_interpret",
-           "--variants", "", "gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7", "--batches", "2",
-           "--context", "40",
-           "--rounds", "2", "--iters", "2"]
+           "--variants", "", variant, "--batches", "1", "--context", "40", "--rounds", "2", "--iters", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "'variant': '(default)'" in r.stdout
-    assert "'variant': 'gdn_decode.bv=32 gdn_decode.num_warps=2 temperature=0.7'" in r.stdout
-    assert "'rounds faster': '" in r.stdout and "batch 2 round 1: " in r.stdout
+    assert "'variant': '(default)'" in r.stdout and f"'variant': '{variant}'" in r.stdout
+    assert "'rounds faster': '" in r.stdout and "batch 1 round 1: " in r.stdout
     bad = subprocess.run(cmd[:2] + ["--variants", "", "gdn_decode.no_such_field=1"], capture_output=True, text=True,
                          env=server_env(), timeout=600)
     assert bad.returncode != 0 and "DecodeConfig has no field 'no_such_field'" in bad.stderr

@@ -295,7 +295,8 @@ class Engine:
                      if self.num_snapshots else None)
         sstate = init_sampler_state(num_slots, layout.vocab_padded, NamedSharding(mesh, PartitionSpec(DP)), self.dp,
                                     drafts=k)
-        decode_buckets = ex.pow2_buckets(1, 1 << (num_slots - 1).bit_length())
+        low = self.kernel_config.decode_min_rows
+        decode_buckets = ex.pow2_buckets(low, max(low, 1 << (num_slots - 1).bit_length()))
         prefill_buckets = [(n, t) for t in ex.pow2_buckets(args.prefill_floor(), args.max_num_batched_tokens)
                            for n in ex.pow2_buckets(1, args.max_prefill_rows) if n * t <= args.max_num_batched_tokens]
         budget = args.decode_prefill_budget

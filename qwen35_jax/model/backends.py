@@ -45,6 +45,9 @@ class KernelConfig:
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
     batched dot over split_k ranges of K, compiled with XLA's own K splits off (so XLA splits no other GEMM); None:
     4 with the Pallas backends, 1 (XLA splits as it chooses) with the reference.
+    decode_min_rows: decode steps run at least this many rows per replica (a power of two; the smallest decode
+    bucket), the rest padding rows on the null slot, which route to no expert: XLA runs a one-row GEMM on slower
+    tiles than a two-row one (bench/RESULTS.md), at the cost of the padding row's GDN state traffic.
     staged_inputs: each step's packed host inputs are first copied into a device buffer that keeps one address,
     so the step's CUDA graphs see unchanged input addresses.
     xla_options: XLA debug options for the step executables alone, as (name, value) pairs (a dict is accepted).
@@ -61,6 +64,7 @@ class KernelConfig:
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
+    decode_min_rows: int = 1
     staged_inputs: bool = False
     xla_options: tuple = ()
 
@@ -72,6 +76,8 @@ class KernelConfig:
         for name in ("gate_up_rounds_from", "decode_split_k_from"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decode_min_rows < 1 or self.decode_min_rows & (self.decode_min_rows - 1):
+            raise ValueError(f"decode_min_rows must be a power of two >= 1, got {self.decode_min_rows}")
         if self.decode_split_k is not None and self.decode_split_k < 1:
             raise ValueError(f"decode_split_k must be >= 1, got {self.decode_split_k}")
         for name, value in self.xla_options:
