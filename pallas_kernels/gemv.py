@@ -24,7 +24,7 @@ ROWS = 16        # Triton's smallest dot: the rows are padded to it
 class GemvConfig:
     """Tiles (weight columns per program, K per loop step), Triton's warps and pipeline depth, and the least number
     of programs (K is split until the column tiles times the splits reach it). max_rows: decode projections of up
-    to this many rows (tokens) run the kernel, larger ones XLA's GEMM (at 16 rows the kernel was no faster)."""
+    to this many rows (tokens) run the kernel, larger ones XLA's GEMM (faster from two rows: bench/RESULTS.md)."""
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
