@@ -60,7 +60,6 @@ import platform
 import re
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 
@@ -76,8 +75,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench import results as results_md  # noqa: E402
 from bench import kernel_sweeps as ks  # noqa: E402
+from bench.timing import traced_events  # noqa: E402
 from pallas_kernels import conv1d, conv1d_reference, gdn, gdn_reference  # noqa: E402
-from qwen35_jax.tools import profile_trace  # noqa: E402
 
 results_md.machine = functools.lru_cache(maxsize=None)(results_md.machine)   # nvidia-smi once, not per save
 results_md.commit = functools.lru_cache(maxsize=None)(results_md.commit)
@@ -545,17 +544,6 @@ def fla_decode(n, A_log, dt_bias):
     del sets
     fla_free()
     return out
-
-
-def traced_events(run, sync):
-    """The device's kernel events while run() runs under JAX's profiler (CUPTI sees torch's kernels too).
-    sync(*outputs) waits for the device."""
-    with tempfile.TemporaryDirectory() as d:
-        sync()
-        jax.profiler.start_trace(d)
-        sync(run())
-        jax.profiler.stop_trace()
-        return profile_trace.load_trace(d).events
 
 
 def device_total_us(run, calls, sync):

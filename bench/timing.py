@@ -24,23 +24,28 @@ def slope_us(make_prog, args: tuple, calls: tuple[int, int], reps: int = 5, per_
     return (meds[1] - meds[0]) / ((calls[1] - calls[0]) * per_count) * 1e6
 
 
+
+def traced_events(run, sync):
+    """The device's kernel events while run() runs under JAX's profiler (CUPTI sees torch's kernels too).
+    sync(*outputs) waits for the device."""
+    import tempfile
+
+    from qwen35_jax.tools import profile_trace
+    with tempfile.TemporaryDirectory() as d:
+        sync()
+        jax.profiler.start_trace(d)
+        sync(run())
+        jax.profiler.stop_trace()
+        return profile_trace.load_trace(d).events
+
+
 def traced_us(fn, args: tuple, calls: int = 16) -> tuple[float, dict[str, float]]:
     """Device time per call of jit(fn)(*args), read from a profiler trace: the sum of its kernels' times over
     `calls` runs, divided by `calls`; and the same per kernel name. Unlike slope_us nothing is chained to the
     call, so no elementwise op can fuse into its kernels and change XLA's choices."""
-    import tempfile
-
-    from qwen35_jax.tools import profile_trace as pt
     f = jax.jit(fn).lower(*args).compile()
     jax.block_until_ready(f(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            for _ in range(calls):
-                jax.block_until_ready(f(*args))
-        finally:
-            jax.profiler.stop_trace()
-        events = pt.load_trace(d).events
+    events = traced_events(lambda: [f(*args) for _ in range(calls)], lambda *out: jax.block_until_ready(out))
     kernels: dict[str, float] = {}
     for e in events:
         kernels[e.name] = kernels.get(e.name, 0.0) + e.self_ns / 1e3 / calls

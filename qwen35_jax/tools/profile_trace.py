@@ -233,6 +233,7 @@ class Executable:
         twins: dict[str, list[str]] = collections.defaultdict(list)
         named: dict[str, list[str]] = collections.defaultdict(list)
         shapes: dict[str, list[str]] = collections.defaultdict(list)     # Pallas kernel -> its shapes, in order
+        kernel_of: dict[str, str] = {}                                   # group name -> its Pallas kernel
         for n in self.position:
             ins = self.instrs[n]
             if ins.opcode == "fusion" and ins.calls:
@@ -246,10 +247,12 @@ class Executable:
                 if ins.shape_text not in seen:
                     seen.append(ins.shape_text)
                 i = seen.index(ins.shape_text)
-                named[ins.kernel if i == 0 else f"{ins.kernel}__{i}"].append(n)
+                name = ins.kernel if i == 0 else f"{ins.kernel}__{i}"
+                named[name].append(n)
+                kernel_of[name] = ins.kernel
         groups = {re.sub(r"[.\-]", "_", g[0]): g for g in twins.values() if len(g) > 1}
         groups.update({k: g for k, g in named.items()
-                       if len(g) > 1 or k == "cublas" or len(shapes[re.sub(r"__\d+$", "", k)]) > 1})
+                       if len(g) > 1 or k == "cublas" or len(shapes[kernel_of[k]]) > 1})
         return groups
 
     def find(self, op: str | None, event_name: str) -> str | None:
