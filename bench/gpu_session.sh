@@ -6,7 +6,7 @@
 #   QWEN35_COMMIT=<sha> bash bench/gpu_session.sh TOTAL_SECONDS SECTION...
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
-#   profile64 profile64pick profile64envs ab profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
+#   profile64 profile64pick profile64envs ab abtrees profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
 #   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile lmhead ttftab gemv.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
@@ -108,6 +108,13 @@ for s in $sections; do
          IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --config bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --variants "" "${abv[@]}" ;;
+    abtrees)  # ab_commit.py of each untracked tree in AB_TREES (bench/ab_tree.sh made them) against this one, at
+              # AB_CONFIG shapes and AB_BATCHES, AB_ROUNDS rounds each
+         for t in ${AB_TREES:?abtrees needs AB_TREES}; do
+           CUDA_VISIBLE_DEVICES=0 run abtree_$(basename $t) ${AB_SHARE:-240} python3 bench/ab_commit.py --record \
+             --base $PWD/$t --config $PWD/bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --batches ${AB_BATCHES:-1} \
+             --prefill-tokens 0 --rounds ${AB_ROUNDS:-2}
+         done ;;
     profiletp) run profiletp 90 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp \
                --compilation-cache-dir $xla/profiletp --top-unattributed 25
