@@ -196,10 +196,11 @@ for s in $sections; do
     lmhead)      # issue 39: the prefill executable's lm_head against the decode step's, and forms of it
              CUDA_VISIBLE_DEVICES=0 run lmhead ${LH_SHARE:-90} python3 bench/lm_head.py --record \
                --config bench/configs/qwen3.5-9b.json --tokens 8192 ;;
-    ttftab)      # issue 39: TTFT at TA_LENS as XLA chooses its GEMMs (the default) and with Triton GEMMs off, one engine
-                 # each, no HF or jnp attention runs
-             for kc in "" "xla_options.xla_gpu_enable_triton_gemm=false"; do
-               CUDA_VISIBLE_DEVICES=0 run ttft${kc:+_no_triton} ${TA_SHARE:-150} python3 bench/long_context.py --record \
+    ttftab)      # issue 39: TTFT at TA_LENS with the default KernelConfig and each of TA_VARIANTS (';'-separated
+                 # --kernel-config settings; default: XLA's Triton GEMMs off), one engine each, no HF or jnp attention
+             IFS=';' read -ra tav <<< "${TA_VARIANTS:-xla_options.xla_gpu_enable_triton_gemm=false}"
+             for kc in "" "${tav[@]}"; do
+               CUDA_VISIBLE_DEVICES=0 run ttft${kc:+_$(echo $kc | tr -c 'a-z0-9_\n' _)} ${TA_SHARE:-150} python3 bench/long_context.py --record \
                  --config bench/configs/qwen3.5-9b.json --parts ttft --lens ${TA_LENS:-8192,32768} --hf-lens "" \
                  --jnp-max 0 ${kc:+--kernel-config $kc}
              done ;;

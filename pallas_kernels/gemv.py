@@ -24,13 +24,16 @@ ROWS = 16        # Triton's smallest dot: the rows are padded to it
 class GemvConfig:
     """Tiles (weight columns per program, K per loop step), Triton's warps and pipeline depth, and the least number
     of programs (K is split until the column tiles times the splits reach it). max_rows: decode projections of up
-    to this many rows (tokens) run the kernel, larger ones XLA's GEMM (faster from two rows: bench/RESULTS.md)."""
+    to this many rows (tokens) run the kernel, larger ones XLA's GEMM (faster from two rows: bench/RESULTS.md).
+    prefill_head: a prefill step's lm_head (its rows' last tokens, an untied head) on the kernel, where XLA ran a
+    cuBLAS gemv on an fp32 copy of the head (bench/lm_head.py)."""
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     min_programs: int = 264
     max_rows: int = 1
+    prefill_head: bool = False
 
 
 DEFAULT = GemvConfig()

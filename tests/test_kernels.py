@@ -977,6 +977,34 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
             assert err <= 1e-6 * scale, f"{name} decode step {step}: max |dlogit| {err:.2e} (max |logit| {scale:.0f})"
 
 
+def test_prefill_head_on_the_gemv_equals_the_dot():
+    """GemvConfig.prefill_head: a prefill step's logits (each row's last token, an untied head) from the GEMV kernel
+    equal XLA's dot (fp32, 1e-6 of the largest logit), and the kernel is in the step (a tied head is not: it would
+    be copied transposed)."""
+    from qwen35_jax.model.config import load_config
+    from qwen35_jax.model.runner import ModelRunner, make_batch
+    from qwen35_jax.model.sharding import make_mesh
+    from qwen35_jax.model.weights import load_weights
+    out, calls = {}, {}
+    for model in ("text_untied_r1_g6", "text_tied_r2_g1"):
+        cfg = load_config(fixture_dir(model))
+        mesh = make_mesh(1)
+        weights = load_weights(fixture_dir(model), cfg, mesh, jnp.float32)
+        tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
+        batch = make_batch(tokens, [0, 0], [24, 9], [1, 2], np.array([[1, 2], [3, 4]]))
+        for head in (False, True):
+            config = KernelConfig(backend="pallas_interpret", gemv=gemv.GemvConfig(block_n=16, block_k=16,
+                                                                                  prefill_head=head))
+            runner = ModelRunner(cfg, mesh, Layout.build(cfg, 1), weights, jnp.float32,
+                                 make_kernels(config.resolved()), num_slots=3, num_pages=5, page_size=16)
+            out[model, head] = np.asarray(runner.run(batch), np.float32)[:, :cfg.vocab_size]
+            calls[model, head] = "name=gemv" in str(jax.make_jaxpr(lambda b: runner.run(b))(batch))
+    assert calls == {("text_untied_r1_g6", False): False, ("text_untied_r1_g6", True): True,
+                     ("text_tied_r2_g1", False): False, ("text_tied_r2_g1", True): False}
+    want, got = out["text_untied_r1_g6", False], out["text_untied_r1_g6", True]
+    assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on
     bf16 inputs only; the T solve + the per-key-head P / f prep otherwise; explicit modes pass through, a bad one

@@ -239,7 +239,8 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
                    router_top_k=top_k,
                    gemv=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",), config=config.gemv),
-                   gemv_rows=0 if config.gemv is None else config.gemv.max_rows)
+                   gemv_rows=0 if config.gemv is None else config.gemv.max_rows,
+                   gemv_prefill_head=config.gemv is not None and config.gemv.prefill_head)
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.expert_gemm import router_top_k_reference, routed_experts_reference
+from pallas_kernels.gemv import ROWS as GEMV_ROWS
 from qwen35_jax.model import attention as attn_ops
 from qwen35_jax.model.config import ModelConfig
 from qwen35_jax.model.sharding import DP, TP, Layout
@@ -72,6 +73,7 @@ class Kernels:
     # contract: pallas_kernels.gemv.gemv_reference; None: XLA's GEMMs (project)
     gemv: Callable | None = None
     gemv_rows: int = 0
+    gemv_prefill_head: bool = False     # a prefill step's untied lm_head of up to gemv.ROWS rows on kernels.gemv
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -430,12 +432,16 @@ def commit(cfg: ModelConfig, kernels: Kernels, weights: Weights, state: State, p
     return dataclasses.replace(state, conv=conv, recurrent=rec)
 
 
-def lm_head(cfg: ModelConfig, weights: Weights, x):
+def lm_head(cfg: ModelConfig, weights: Weights, x, gemv: Callable | None = None):
     """fp32 logits over this rank's vocab shard; vocab padding (rows added so tp divides the vocab) is -inf, so it
-    is never sampled."""
+    is never sampled. gemv: x [M <= gemv.ROWS, H] times an untied head on that kernel (a tied one would be copied
+    transposed for it)."""
     with jax.named_scope("lm_head"):
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if gemv is not None and weights.lm_head is not None and x.ndim == 2 and x.shape[0] <= GEMV_ROWS:
+            logits = gemv(x, head, jnp.float32)
+        else:
+            logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
         col = jax.lax.axis_index(TP) * head.shape[1] + jnp.arange(head.shape[1])
         return jnp.where(col < cfg.vocab_size, logits, -jnp.inf)
 
@@ -489,7 +495,8 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     x, state = decoder(cfg, layout, kernels, weights, state, batch)
     if not all_logits:
         x = last_real(x, batch.lens)
-    return lm_head(cfg, weights, x), state
+    prefill = batch.tokens.shape[1] > 1 and not all_logits
+    return lm_head(cfg, weights, x, kernels.gemv if prefill and kernels.gemv_prefill_head else None), state
 
 
 def last_real(x, lens):
