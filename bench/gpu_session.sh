@@ -7,7 +7,8 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab abtrees profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile lmhead ttftab gemv.
+#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile prefillprofile lmhead
+#   ttftab gemv.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
 # (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
@@ -193,6 +194,10 @@ for s in $sections; do
                python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights --batch 1 \
                --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile --top-unattributed 25
              tar czf "$out/moeprofile.tgz" -C /tmp moeprofile ;;
+    prefillprofile)  # issue 39: where one 8k prompt's prefill goes (9B, batch 1), with PP_KC's --kernel-config if set
+             CUDA_VISIBLE_DEVICES=0 run prefillprofile ${PP_SHARE:-120} python3 bench/profile.py \
+               --config bench/configs/qwen3.5-9b.json --random-weights --batch 1 --prompt-len ${PP_LEN:-8192} \
+               --decode-steps 2 --greedy --out /tmp/prefillprofile --top-unattributed 10 ${PP_KC:+--kernel-config "$PP_KC"} ;;
     lmhead)      # issue 39: the prefill executable's lm_head against the decode step's, and forms of it
              CUDA_VISIBLE_DEVICES=0 run lmhead ${LH_SHARE:-90} python3 bench/lm_head.py --record \
                --config bench/configs/qwen3.5-9b.json --tokens 8192 ;;
