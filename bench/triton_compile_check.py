@@ -94,8 +94,6 @@ def dump(out_dir, only=()):
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
              for b in (1, 16)]
-    jobs.append(("routed_experts_split_b1", functools.partial(ex.routed_experts, config=ex.ExpertGemmConfig(
-        copy_min_programs=528)), jobs[-2][2]))                      # K split: gate_up in 4, down in 2
     jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
     # the decode GEMV at batch 1: the 9B in_proj, the 35B-A3B in_proj, the 9B out_proj (fp32 out, K split)
     jobs += [(f"gemv_{k}x{n}", functools.partial(gv.gemv, out_dtype=out), (S((1, k), bf), S((k, n), bf)))
