@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,6 @@ class ExpertGemmConfig:
     copy_block_k: int = 256
     copy_num_warps: int = 4
     router_num_warps: int = 4    # router_top_k's warps (its 2k + 2 reductions over E)
-    copy_min_programs: int = 0   # routed_experts: K split until each kernel has this many programs (0: no split)
 
 
 DEFAULT = ExpertGemmConfig()
@@ -179,26 +177,26 @@ def _row_dot(row, w):
     return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w)
 
 
-def _row_times(row, w_ref, e, j, bn, width, block_k, start=0):
-    """fp32 [BN]: row(K range) over [start, start + width) @ w[e][that range, tile j] (e None: w is one matrix),
-    block_k of K per step."""
+def _row_times(row, w_ref, e, j, bn, width, block_k):
+    """fp32 [BN]: row(K range) over [0, width) @ w[e][:width, tile j] (e None: w is one matrix), block_k of K per
+    step."""
     def body(s, acc):
-        rows = pl.ds(start + s * block_k, block_k)
+        rows = pl.ds(s * block_k, block_k)
         wk = w_ref[rows, pl.ds(j * bn, bn)] if e is None else w_ref[e, rows, pl.ds(j * bn, bn)]
         return acc + _row_dot(row(rows), wk)
 
     return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((16, bn), jnp.float32)).sum(0)
 
 
-def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared, splits):
-    """Program (c, j, s): column tile j of copy c's [gate | up] (each half W = max(I, Is) wide) over the s-th of
-    `splits` ranges of H (rounded if one, else fp32 partial sums): copy c < routed is token c // k times its expert's
-    columns, copy routed + t token t times the shared expert's. Tiles past a copy's own width write zeros. Refs: ids
-    [C'] (C' = routed), x [M, H], w [E, H, 2I], s [H, 2Is] (whole), o [BN]."""
-    c, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bn, h = o_ref.shape[0], x_ref.shape[1]
+def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
+    """Program (c, j): column tile j of copy c's [gate | up] (each half W = max(I, Is) wide), rounded: copy
+    c < routed is token c // k times its expert's columns, copy routed + t token t times the shared expert's. Tiles
+    past a copy's own width write zeros. Refs: ids [C'] (C' = routed), x [M, H], w [E, H, 2I], s [H, 2Is] (whole),
+    o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    bn, dt, h = o_ref.shape[0], o_ref.dtype, x_ref.shape[1]
     half, half_s = w_ref.shape[2] // 2, s_ref.shape[1] // 2
-    wide, span = max(half, half_s), h // splits
+    wide = max(half, half_s)
     e = ids_ref[jnp.minimum(c, routed - 1)]
     up = (j * bn >= wide).astype(jnp.int32)
     at = j * bn - up * wide                                      # the tile's offset in its half
@@ -206,7 +204,7 @@ def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, 
     def tile(w, e, half, t, bk):
         start = at + up * half
         row = lambda rows: x_ref[t, rows]
-        o_ref[...] = _row_times(row, w, e, start // bn, bn, span, bk, q * span).astype(o_ref.dtype)
+        o_ref[...] = _row_times(row, w, e, start // bn, bn, h, bk).astype(dt)
 
     @pl.when((c < routed) & (e >= 0) & (at < half))
     def _():
@@ -218,65 +216,40 @@ def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, 
 
     @pl.when(((c < routed) & ((e < 0) | (at >= half))) | ((c >= routed) & (at >= half_s)))
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *scale_ref, routed, block_k,
-                 block_k_shared, splits):
-    """Program (c, j, s): copy c's silu(gate) * up (its gate_up partial sums added and rounded as HF, then the
-    product rounded) times its expert's down columns of tile j over the s-th of `splits` ranges of I (copy routed + t:
-    the shared expert's). One range: the sum rounded, times the copy's weight (the router's; the shared expert's
-    sigmoid(x_t @ w_gate), rounded as HF), rounded. Several: fp32 partial sums, and program (c, 0, 0) writes the
-    weight to scale. Refs: ids [C'], weights [C'] (C' = routed), gate_up [S', C, 2W], w [E, I, H], x [M, H], shared
-    down [Is, H], shared gate [H] (whole), o [BN], scale [16] (with splits only)."""
-    c, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bn, dt, f32 = o_ref.shape[0], x_ref.dtype, jnp.float32
-    i, i_s, wide = w_ref.shape[1], sd_ref.shape[0], a_ref.shape[2] // 2
+def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k, block_k_shared):
+    """Program (c, j): copy c's silu(gate) * up (from its rounded GEMM results, rounded as HF) times its expert's
+    down columns of tile j (copy routed + t: the shared expert's), summed in fp32 and rounded, times the copy's weight
+    (the router's; the shared expert's sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C']
+    (C' = routed), gate_up [C, 2W], w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    bn, dt, f32 = o_ref.shape[0], o_ref.dtype, jnp.float32
+    i, i_s, wide = w_ref.shape[1], sd_ref.shape[0], a_ref.shape[1] // 2
     r = jnp.minimum(c, routed - 1)
     e = ids_ref[r]
 
     def act(rows):
-        def half(at):
-            parts = [a_ref[p, c, pl.ds(at + rows.start, rows.size)].astype(f32) for p in range(a_ref.shape[0])]
-            return functools.reduce(jnp.add, parts).astype(dt).astype(f32)
-        gate, up = half(0), half(wide)
+        gate = a_ref[c, rows].astype(f32)
+        up = a_ref[c, pl.ds(wide + rows.start, rows.size)].astype(f32)
         return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
-
-    def shared_gate():
-        logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
-        return (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
-
-    def write(acc, weight):
-        if splits == 1:
-            o_ref[...] = (acc.astype(dt).astype(f32) * weight()).astype(dt)
-        else:
-            o_ref[...] = acc
-
-            @pl.when((j == 0) & (q == 0))
-            def _():
-                scale_ref[0][...] = jnp.broadcast_to(weight(), scale_ref[0].shape)
 
     @pl.when((c < routed) & (e >= 0))
     def _():
-        span = i // splits
-        write(_row_times(act, w_ref, e, j, bn, span, block_k, q * span), lambda: wt_ref[r].astype(f32))
+        acc = _row_times(act, w_ref, e, j, bn, i, block_k)
+        o_ref[...] = (acc.astype(dt).astype(f32) * wt_ref[r].astype(f32)).astype(dt)
 
     @pl.when(c >= routed)
     def _():
-        span = i_s // splits
-        write(_row_times(act, sd_ref, None, j, bn, span, block_k_shared, q * span), shared_gate)
+        acc = _row_times(act, sd_ref, None, j, bn, i_s, block_k_shared)
+        logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
+        gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
+        o_ref[...] = (acc.astype(dt).astype(f32) * gate).astype(dt)
 
     @pl.when((c < routed) & (e < 0))
     def _():
-        write(jnp.zeros(o_ref.shape, f32), lambda: jnp.zeros((), f32))
-
-
-def _splits(programs: int, steps: int, min_programs: int) -> int:
-    """K ranges per program: the least power of two giving min_programs programs, dividing the K steps."""
-    s = 1
-    while programs * s < min_programs and steps % (2 * s) == 0:
-        s *= 2
-    return s
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
 def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
@@ -285,15 +258,13 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
     copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
     each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
-    that computes both: a batch-1 step has 8 copies). Where a kernel has fewer than copy_min_programs programs, K is
-    split: gate_up's fp32 partial sums are added on the down kernel's loads, down's in the sum over the copies (with
-    each copy's weight, which the down kernel then writes beside them)."""
+    that computes both: a batch-1 step has 8 copies)."""
     config = DEFAULT if config is None else config
     m, k = experts.shape
     e, h, i2 = w_gate_up.shape
     s_gate_up, s_down, s_gate = shared
     i, i_s, routed = i2 // 2, s_down.shape[0], m * k
-    wide, copies, f32 = max(i, i_s), m * k + m, jnp.float32
+    wide = max(i, i_s)
     bn = min(config.copy_block_n, i, i_s, h)
     bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
     _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
@@ -303,29 +274,23 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     ids = experts.reshape(routed).astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
-    s1 = _splits(copies * 2 * wide // bn, h // max(bk, bk_s), config.copy_min_programs)
-    s2 = _splits(copies * h // bn, math.gcd(i // bk, i_s // bk_s), config.copy_min_programs)
-    tiles = pl.BlockSpec((None, None, bn), lambda r, j, s: (s, r, j))
+    grid = lambda n: (routed + m, n // bn)
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s, splits=s1),
-        grid=(copies, 2 * wide // bn, s1), in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
-        out_specs=tiles, out_shape=jax.ShapeDtypeStruct((s1, copies, 2 * wide), x.dtype if s1 == 1 else f32),
-        compiler_params=params, interpret=interpret, name="expert_gate_up",
+        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(2 * wide),
+        in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((routed + m, 2 * wide), x.dtype), compiler_params=params,
+        interpret=interpret, name="expert_gate_up",
     )(ids, x, w_gate_up, s_gate_up)
     wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
-    out_shape = jax.ShapeDtypeStruct((s2, copies, h), x.dtype if s2 == 1 else f32)
-    scale = [pl.BlockSpec((None, 16), lambda r, j, s: (r, 0))], [jax.ShapeDtypeStruct((copies, 16), f32)]
     y = pl.pallas_call(
-        functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s, splits=s2),
-        grid=(copies, h // bn, s2),
+        functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
         in_specs=[whole(ids), whole(wts), whole(gate_up), whole(w_down), whole(x), whole(s_down), whole(gate)],
-        out_specs=[tiles] + scale[0] * (s2 > 1), out_shape=[out_shape] + scale[1] * (s2 > 1),
-        compiler_params=params, interpret=interpret, name="expert_down",
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
+        name="expert_down",
     )(ids, wts, gate_up, w_down, x, s_down, gate)
-    if s2 == 1:
-        y = y[0][0]
-    else:
-        y = (y[0].sum(0).astype(x.dtype).astype(f32) * y[1][:, :1]).astype(x.dtype)
+    f32 = jnp.float32
     return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 
 
