@@ -43,7 +43,7 @@ class ExpertGemmConfig:
     copy_block_n: int = 64
     copy_block_k: int = 256
     copy_num_warps: int = 4
-    router_num_warps: int = 4    # router_top_k's warps (its 2k + 2 reductions over E)
+    router_num_warps: int = 1    # router_top_k's warps (its 2k + 2 reductions over E: shuffles at one warp)
 
 
 DEFAULT = ExpertGemmConfig()

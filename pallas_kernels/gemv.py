@@ -33,7 +33,7 @@ class GemvConfig:
     num_stages: int = 3
     min_programs: int = 264
     max_rows: int = 1
-    prefill_head: bool = False
+    prefill_head: bool = True
 
 
 DEFAULT = GemvConfig()

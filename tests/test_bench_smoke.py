@@ -27,8 +27,8 @@ def test_tp_bench_smoke():
 def test_ab_decode_bench_smoke():
     """bench/ab_decode.py: two kernel variants, each its own engine in one process, timed in alternating rounds
     (the second also sampling at a temperature: the lean sampler's executable, not the greedy one's; and running
-    its one row in a bucket of two, decode_min_rows)."""
-    variant = "gdn_decode.bv=32 gdn_decode.num_warps=2 decode_min_rows=2 temperature=0.7"
+    its one row alone, decode_min_rows = 1, where the default pads it to two)."""
+    variant = "gdn_decode.bv=32 gdn_decode.num_warps=2 decode_min_rows=1 temperature=0.7"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ab_decode.py"), "--config",
            os.path.join(fixture_dir("text_tied_r2_g1"), "config.json"), "--kernel-backend", "pallas_interpret",
            "--variants", "", variant, "--batches", "1", "--context", "40", "--rounds", "2", "--iters", "2"]

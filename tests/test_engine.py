@@ -393,14 +393,15 @@ def test_decode_split_k_buckets():
 
 
 def test_decode_min_rows_pads_one_row_steps():
-    """KernelConfig.decode_min_rows = 2: the smallest decode bucket is 2, a lone request decodes beside a padding
-    row on the null slot, and its tokens (greedy, seeded) are the default engine's."""
+    """KernelConfig.decode_min_rows (default 2): the smallest decode bucket, where a lone request decodes beside a
+    padding row on the null slot; its tokens (greedy, seeded) are those of an engine that decodes it alone (1)."""
     ps = prompts(2, seed=71)
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
+    assert llm(1).engine.executor.decode_buckets[0] == 2
     want = [llm(1).generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(ps, (GREEDY, seeded))]
     model = LLM(fixture_dir(CASE), skip_tokenizer_init=True,
-                **engine_args(precompile=False, kernel_config=KernelConfig(decode_min_rows=2)))
-    assert model.engine.executor.decode_buckets[0] == 2
+                **engine_args(precompile=False, kernel_config=KernelConfig(decode_min_rows=1)))
+    assert model.engine.executor.decode_buckets[0] == 1
     assert [model.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(ps, (GREEDY, seeded))] == want
     model.shutdown()
     with pytest.raises(ValueError, match="decode_min_rows must be a power of two"):

@@ -56,13 +56,13 @@ def test_seeds_and_recycled_slots():
 
 
 def test_decode_min_rows_on_a_moe_model():
-    """decode_min_rows = 2: a lone request decodes beside a padding row (null slot; not a live token, so the router
-    gives it no expert), with the tokens it has alone in the default engine."""
+    """decode_min_rows (default 2): a lone request decodes beside a padding row (null slot; not a live token, so
+    the router gives it no expert), with the tokens it has alone (decode_min_rows = 1)."""
     from qwen35_jax.model.backends import KernelConfig
     p = prompts(1, seed=31)[0]
     want = llm(1).generate([p], GREEDY)[0].outputs[0].token_ids
     model = LLM(fixture_dir(CASE), skip_tokenizer_init=True,
-                **engine_args(precompile=False, kernel_config=KernelConfig(decode_min_rows=2)))
+                **engine_args(precompile=False, kernel_config=KernelConfig(decode_min_rows=1)))
     assert model.generate([p], GREEDY)[0].outputs[0].token_ids == want
     model.engine.shutdown()
 

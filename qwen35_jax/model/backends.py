@@ -47,7 +47,8 @@ class KernelConfig:
     4 with the Pallas backends, 1 (XLA splits as it chooses) with the reference.
     decode_min_rows: decode steps run at least this many rows per replica (a power of two; the smallest decode
     bucket), the rest padding rows on the null slot, which route to no expert: XLA runs a one-row GEMM on slower
-    tiles than a two-row one (bench/RESULTS.md), at the cost of the padding row's GDN state traffic.
+    tiles than a two-row one, and a lone request's step was faster beside a padding row than alone on the GEMV
+    (bench/RESULTS.md), the padding row's GDN state traffic included.
     staged_inputs: each step's packed host inputs are first copied into a device buffer that keeps one address,
     so the step's CUDA graphs see unchanged input addresses.
     xla_options: XLA debug options for the step executables alone, as (name, value) pairs (a dict is accepted).
@@ -64,7 +65,7 @@ class KernelConfig:
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
-    decode_min_rows: int = 1
+    decode_min_rows: int = 2
     staged_inputs: bool = False
     xla_options: tuple = ()
 
