@@ -611,20 +611,27 @@ def _decode_kernel(slot_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_ref, dtb_re
     slot = slot_ref[n]
     dk = pool_ref.shape[-1]
     q0, k0, v0, a0, b0 = cols
-    q = _l2norm(q_ref[n, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
-    k = _l2norm(k_ref[n, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
-    qk = jnp.sum(q * k)
-    g, beta = _gates(a_ref[n, a0 + hv], b_ref[n, b0 + hv], alog_ref[hv], dtb_ref[hv])
-    alpha = jnp.exp(g)
     vcols = pl.ds(vb * bv, bv)
-    s = pool_ref[slot, hv, vcols, :]                          # [BV, dk] fp32, contiguous dk
-    v = v_ref[n, pl.ds(v0 + hv * pool_ref.shape[2] + vb * bv, bv)].astype(jnp.float32)
-    r_k = jnp.sum(s * k[None, :], axis=1)
-    r_q = jnp.sum(s * q[None, :], axis=1)
-    u = beta * (v - alpha * r_k)
-    o = alpha * r_q + qk * u
-    pool_out_ref[slot, hv, vcols, :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
-    o_ref[n, hv, vcols] = o.astype(o_ref.dtype)
+
+    @pl.when(slot != 0)
+    def _():
+        q = _l2norm(q_ref[n, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
+        k = _l2norm(k_ref[n, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
+        qk = jnp.sum(q * k)
+        g, beta = _gates(a_ref[n, a0 + hv], b_ref[n, b0 + hv], alog_ref[hv], dtb_ref[hv])
+        alpha = jnp.exp(g)
+        s = pool_ref[slot, hv, vcols, :]                          # [BV, dk] fp32, contiguous dk
+        v = v_ref[n, pl.ds(v0 + hv * pool_ref.shape[2] + vb * bv, bv)].astype(jnp.float32)
+        r_k = jnp.sum(s * k[None, :], axis=1)
+        r_q = jnp.sum(s * q[None, :], axis=1)
+        u = beta * (v - alpha * r_k)
+        o = alpha * r_q + qk * u
+        pool_out_ref[slot, hv, vcols, :] = alpha * s + u[:, None] * k[None, :]     # aliased: in place
+        o_ref[n, hv, vcols] = o.astype(o_ref.dtype)
+
+    @pl.when(slot == 0)                       # a padding row on the null slot: no state read or written
+    def _():
+        o_ref[n, hv, vcols] = jnp.zeros((bv,), o_ref.dtype)
 
 
 def _decode_call(q, k, v, a, b, A_log, dt_bias, pool, slots, cols, hk, config, interpret):
@@ -652,7 +659,8 @@ def _decode_call(q, k, v, a, b, A_log, dt_bias, pool, slots, cols, hk, config, i
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, *, config: DecodeConfig = DEFAULT_DECODE,
                interpret=False):
-    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0."""
+    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]); padded rows must use the null slot 0, whose
+    rows read and write no state and give zeros."""
     n, hk, dk = k.shape
     if v.shape[1:] != pool.shape[1:3] or dk != pool.shape[3]:
         raise ValueError(f"v {v.shape} and k {k.shape} do not match the state pool {pool.shape}")

@@ -133,18 +133,21 @@ def gdn_prefill(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, use_state, *, 
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots):
-    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]) in the fused single-pass form."""
+    """One token per row (q,k [N,Hk,dk], v [N,Hv,dv], a,b [N,Hv]) in the fused single-pass form. Rows on the null
+    slot 0 (padding) leave its state as it is and give zeros (the decode kernel reads and writes none of it)."""
     hv = v.shape[-2]
     g, beta = gates(a, b, A_log, dt_bias)
     qf, kf, vf = _prepare(q, k, v, hv)
-    s = pool[slots]                                                     # [N,Hv,dv,dk]
+    old = pool[slots]                                                   # [N,Hv,dv,dk]
     alpha = jnp.exp(g)[..., None]
-    r_k = jnp.einsum("nhvk,nhk->nhv", s, kf, precision=HIGHEST)
-    r_q = jnp.einsum("nhvk,nhk->nhv", s, qf, precision=HIGHEST)
+    r_k = jnp.einsum("nhvk,nhk->nhv", old, kf, precision=HIGHEST)
+    r_q = jnp.einsum("nhvk,nhk->nhv", old, qf, precision=HIGHEST)
     u = beta[..., None] * (vf - alpha * r_k)
     o = alpha * r_q + jnp.sum(qf * kf, axis=-1, keepdims=True) * u
-    s = alpha[..., None] * s + u[..., :, None] * kf[..., None, :]
-    return o.astype(v.dtype), pool.at[slots].set(s)
+    s = alpha[..., None] * old + u[..., :, None] * kf[..., None, :]
+    live = (slots != 0)[:, None, None]
+    return (jnp.where(live, o, 0).astype(v.dtype),
+            pool.at[slots].set(jnp.where(live[..., None], s, old)))
 
 
 def gdn_decode_tokens(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, *, write: bool):

@@ -227,15 +227,17 @@ def test_gdn_decode_in_place(ratio, config):
     n, hk, dk, dv = 5, 2, 32, 16
     q, k, v, a, b, A_log, dt_bias, pool = gdn_inputs(20 + ratio, n, 1, hk, hk * ratio, dk, dv)
     q, k, v, a, b = (x[:, 0] for x in (q, k, v, a, b))
-    slots = jnp.array([4, 1, 0, 7, 0])                  # rows 2 and 4 are padding on the null slot
+    slots = jnp.array([4, 1, 0, 7, 0])          # rows 2 and 4: padding on the null slot (no state read or written)
     fn = jax.jit(functools.partial(gdn.gdn_decode, config=config, interpret=True))
     o, new = fn(q, k, v, a, b, A_log, dt_bias, pool, slots)
     o_ref, new_ref = gdn_reference.gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots)
     live = [0, 1, 3]
     assert rel(new[slots[jnp.array(live)]], new_ref[slots[jnp.array(live)]]) <= 1e-5
     assert rel(o[jnp.array(live)], o_ref[jnp.array(live)]) <= 1e-5
-    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots)[live])   # the null slot 0 among them
     np.testing.assert_array_equal(new[untouched], pool[untouched])
+    np.testing.assert_array_equal(new_ref[untouched], pool[untouched])
+    assert not np.asarray(o[jnp.array([2, 4])]).any() and not np.asarray(o_ref[jnp.array([2, 4])]).any()
 
 
 @pytest.mark.parametrize("config", [gdn.DEFAULT_DECODE, gdn.DecodeConfig(bv=16)], ids=["default", "bv16"])
