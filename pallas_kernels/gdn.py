@@ -699,18 +699,27 @@ def _tokens_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, a_ref, b_ref, alog_re
     q0, k0, v0, a0, b0 = cols
     g0, b_log = alog_ref[hv], dtb_ref[hv]
     vcols = pl.ds(vb * bv, bv)
-    s = pool_ref[slot, hv, vcols, :]                          # [BV, dk] fp32
-    for t in range(tokens):
-        q = _l2norm(q_ref[n, t, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
-        k = _l2norm(k_ref[n, t, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
-        g, beta = _gates(a_ref[n, t, a0 + hv], b_ref[n, t, b0 + hv], g0, b_log)
-        alpha = jnp.exp(g)
-        v = v_ref[n, t, pl.ds(v0 + hv * pool_ref.shape[2] + vb * bv, bv)].astype(jnp.float32)
-        u = beta * (v - alpha * jnp.sum(s * k[None, :], axis=1))
-        o_ref[n, t, hv, vcols] = (alpha * jnp.sum(s * q[None, :], axis=1) + jnp.sum(q * k) * u).astype(o_ref.dtype)
-        s = jnp.where(t < length, alpha * s + u[:, None] * k[None, :], s)
-    if out:
-        out[0][slot, hv, vcols, :] = s                         # aliased: in place
+
+    @pl.when(slot != 0)
+    def _():
+        s = pool_ref[slot, hv, vcols, :]                          # [BV, dk] fp32
+        for t in range(tokens):
+            q = _l2norm(q_ref[n, t, pl.ds(q0 + kh * dk, dk)].astype(jnp.float32)) * (dk ** -0.5)
+            k = _l2norm(k_ref[n, t, pl.ds(k0 + kh * dk, dk)].astype(jnp.float32))
+            g, beta = _gates(a_ref[n, t, a0 + hv], b_ref[n, t, b0 + hv], g0, b_log)
+            alpha = jnp.exp(g)
+            v = v_ref[n, t, pl.ds(v0 + hv * pool_ref.shape[2] + vb * bv, bv)].astype(jnp.float32)
+            u = beta * (v - alpha * jnp.sum(s * k[None, :], axis=1))
+            o = alpha * jnp.sum(s * q[None, :], axis=1) + jnp.sum(q * k) * u
+            o_ref[n, t, hv, vcols] = o.astype(o_ref.dtype)
+            s = jnp.where(t < length, alpha * s + u[:, None] * k[None, :], s)
+        if out:
+            out[0][slot, hv, vcols, :] = s                         # aliased: in place
+
+    @pl.when(slot == 0)                       # a padding row on the null slot: no state read or written
+    def _():
+        for t in range(tokens):
+            o_ref[n, t, hv, vcols] = jnp.zeros((bv,), o_ref.dtype)
 
 
 def gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, *, write: bool,
@@ -718,7 +727,7 @@ def gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, *, wr
     """T tokens per row from pool[slots] on the layer's packed activations (qkv [N, T, 2*Hk*dk + Hv*dv], proj
     [N, T, P] ending in [b | a]; as gdn_decode_packed). Returns (o [N, T, Hv, dv], pool): with write, each row's
     state after its first lens[n] tokens is written back in place; without, the pool is only read (returned as
-    given). Padded rows must use the null slot 0."""
+    given). Padded rows must use the null slot 0 (no state read or written, zeros out)."""
     config = DEFAULT_DECODE if config is None else config
     n, tokens = qkv.shape[:2]
     hv, dv, dk = pool.shape[1:]

@@ -154,11 +154,15 @@ def gdn_decode_tokens(q, k, v, a, b, A_log, dt_bias, pool, slots, lens, *, write
     """T tokens per row continuing the state in pool[slots] (speculative decoding: a verify pass, write False, and
     the commit of its accepted tokens, write True): q,k [N,T,Hk,dk], v [N,T,Hv,dv], a,b [N,T,Hv]. Returns o
     [N,T,Hv,dv] for every token and the pool, holding each row's state after its first lens[n] tokens where write
-    (the tokens after them are inert), unchanged otherwise."""
+    (the tokens after them are inert), unchanged otherwise. Rows on the null slot 0 (padding) give zeros and leave
+    its state as it is."""
     hv = v.shape[-2]
     g, beta = _mask_padding(*gates(a, b, A_log, dt_bias), lens)
     qf, kf, vf = _prepare(q, k, v, hv)
     o, final = recurrent_scan(qf, kf, vf, g, beta, pool[slots])
+    live = slots != 0
+    o = jnp.where(live[:, None, None, None], o, 0)
+    final = jnp.where(live[:, None, None, None], final, pool[slots])
     return o.astype(v.dtype), pool.at[slots].set(final) if write else pool
 
 

@@ -292,10 +292,12 @@ def test_gdn_decode_tokens_verify_then_commit(config):
     live = jnp.array([0, 1, 3])
     assert rel(o[live], jnp.stack(want_o, 1)[live]) <= 1e-5
     assert rel(new[slots[live]], steps[slots[live]]) <= 1e-5
-    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots))
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(slots)[live])   # the null slot among them
     np.testing.assert_array_equal(np.asarray(new)[untouched], np.asarray(pool)[untouched])
     o_r, new_r = gdn_reference.gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, write=True)
     assert rel(new_r[slots[live]], steps[slots[live]]) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(new_r)[untouched], np.asarray(pool)[untouched])
+    assert not np.asarray(o[2]).any() and not np.asarray(o_r[2]).any()       # padding: zeros, no state read
     _, same_r = gdn_reference.gdn_decode_tokens_packed(qkv, proj, A_log, dt_bias, pool, slots, lens, write=False)
     np.testing.assert_array_equal(np.asarray(same_r), np.asarray(pool))
 
