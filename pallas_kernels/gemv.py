@@ -1,11 +1,12 @@
-"""A projection of a few rows, x [M <= 16, K] @ w [K, N], streaming w once (Pallas-Triton): decode at small batch.
+"""A projection of a few rows, x [M <= 16, K] @ w [K, N], streaming w once (Pallas-Triton): a prefill's lm_head.
 
-Why a kernel: XLA's autotuner runs the batch-1 GDN in_proj and attention qkv of the 9B on 8 x 16 output tiles with
-2 warps, which read the weights at ~60-64% of the copy bandwidth where gate_up's tiles read at ~88% (the 9B batch-1
-profile, bench/RESULTS.md). Here one program owns a block_n-column tile of w over a range of K (split so that there
-are at least min_programs programs), loads block_k x block_n weight tiles through Triton's pipeline and multiplies
-them by the rows padded to Triton's smallest dot (16). A tile or range past N or K is masked, so any shape runs.
-Split K ranges write fp32 partial sums that XLA adds (and rounds) in the consumer's fusion.
+Why a kernel: inside the prefill executable XLA ran the last token's head (one row against the 2 GB 9B head) as a
+cuBLAS gemv on an fp32 copy of the head, several times slower than reading it once (bench/RESULTS.md). One program
+owns a block_n-column tile of w over a range of K (split so that there are at least min_programs programs), loads
+block_k x block_n weight tiles through Triton's pipeline and multiplies them by the rows padded to Triton's
+smallest dot (16). A tile or range past N or K is masked, so any shape runs. Split K ranges write fp32 partial sums
+that XLA adds (and rounds) in the consumer's fusion. Decode steps do not use it: beside a padding row, a lone
+request's projections run faster on XLA's two-row GEMMs.
 """
 from __future__ import annotations
 
@@ -23,17 +24,12 @@ ROWS = 16        # Triton's smallest dot: the rows are padded to it
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
     """Tiles (weight columns per program, K per loop step), Triton's warps and pipeline depth, and the least number
-    of programs (K is split until the column tiles times the splits reach it). max_rows: decode projections of up
-    to this many rows (tokens) run the kernel, larger ones XLA's GEMM (faster from two rows: bench/RESULTS.md).
-    prefill_head: a prefill step's lm_head (its rows' last tokens, an untied head) on the kernel, where XLA ran a
-    cuBLAS gemv on an fp32 copy of the head (bench/lm_head.py)."""
+    of programs (K is split until the column tiles times the splits reach it)."""
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     min_programs: int = 264
-    max_rows: int = 1
-    prefill_head: bool = True
 
 
 DEFAULT = GemvConfig()

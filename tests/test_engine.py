@@ -327,8 +327,8 @@ def test_kernel_config():
     assert KernelConfig.parse(c.resolved().changes(), KernelConfig(backend="pallas_interpret")) == c
     assert KernelConfig().resolved().changes() == ""
     off = KernelConfig.parse("expert_gemm=none gemv=none")          # a configuration that is off, then set
-    on = KernelConfig.parse("expert_gemm.block_n=32 gemv.max_rows=4", off)
-    assert (on.expert_gemm.block_n, on.expert_gemm.block_k, on.gemv.max_rows) == (32, 128, 4)
+    on = KernelConfig.parse("expert_gemm.block_n=32 gemv.block_k=64", off)
+    assert (on.expert_gemm.block_n, on.expert_gemm.block_k, on.gemv.block_k, on.gemv.block_n) == (32, 128, 64, 64)
     for bad, match in [("foo=1", "no field 'foo'"), ("gdn_decode=3", "set its fields"), ("staged_inputs=maybe",
                        "not a boolean"), ("decode_split_k=0", "decode_split_k must be >= 1"), ("x", "<field>=<value>"),
                        ("backend=cuda", "must be one of"), ("staged_inputs.x=1", "has no fields")]:

@@ -818,21 +818,6 @@ def test_decode_step_has_no_host_synchronisation():
                                                             attention_prologue=None, attention_tiles=None))
 
 
-def test_gemv_runs_the_decode_projections_up_to_max_rows():
-    """KernelConfig.gemv: a decode step of up to max_rows rows runs each layer's GDN in_proj or attention qkv on the
-    GEMV kernel, a larger one none (XLA's GEMMs)."""
-    from bench.compile_time import lower_decode_for_cuda
-    from qwen35_jax.model.config import load_config
-    cfg = load_config(fixture_dir("mm_tied_r2_g2"))
-    calls = {}
-    for rows in (4, 3):
-        config = KernelConfig(backend="pallas", decode_split_k=4, gemv=gemv.GemvConfig(max_rows=rows))
-        text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
-        calls[rows] = len(re.findall(r"call @gemv(_\d+)?\(", text))
-        assert "stablehlo.while" not in text
-    assert calls == {4: len(cfg.layer_types), 3: 0}
-
-
 def test_moe_decode_step_has_no_host_synchronisation():
     """The same for a MoE model: its decode step, lowered for CUDA with the per-copy expert kernels and with the
     grouped one, has no while / case / if (the grouped kernel's block table is built by comparisons:
@@ -948,9 +933,8 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
     tokens = rng.integers(0, cfg.vocab_size, (3, t))
     page_table = np.array([1 + np.arange(pages), 1 + pages + np.arange(pages), np.zeros(pages, int)])
     out = {}
-    gemv_config = gemv.GemvConfig(block_n=16, block_k=16, min_programs=8, max_rows=3)   # split K, masked tiles
     configs = {"reference": KernelConfig(backend="reference"), "pallas_interpret": KernelConfig(
-        backend="pallas_interpret"), "gemv": KernelConfig(backend="pallas_interpret", gemv=gemv_config)}
+        backend="pallas_interpret")}
     for backend, config in configs.items():
         kernels = make_kernels(config.resolved())
         runner = ModelRunner(cfg, mesh, Layout.build(cfg, tp), weights, jnp.float32, kernels, num_slots=3,
@@ -964,7 +948,7 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
     # |logits| reach ~300 here, where one fp32 ulp is 3e-5: a literal 1e-4 absolute bar is ~3 ulps of summation
     # order. The bar is 1e-6 relative to the largest logit (~3e-4 absolute, ~10 ulps).
     scale = np.abs(ref[0][:2, :, :cfg.vocab_size]).max()
-    for name in ("pallas_interpret", "gemv"):          # gemv: the decode steps' projections on the GEMV kernel
+    for name in ("pallas_interpret",):
         got = out[name]
         for i, n in enumerate(lens[:2]):
             err = np.abs(got[0][i, :n, :cfg.vocab_size] - ref[0][i, :n, :cfg.vocab_size]).max()
@@ -975,7 +959,7 @@ def test_model_logits_pallas_interpret_equal_reference(tp):
 
 
 def test_prefill_head_on_the_gemv_equals_the_dot():
-    """GemvConfig.prefill_head: a prefill step's logits (each row's last token, an untied head) from the GEMV kernel
+    """KernelConfig.gemv: a prefill step's logits (each row's last token, an untied head) from the GEMV kernel
     equal XLA's dot (fp32, 1e-6 of the largest logit), and the kernel is in the step (a tied head is not: it would
     be copied transposed)."""
     from qwen35_jax.model.config import load_config
@@ -990,8 +974,8 @@ def test_prefill_head_on_the_gemv_equals_the_dot():
         tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
         batch = make_batch(tokens, [0, 0], [24, 9], [1, 2], np.array([[1, 2], [3, 4]]))
         for head in (False, True):
-            config = KernelConfig(backend="pallas_interpret", gemv=gemv.GemvConfig(block_n=16, block_k=16,
-                                                                                  prefill_head=head))
+            config = KernelConfig(backend="pallas_interpret",   # K split as far as it goes
+                                  gemv=gemv.GemvConfig(block_n=16, block_k=16, min_programs=10 ** 4) if head else None)
             runner = ModelRunner(cfg, mesh, Layout.build(cfg, 1), weights, jnp.float32,
                                  make_kernels(config.resolved()), num_slots=3, num_pages=5, page_size=16)
             out[model, head] = np.asarray(runner.run(batch), np.float32)[:, :cfg.vocab_size]

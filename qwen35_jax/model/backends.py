@@ -38,8 +38,9 @@ class KernelConfig:
     kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
     jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
     always.
-    gemv: the GDN in_proj and attention qkv of decode steps of up to gemv.max_rows tokens as the GEMV kernel;
-    None: XLA's GEMMs. (The row-parallel GEMMs and gate_up measured no faster on it: bench/gemv.py.)
+    gemv: a prefill step's untied lm_head (its rows' last tokens) on the GEMV kernel, where XLA ran a cuBLAS gemv
+    on an fp32 copy of the head; None: XLA's dot. (Decode steps run XLA's GEMMs: with a padding row beside a lone
+    request they measured faster than the GEMV on one row, bench/RESULTS.md.)
     gate_up_rounds_from: decode batches from this many rows ask gate_up's GEMM for its bf16 result itself (smaller
     ones take fp32 into the SiLU).
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
@@ -239,9 +240,8 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
                    router_top_k=top_k,
-                   gemv=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",), config=config.gemv),
-                   gemv_rows=0 if config.gemv is None else config.gemv.max_rows,
-                   gemv_prefill_head=config.gemv is not None and config.gemv.prefill_head)
+                   prefill_head=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",),
+                                                                   config=config.gemv))
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):

@@ -69,11 +69,9 @@ class Kernels:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
-    # the in_proj and qkv of decode steps of up to gemv_rows tokens: (x [M, K], w [K, N], out_dtype) -> [M, N];
-    # contract: pallas_kernels.gemv.gemv_reference; None: XLA's GEMMs (project)
-    gemv: Callable | None = None
-    gemv_rows: int = 0
-    gemv_prefill_head: bool = False     # a prefill step's untied lm_head of up to gemv.ROWS rows on kernels.gemv
+    # a prefill step's lm_head (its rows' last tokens, up to pallas_kernels.gemv.ROWS, an untied head): (x [M, K],
+    # w [K, N], out_dtype) -> [M, N]; contract: pallas_kernels.gemv.gemv_reference; None: XLA's dot
+    prefill_head: Callable | None = None
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -95,14 +93,6 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
     if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def decode_project(kernels: Kernels, x, w, out_dtype=None):
-    """project, with a decode projection of up to kernels.gemv_rows tokens (x [N, 1, K]) on kernels.gemv: the
-    column-parallel in_proj and qkv, which XLA's batch-1 GEMM tiles read slowest (bench/gemv.py)."""
-    if kernels.gemv is not None and x.shape[1] == 1 and x.shape[0] <= kernels.gemv_rows:
-        return kernels.gemv(x[:, 0], w, out_dtype)[:, None]
-    return project(x, w, out_dtype)
 
 
 def rms_norm_1p(x, w, eps):
@@ -181,7 +171,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     """Gated full attention of each group of rows (xs, batches and positions: one per group), the projections
     shared by the groups."""
     with jax.named_scope("qkv_proj"):
-        qkvs = shared(lambda x: decode_project(kernels, x, w.qkv), xs)
+        qkvs = shared(lambda x: project(x, w.qkv), xs)
     outs = []
     for qkv, batch, pos in zip(qkvs, batches, positions):
         o, k_pages, v_pages = attention_core(cfg, layout, kernels, w, qkv, k_pages, v_pages, batch, pos)
@@ -231,7 +221,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     """Gated DeltaNet of each group of rows (xs and batches: one per group), the projections shared by the
     groups."""
     with jax.named_scope("in_proj"):
-        projs = shared(lambda x: decode_project(kernels, x, w.in_proj), xs)     # [q | k | v | z | b | a] per rank
+        projs = shared(lambda x: project(x, w.in_proj), xs)     # [q | k | v | z | b | a] per rank
     outs = []
     for proj, batch in zip(projs, batches):
         o, conv_pool, rec_pool = gdn_core(cfg, layout, kernels, w, proj, conv_pool, rec_pool, batch)
@@ -496,7 +486,7 @@ def forward(cfg: ModelConfig, layout: Layout, kernels: Kernels, weights: Weights
     if not all_logits:
         x = last_real(x, batch.lens)
     prefill = batch.tokens.shape[1] > 1 and not all_logits
-    return lm_head(cfg, weights, x, kernels.gemv if prefill and kernels.gemv_prefill_head else None), state
+    return lm_head(cfg, weights, x, kernels.prefill_head if prefill else None), state
 
 
 def last_real(x, lens):
