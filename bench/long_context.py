@@ -8,7 +8,9 @@ Parts (--parts), each recorded in one table:
   tokens), with the prefill attention kernel and with the jnp attention (KernelConfig.prefill_attention=None, up
   to --jnp-max tokens); HF transformers + fla in the same run (bench/hf_baseline.py's child, --hf-lens) where it
   fits; and the prefill's compute floor: the decoder's GEMM FLOPs at this machine's measured bf16 GEMM rate plus
-  the causal attention FLOPs at the prefill kernel's own rate (measured on one 8k chunk).
+  the causal attention FLOPs at the prefill kernel's own rate (measured on one 8k chunk). For --trace-lens, one
+  more request under the profiler gives the device's span (first kernel start to last kernel end) and its
+  kernels' time, beside the TTFT: what the engine adds around the executables, measured in the same process.
 - decode: the decode step at --decode-batches rows with --decode-context tokens of context each (positions set
   directly, no prefill), against its floor (weights + GDN state + K/V read, over the measured copy bandwidth).
 - tpot: --tpot-rows requests decoding, then a --tpot-prompt-token prompt arrives; the time per output token of
@@ -47,6 +49,7 @@ from bench.common import add_kernel_args, config_dir, kernel_config, random_engi
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
+from bench.timing import traced_events  # noqa: E402
 from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
 from qwen35_jax.model.forward import Batch  # noqa: E402
@@ -66,8 +69,9 @@ def free(engine):
     gc.collect()
 
 
-def ttft(args, cfg, kc, lens, weights=None):
-    """({length: median seconds to the first token}, the engine's weights) for one kernel configuration."""
+def ttft(args, cfg, kc, lens, weights=None, trace_lens=()):
+    """({length: median seconds to the first token}, the engine's weights, {length: (device span s, kernels s)} of
+    one traced request for each of trace_lens) for one kernel configuration."""
     engine = random_engine(args.config, EngineArgs(
         max_model_len=min(max(lens) + 16, cfg.max_position_embeddings), max_num_seqs=1,
         max_num_batched_tokens=args.chunk, max_prefill_rows=1, precompile=False, enable_prefix_caching=False,
@@ -86,9 +90,16 @@ def ttft(args, cfg, kc, lens, weights=None):
             times.append(time.perf_counter() - t0)
         out[n] = statistics.median(times)
         print(f"ttft {kc.changes() or 'default'} {n}: {[round(t, 3) for t in times]} s", flush=True)
+    device = {}
+    for n in trace_lens:
+        events = traced_events(lambda n=n: run(n), lambda *_: None)      # generate returns once the token is home
+        device[n] = ((max(e.end_ns for e in events) - min(e.start_ns for e in events)) / 1e9,
+                     sum(e.self_ns for e in events) / 1e9)
+        print(f"ttft traced {n}: device span {device[n][0] * 1e3:.1f} ms, kernels {device[n][1] * 1e3:.1f} ms",
+              flush=True)
     w = engine.weights
     free(engine)
-    return out, w
+    return out, w, device
 
 
 def rate(fn, flops: float, calls: int = 10) -> float:
@@ -378,6 +389,7 @@ def main():
     ap.add_argument("--hf-lens", default="8192,32768", help="HF + fla's prompts (empty: no HF run)")
     ap.add_argument("--hf-device", default="cuda")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--trace-lens", default="8192,32768", help="lengths whose TTFT also gets one traced request")
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--decode-context", type=int, default=131072)
     ap.add_argument("--decode-batches", default="1,16")
@@ -409,7 +421,8 @@ def main():
     if "ttft" in parts:
         lens = ints(args.lens)
         hf = run_hf(args.config, args.hf_lens, args.reps, args.hf_device) if args.hf_lens else None
-        kernel, weights = ttft(args, cfg, kc, lens)
+        traced = [n for n in ints(args.trace_lens) if n in lens]
+        kernel, weights, device = ttft(args, cfg, kc, lens, trace_lens=traced)
         short = [n for n in lens if n <= args.jnp_max]
         jnp_path = ttft(args, cfg, dataclasses.replace(kc, prefill_attention=None), short, weights)[0] if short else {}
         floor, gemm_rate, attn_rate, held, held_rate = compute_floor(cfg, weights, kc, lens, args.floor_chunk)
@@ -418,7 +431,9 @@ def main():
         rows = [{"prompt_tokens": n, "kernel_ms": kernel[n] * 1e3, "jnp_attention_ms": jnp_path.get(n, nan) * 1e3,
                  "hf_fla_ms": hf_times.get(n, nan) * 1e3, "floor_ms": floor[n] * 1e3,
                  "floor_over_kernel": floor[n] / kernel[n], "sustained_floor_ms": held[n] * 1e3,
-                 "sustained_floor_over_kernel": held[n] / kernel[n], "hf_over_kernel": hf_times.get(n, nan) / kernel[n]}
+                 "sustained_floor_over_kernel": held[n] / kernel[n], "hf_over_kernel": hf_times.get(n, nan) / kernel[n],
+                 "device_span_ms": device.get(n, (nan, nan))[0] * 1e3,
+                 "device_kernels_ms": device.get(n, (nan, nan))[1] * 1e3}
                 for n in lens]
         tables.append(f"Time to first token (one prompt, chunks of {args.chunk}; floor: GEMMs at "
                       f"{gemm_rate / 1e12:.3g} TFLOP/s measured over 10 GEMMs (sustained floor: "
