@@ -4,8 +4,9 @@ Why a kernel: XLA's autotuner runs the batch-1 GDN in_proj and attention qkv of 
 2 warps, which read the weights at ~60-64% of the copy bandwidth where gate_up's tiles read at ~88% (the 9B batch-1
 profile, bench/RESULTS.md). Here one program owns a block_n-column tile of w over a range of K (split so that there
 are at least min_programs programs), loads block_k x block_n weight tiles through Triton's pipeline and multiplies
-them by the rows padded to Triton's smallest dot (16). A tile or range past N or K is masked, so any shape runs.
-Split K ranges write fp32 partial sums that XLA adds (and rounds) in the consumer's fusion.
+them by the rows, loaded as Triton's smallest dot (16 rows) takes them. Rows past M, and a tile or range past N or
+K, are masked, so any shape runs with no pad or slice around the kernel. Split K ranges write fp32 partial sums
+that XLA adds (and rounds) in the consumer's fusion.
 """
 from __future__ import annotations
 
@@ -53,23 +54,30 @@ def splits(n: int, k: int, config: GemvConfig) -> int:
     return s
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k, steps):
-    """Program (j, s): column tile j over the s-th range of `steps` K steps. Refs: x [16, Kp] (zero rows and
-    columns past M and K), w [K, N] (whole), o [16, BN] (this split's tile)."""
+def _kernel(x_ref, w_ref, o_ref, *, block_n, block_k, steps):
+    """Program (j, s): column tile j over the s-th range of `steps` K steps. Refs: x [M, K], w [K, N] (whole),
+    o [S * M, N] (whole: split s writes rows s * M ..). The rows are loaded as Triton's 16-row dot takes them, the
+    rows past M and columns past K as zeros, and only the M rows and N columns are stored: no pad or slice
+    kernels around the call."""
     j, s = pl.program_id(0), pl.program_id(1)
-    kdim, n = w_ref.shape
-    bn = o_ref.shape[-1]
+    m, kdim = x_ref.shape
+    n = w_ref.shape[1]
+    bn = block_n
+    rows = jnp.arange(ROWS, dtype=jnp.int32)
     cols = j * bn + jnp.arange(bn, dtype=jnp.int32)
 
     def body(i, acc):
         k0 = (s * steps + i) * block_k
-        rows = k0 + jnp.arange(block_k, dtype=jnp.int32)
+        ks = k0 + jnp.arange(block_k, dtype=jnp.int32)
         wk = pltriton.load(w_ref.at[pl.ds(k0, block_k), pl.ds(j * bn, bn)],
-                           mask=(rows < kdim)[:, None] & (cols < n)[None, :], other=0, eviction_policy="evict_first")
-        xk = x_ref[:, pl.ds(k0, block_k)]
+                           mask=(ks < kdim)[:, None] & (cols < n)[None, :], other=0, eviction_policy="evict_first")
+        xk = pltriton.load(x_ref.at[rows[:, None], ks[None, :]], mask=(rows < m)[:, None] & (ks < kdim)[None, :],
+                           other=0)
         return acc + pltriton.dot(xk, wk, allow_tf32=xk.dtype != jnp.float32)     # fp32 models: IEEE products
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((ROWS, bn), jnp.float32))
+    pltriton.store(o_ref.at[(s * m + rows)[:, None], cols[None, :]], acc.astype(o_ref.dtype),
+                   mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
 def gemv(x, w, out_dtype=None, *, config: GemvConfig | None = None, interpret: bool = False):
@@ -88,16 +96,14 @@ def gemv(x, w, out_dtype=None, *, config: GemvConfig | None = None, interpret: b
     bk = config.block_k
     s = splits(n, kdim, config)
     steps = -(-kdim // (bk * s))                         # K steps per range; the last range may run past K
-    xp = jnp.zeros((ROWS, steps * s * bk), x.dtype).at[:m, :kdim].set(x)
     part_dtype = out_dtype if s == 1 else jnp.float32
-    nt = -(-n // config.block_n)
+    whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,) * len(shape))
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=bk, steps=steps),
-        grid=(nt, s),
-        in_specs=[pl.BlockSpec(xp.shape, lambda j, s: (0, 0)), pl.BlockSpec(w.shape, lambda j, s: (0, 0))],
-        out_specs=pl.BlockSpec((None, ROWS, config.block_n), lambda j, s: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((s, ROWS, nt * config.block_n), part_dtype),
+        functools.partial(_kernel, block_n=config.block_n, block_k=bk, steps=steps),
+        grid=(-(-n // config.block_n), s),
+        in_specs=[whole(x.shape), whole(w.shape)], out_specs=whole((s * m, n)),
+        out_shape=jax.ShapeDtypeStruct((s * m, n), part_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gemv",
-    )(xp, w)
-    return out.sum(0)[:m, :n].astype(out_dtype) if s > 1 else out[0, :m, :n]
+    )(x, w)
+    return out.reshape(s, m, n).sum(0).astype(out_dtype) if s > 1 else out
