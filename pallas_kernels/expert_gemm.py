@@ -306,10 +306,11 @@ def router_top_k_reference(logits, k, live):
 
 def _top_k_kernel(live_ref, l_ref, w_ref, i_ref, *, k):
     """Program t: token t's softmax over its E logits and k rounds of (largest, lowest index holding it, masked
-    out). Refs: live [M] (whole), logits [E], weights [KP], experts [KP] (KP: k to a power of two; the rest
-    zeros)."""
+    out). Refs: live [M] (whole), logits [S, E] (S fp32 partial sums, added and rounded to the weights' dtype),
+    weights [KP], experts [KP] (KP: k to a power of two; the rest zeros)."""
     f32 = jnp.float32
-    x = l_ref[...].astype(f32)
+    x = functools.reduce(jnp.add, [l_ref[s].astype(f32) for s in range(l_ref.shape[0])]).astype(w_ref.dtype)
+    x = x.astype(f32)
     p = jnp.exp(x - jnp.max(x))
     p = p / jnp.sum(p)
     e = p.shape[0]
@@ -326,19 +327,22 @@ def _top_k_kernel(live_ref, l_ref, w_ref, i_ref, *, k):
     i_ref[...] = jnp.where(live, ids, -1)
 
 
-def router_top_k(logits, k, live, *, num_warps: int = 4, interpret: bool = False):
+def router_top_k(logits, k, live, *, dtype=None, num_warps: int = 4, interpret: bool = False):
     """router_top_k_reference's contract in one kernel (one program per token), in the place of XLA's softmax,
-    its sort for top_k, the renormalisation and the padding's mask: five launches per MoE layer."""
-    m, e = logits.shape
+    its sort for top_k, the renormalisation and the padding's mask: five launches per MoE layer. logits may also
+    be [S, M, E] fp32 partial sums (gemv's partials), added and rounded to dtype in the kernel."""
+    dtype = logits.dtype if dtype is None else dtype
+    logits = logits if logits.ndim == 3 else logits[None]
+    s, m, e = logits.shape
     kp = 1 << (k - 1).bit_length()
     if k > e:
         raise ValueError(f"top {k} of {e} experts")
     live = live.astype(jnp.int32)
     w, i = pl.pallas_call(
         functools.partial(_top_k_kernel, k=k), grid=(m,),
-        in_specs=[pl.BlockSpec((m,), lambda t: (0,)), pl.BlockSpec((None, e), lambda t: (t, 0))],
+        in_specs=[pl.BlockSpec((m,), lambda t: (0,)), pl.BlockSpec((s, None, e), lambda t: (0, t, 0))],
         out_specs=[pl.BlockSpec((None, kp), lambda t: (t, 0))] * 2,
-        out_shape=[jax.ShapeDtypeStruct((m, kp), logits.dtype), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct((m, kp), dtype), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="router_top_k",
     )(live, logits)

@@ -80,8 +80,10 @@ def _kernel(x_ref, w_ref, o_ref, *, block_n, block_k, steps):
                    mask=(rows < m)[:, None] & (cols < n)[None, :])
 
 
-def gemv(x, w, out_dtype=None, *, config: GemvConfig | None = None, interpret: bool = False):
-    """gemv_reference's contract for M <= 16 rows as the kernel."""
+def gemv(x, w, out_dtype=None, *, partials: bool = False, config: GemvConfig | None = None,
+         interpret: bool = False):
+    """gemv_reference's contract for M <= 16 rows as the kernel. partials: the fp32 partial sums of the K ranges,
+    [S, M, N], unadded (for a consumer kernel to add, as router_top_k does)."""
     config = DEFAULT if config is None else config
     m, kdim = x.shape
     n = w.shape[1]
@@ -96,7 +98,7 @@ def gemv(x, w, out_dtype=None, *, config: GemvConfig | None = None, interpret: b
     bk = config.block_k
     s = splits(n, kdim, config)
     steps = -(-kdim // (bk * s))                         # K steps per range; the last range may run past K
-    part_dtype = out_dtype if s == 1 else jnp.float32
+    part_dtype = out_dtype if s == 1 and not partials else jnp.float32
     whole = lambda shape: pl.BlockSpec(shape, lambda j, s: (0,) * len(shape))
     out = pl.pallas_call(
         functools.partial(_kernel, block_n=config.block_n, block_k=bk, steps=steps),
@@ -106,4 +108,6 @@ def gemv(x, w, out_dtype=None, *, config: GemvConfig | None = None, interpret: b
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gemv",
     )(x, w)
+    if partials:
+        return out.reshape(s, m, n)
     return out.reshape(s, m, n).sum(0).astype(out_dtype) if s > 1 else out

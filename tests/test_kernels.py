@@ -574,6 +574,9 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         text = lower_for_cuda(lambda x, live: [expert_gemm.router_top_k(x, k, live, num_warps=w) for w in (4, 1)],
                               S((m, e), bf), S((m,), jnp.bool_))
         assert text.count("xla.gpu.triton") == 2
+        text = lower_for_cuda(lambda x, live: expert_gemm.router_top_k(x, k, live, dtype=bf), S((4, m, e), f32),
+                              S((m,), jnp.bool_))                  # gemv's partial sums of the logits
+        assert text.count("xla.gpu.triton") == 1
     for m, i_s in ((1, 512), (16, 512), (4, 128)):         # 35B-A3B's per-copy experts at batch 1, 16; Is / 4
         shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
@@ -667,6 +670,10 @@ def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
     assert list(np.asarray(got_i[0, :2])) == [3, 7]                     # a tie: the lower index first
     assert (np.asarray(got_i[1]) == -1).all() and not np.asarray(got_w[1], np.float32).any()
     assert rel(got_w, want_w) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+    parts = jnp.stack([logits.astype(jnp.float32) - 1.5, jnp.full(logits.shape, 1.5)])    # gemv's partial sums
+    got_w, got_i = expert_gemm.router_top_k(parts, k, live, dtype=dtype, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    assert got_w.dtype == dtype and rel(got_w, want_w) <= (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():

@@ -224,7 +224,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
     if config.expert_gemm is not None:
-        top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
+        top_k = p(expert_gemm.router_top_k, static=("k", "dtype"), num_warps=config.expert_gemm.router_num_warps)
         gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
                                  limit=config.expert_gemm.max_rows)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
@@ -239,9 +239,11 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
                    router_top_k=top_k,
-                   gemv=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",), config=config.gemv),
+                   gemv=None if config.gemv is None else p(gemv.gemv, static=("out_dtype", "partials"),
+                                                           config=config.gemv),
                    gemv_rows=0 if config.gemv is None else config.gemv.max_rows,
-                   gemv_prefill_head=config.gemv is not None and config.gemv.prefill_head)
+                   gemv_prefill_head=config.gemv is not None and config.gemv.prefill_head,
+                   router_partials=config.expert_gemm is not None)
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):

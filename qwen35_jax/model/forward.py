@@ -74,6 +74,7 @@ class Kernels:
     gemv: Callable | None = None
     gemv_rows: int = 0
     gemv_prefill_head: bool = False     # a prefill step's untied lm_head of up to gemv.ROWS rows on kernels.gemv
+    router_partials: bool = False       # the router's logits as gemv's partial sums, added in router_top_k
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -340,8 +341,11 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
     k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
     with jax.named_scope("router"):
-        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
-                                        live=jnp.ones(n * t, bool) if live is None else live)
+        live = jnp.ones(n * t, bool) if live is None else live
+        if kernels.gemv is not None and t == 1 and n <= kernels.gemv_rows and kernels.router_partials:
+            top, idx = kernels.router_top_k(kernels.gemv(xs, w.router, partials=True), k=k, live=live, dtype=x.dtype)
+        else:
+            top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k, live=live)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
         if el < cfg.num_experts:                                           # -1: another rank's
