@@ -65,7 +65,7 @@ class KernelConfig:
     gate_up_rounds_from: int = 64
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
-    decode_min_rows: int = 2
+    decode_min_rows: int = 1
     staged_inputs: bool = False
     xla_options: tuple = ()
 

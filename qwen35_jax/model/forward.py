@@ -91,7 +91,7 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
     GPU compiler rewrites such a vector-matrix product into a multiply and a reduce (DotStrengthReduction), which
     it emitted as the whole fp32 product written out and read back (a 35B-A3B decode step, bench/RESULTS.md)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if x.shape[0] * x.shape[1] == 1 and 1 < w.shape[-1] and w.size + x.size < VECTOR_DOT_LIMIT:
+    if x.shape[0] * x.shape[1] == 1 and 1 < w.shape[-1]:        # exp: every one-row GEMM as two rows
         return project(jnp.concatenate([x, jnp.zeros_like(x)]), w, out_dtype, gemm_rounds)[:1]
     if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
