@@ -24,7 +24,6 @@ def slope_us(make_prog, args: tuple, calls: tuple[int, int], reps: int = 5, per_
     return (meds[1] - meds[0]) / ((calls[1] - calls[0]) * per_count) * 1e6
 
 
-
 def traced_events(run, sync):
     """The device's kernel events while run() runs under JAX's profiler (CUPTI sees torch's kernels too).
     sync(*outputs) waits for the device."""

@@ -428,7 +428,7 @@ def lm_head(cfg: ModelConfig, weights: Weights, x, gemv: Callable | None = None)
     transposed for it)."""
     with jax.named_scope("lm_head"):
         head = weights.lm_head if weights.lm_head is not None else weights.embed.T
-        if gemv is not None and weights.lm_head is not None and x.ndim == 2 and x.shape[0] <= GEMV_ROWS:
+        if gemv is not None and weights.lm_head is not None and x.shape[0] <= GEMV_ROWS:
             logits = gemv(x, head, jnp.float32)
         else:
             logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
