@@ -94,6 +94,9 @@ def dump(out_dir, only=()):
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
              for b in (1, 16)]
+    jobs += [(f"moe_decode_b{b}", functools.partial(ex.moe_decode, k=8), (S((b, 2048), bf), S((b,), jnp.bool_),
+              S((), i32), S((2048, 256), bf), S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
+             for b in (2, 16)]
     jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
     # the decode GEMV at batch 1: the 9B in_proj, the 35B-A3B in_proj, the 9B out_proj (fp32 out, K split)
     jobs += [(f"gemv_{k}x{n}", functools.partial(gv.gemv, out_dtype=out), (S((1, k), bf), S((k, n), bf)))

@@ -44,6 +44,7 @@ class ExpertGemmConfig:
     copy_block_k: int = 256
     copy_num_warps: int = 4
     router_num_warps: int = 1    # router_top_k's warps (its 2k + 2 reductions over E: shuffles at one warp)
+    router_block_e: int = 32     # moe_decode: router logits per program
 
 
 DEFAULT = ExpertGemmConfig()
@@ -343,3 +344,221 @@ def router_top_k(logits, k, live, *, num_warps: int = 4, interpret: bool = False
         name="router_top_k",
     )(live, logits)
     return w[:, :k], i[:, :k]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A small decode batch's whole sparse MLP as one launch: router, top k, experts and their sum.
+
+
+def _wait(sync_ref, i, target, interpret):
+    """Spin until the count sync[i] reaches target (other programs raise it), then acquire: the stores those
+    programs made before raising it are visible to every thread's loads from here on."""
+    poll = lambda _: pltriton.load(sync_ref.at[i], volatile=True)
+    seen = jax.lax.while_loop(lambda v: v < target, poll, poll(None))
+    # adds 0, but depends on the loop, which would otherwise be dropped as having no effect
+    pltriton.atomic_add(sync_ref, jnp.asarray(i, jnp.int32), jnp.minimum(seen - target, 0))
+    if not interpret:
+        pltriton.debug_barrier()
+
+
+def _signal(sync_ref, i, interpret):
+    """Raise the count sync[i] by one once every thread's stores are done (release, and acquire: the program that
+    raises it last reads what the others wrote); the count before. (Interpret mode runs programs one after
+    another, and has no barrier.)"""
+    if not interpret:
+        pltriton.debug_barrier()
+    old = pltriton.atomic_add(sync_ref, jnp.asarray(i, jnp.int32), jnp.int32(1))
+    if not interpret:
+        pltriton.debug_barrier()
+    return old
+
+
+def _top_k(p, k, kp):
+    """(values [kp], indices [kp]) of p's k largest, the lower index first among equals; slots past k zero."""
+    e = p.shape[0]
+    iota = jax.lax.broadcasted_iota(jnp.int32, p.shape, 0)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    vals, ids = jnp.zeros((kp,), p.dtype), jnp.zeros((kp,), jnp.int32)
+    for r in range(k):
+        v = jnp.max(p)
+        j = jnp.min(jnp.where(p == v, iota, e))
+        vals, ids = jnp.where(slot == r, v, vals), jnp.where(slot == r, j, ids)
+        p = jnp.where(iota == j, -1.0, p)
+    return vals, ids
+
+
+def _moe_kernel(live_ref, off_ref, x_ref, wr_ref, wg_ref, wd_ref, sg_ref, sd_ref, sgate_ref, sync_in, sync_ref,
+                logits_ref, ids_ref, wts_ref, gu_ref, y_ref, out_ref, *, k, kp, eb, bn, block_k, block_k_shared,
+                block_k_router, interpret):
+    """One program per ticket (taken from sync[0] in launch order, so a program waits only on programs that are
+    already running): tickets [0, R) the router's column blocks of each token (the last of a token's blocks to
+    finish takes its softmax and top k); then the [gate | up] tiles of each copy (a token's shared-expert copies
+    first: they need no router); then the down tiles (the last of a token's k + 1 copies of a tile sums them).
+    Counts in sync: [1, 1 + M) router blocks done per token, [1 + M, 1 + 2M) its experts chosen, then per copy its
+    gate_up tiles done, then per token and down tile its copies done."""
+    del sync_in
+    f32, dt = jnp.float32, x_ref.dtype
+    m, h = x_ref.shape
+    e = wr_ref.shape[1]
+    el, _, i2 = wg_ref.shape
+    i, i_s = i2 // 2, sd_ref.shape[0]
+    wide = max(i, i_s)
+    routed = m * k
+    c_all = routed + m
+    rb, ng, nd = e // eb, 2 * wide // bn, h // bn
+    s_done, s_ready, s_gu, s_dn = 1, 1 + m, 1 + 2 * m, 1 + 2 * m + c_all
+    g0, d0 = m * rb, m * rb + c_all * ng
+    t = pltriton.atomic_add(sync_ref, jnp.int32(0), jnp.int32(1))
+
+    @pl.when(t < g0)                                                # the router: token tok, experts [b*eb, +eb)
+    def _():
+        tok, b = t // rb, t % rb
+        live = live_ref[tok] != 0
+
+        @pl.when(live)
+        def _():
+            acc = _row_times(lambda rows: x_ref[tok, rows], wr_ref, None, b, eb, h, block_k_router)
+            logits_ref[tok, pl.ds(b * eb, eb)] = acc.astype(dt).astype(f32)
+
+        @pl.when(_signal(sync_ref, s_done + tok, interpret) == rb - 1)        # the token's last block: choose its experts
+        def _():
+            x = logits_ref[tok, :]
+            p = jnp.exp(x - jnp.max(x))
+            vals, ids = _top_k(p / jnp.sum(p), k, kp)
+            loc = ids - off_ref[0]
+            loc = jnp.where(live & (loc >= 0) & (loc < el), loc, -1)
+            slot = jax.lax.broadcasted_iota(jnp.int32, (kp,), 0)
+            pltriton.store(ids_ref.at[pl.ds(tok * k, kp)], loc, mask=slot < k)
+            pltriton.store(wts_ref.at[pl.ds(tok * k, kp)], (vals / jnp.sum(vals)).astype(dt), mask=slot < k)
+            _signal(sync_ref, s_ready + tok, interpret)
+
+    def item(u, n_tiles):
+        """Work item u of a phase with n_tiles tiles per copy -> (copy, tile, token): the shared copies first."""
+        sh = u < m * n_tiles
+        v = jnp.where(sh, u, u - m * n_tiles)
+        c = jnp.where(sh, routed + v // n_tiles, v // n_tiles)
+        return c, v % n_tiles, jnp.where(sh, c - routed, c // k)
+
+    @pl.when((t >= g0) & (t < d0))                                  # gate_up tile j of copy c
+    def _():
+        c, j, tok = item(t - g0, ng)
+        up = (j * bn >= wide).astype(jnp.int32)
+        at = j * bn - up * wide
+        row = lambda rows: x_ref[tok, rows]
+
+        @pl.when(c < routed)
+        def _():
+            _wait(sync_ref, s_ready + tok, 1, interpret)
+            ex = ids_ref[c]
+
+            @pl.when((ex >= 0) & (at < i))
+            def _():
+                gu_ref[c, pl.ds(j * bn, bn)] = _row_times(row, wg_ref, ex, (at + up * i) // bn, bn, h,
+                                                          block_k).astype(dt)
+
+        @pl.when((c >= routed) & (live_ref[tok] != 0) & (at < i_s))
+        def _():
+            gu_ref[c, pl.ds(j * bn, bn)] = _row_times(row, sg_ref, None, (at + up * i_s) // bn, bn, h,
+                                                      block_k_shared).astype(dt)
+
+        _signal(sync_ref, s_gu + c, interpret)
+
+    @pl.when(t >= d0)                                               # down tile j of copy c
+    def _():
+        c, j, tok = item(t - d0, nd)
+        live = live_ref[tok] != 0
+
+        def act(rows):
+            gate = gu_ref[c, rows].astype(f32)
+            up = gu_ref[c, pl.ds(wide + rows.start, rows.size)].astype(f32)
+            return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
+
+        @pl.when(c < routed)
+        def _():
+            _wait(sync_ref, s_ready + tok, 1, interpret)
+            ex = ids_ref[c]
+
+            @pl.when(ex >= 0)
+            def _():
+                _wait(sync_ref, s_gu + c, ng, interpret)
+                acc = _row_times(act, wd_ref, ex, j, bn, i, block_k)
+                y_ref[c, pl.ds(j * bn, bn)] = (acc.astype(dt).astype(f32) * wts_ref[c].astype(f32)).astype(dt)
+
+        @pl.when((c >= routed) & live)
+        def _():
+            _wait(sync_ref, s_gu + c, ng, interpret)
+            acc = _row_times(act, sd_ref, None, j, bn, i_s, block_k_shared)
+            logit = jnp.sum(x_ref[tok, :].astype(f32) * sgate_ref[...].astype(f32)).astype(dt).astype(f32)
+            gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
+            y_ref[c, pl.ds(j * bn, bn)] = (acc.astype(dt).astype(f32) * gate).astype(dt)
+
+        @pl.when(_signal(sync_ref, s_dn + tok * nd + j, interpret) == k)     # the last of the token's k + 1 copies
+        def _():
+            cols = pl.ds(j * bn, bn)
+            acc = jnp.zeros((bn,), f32)
+            for r in range(k):
+                ex = ids_ref[tok * k + r]
+                acc = acc + jnp.where(ex >= 0, y_ref[tok * k + r, cols].astype(f32), 0.0)
+            shared = jnp.where(live, y_ref[routed + tok, cols].astype(f32), 0.0)
+            out_ref[tok, cols] = jnp.where(live, acc + shared, 0.0)
+
+
+def moe_decode(x, live, offset, w_router, w_gate_up, w_down, shared, *, k: int, config: ExpertGemmConfig | None = None,
+               interpret: bool = False):
+    """An MoE layer on this rank for a few tokens (decode) in one kernel: routed_experts_reference's output (fp32
+    [M, H]) for the experts that router_top_k_reference chooses from x @ w_router (rounded to x.dtype), those of
+    this rank being [offset, offset + E_local) of the E. x [M, H]; live [M] bool (False: a padding row, which
+    reads no expert and gets zeros); w_router [H, E]; w_gate_up [E_local, H, 2I]; w_down [E_local, I, H]; shared as
+    routed_experts_reference takes it. The tiles are routed_experts' (copy_block_n, copy_block_k)."""
+    config = DEFAULT if config is None else config
+    m, h = x.shape
+    e = w_router.shape[1]
+    el, _, i2 = w_gate_up.shape
+    s_gate_up, s_down, s_gate = shared
+    i, i_s = i2 // 2, s_down.shape[0]
+    if k > e:
+        raise ValueError(f"top {k} of {e} experts")
+    wide = max(i, i_s)
+    bn = min(config.copy_block_n, i, i_s, h)
+    bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
+    eb = min(config.router_block_e, e)
+    bk_r = min(config.copy_block_k, h)
+    _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s, router_block_e=eb)
+    _check(w_down)
+    if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk_s or h % bk_s or e % eb or h % bk_r:
+        raise ValueError(f"MoE widths H={h}, I={i}, shared Is={i_s}, E={e} must be multiples of the tiles "
+                         f"({bk}, {bn}, router {eb})")
+    kp = 1 << (k - 1).bit_length()
+    c_all = m * k + m
+    ng, nd, rb = 2 * wide // bn, h // bn, e // eb
+    n_sync = 1 + 2 * m + c_all + m * nd
+    f32, dt = jnp.float32, x.dtype
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    out_shapes = [jax.ShapeDtypeStruct((n_sync,), jnp.int32), jax.ShapeDtypeStruct((m, e), f32),
+                  jax.ShapeDtypeStruct((m * k + kp,), jnp.int32), jax.ShapeDtypeStruct((m * k + kp,), dt),
+                  jax.ShapeDtypeStruct((c_all, 2 * wide), dt), jax.ShapeDtypeStruct((c_all, h), dt),
+                  jax.ShapeDtypeStruct((m, h), f32)]
+    ins = (live.astype(jnp.int32), jnp.asarray(offset, jnp.int32).reshape(1), x, w_router, w_gate_up, w_down,
+           s_gate_up, s_down, s_gate.reshape(h), jnp.zeros((n_sync,), jnp.int32))
+    res = pl.pallas_call(
+        functools.partial(_moe_kernel, k=k, kp=kp, eb=eb, bn=bn, block_k=bk, block_k_shared=bk_s,
+                          block_k_router=bk_r, interpret=interpret),
+        grid=(m * rb + c_all * (ng + nd),),
+        in_specs=[whole(a) for a in ins],
+        out_specs=[whole(s) for s in out_shapes],
+        out_shape=out_shapes, input_output_aliases={len(ins) - 1: 0},
+        compiler_params=pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="moe_decode",
+    )(*ins)
+    return res[-1]
+
+
+def moe_decode_reference(x, live, offset, w_router, w_gate_up, w_down, shared, *, k: int):
+    """moe_decode's contract from the references: router_top_k_reference on x @ w_router (rounded to x.dtype),
+    this rank's experts, routed_experts_reference; padding rows zeros."""
+    logits = jnp.dot(x, w_router, preferred_element_type=x.dtype)
+    top, idx = router_top_k_reference(logits, k, live)
+    loc = idx - offset
+    loc = jnp.where((loc >= 0) & (loc < w_gate_up.shape[0]), loc, -1)
+    out = routed_experts_reference(x, loc, top, w_gate_up, w_down, shared)
+    return jnp.where(live[:, None], out, 0.0)

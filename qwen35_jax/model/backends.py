@@ -150,7 +150,8 @@ class KernelConfig:
             copy_tiles = sorted({g.copy_block_n, g.copy_block_k})  # the shared expert rides the per-copy kernels
             for name, d, ts in (("hidden_size", cfg.hidden_size, tiles),
                                 ("moe_intermediate_size", cfg.moe_intermediate_size, tiles),
-                                ("shared_expert_intermediate_size per rank", layout.shared_ffn, copy_tiles)):
+                                ("shared_expert_intermediate_size per rank", layout.shared_ffn, copy_tiles),
+                                ("num_experts", cfg.num_experts, [g.router_block_e])):
                 fit = [min(t, d) for t in ts]               # the kernels' tiles shrink to a narrower width
                 if d < 16 or any(f & (f - 1) or d % f for f in fit):
                     problems.append(f"{name}={d} does not split into the expert kernels' tiles {ts} (a power "
@@ -224,7 +225,10 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
         prologue = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
+    moe, moe_copies = None, 0
     if config.expert_gemm is not None:
+        moe = p(expert_gemm.moe_decode, static=("k",), config=config.expert_gemm)
+        moe_copies = config.expert_gemm.copies_max
         top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
         gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
                                  limit=config.expert_gemm.max_rows)
@@ -239,7 +243,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
-                   router_top_k=top_k,
+                   router_top_k=top_k, moe_decode=moe, moe_decode_copies=moe_copies,
                    prefill_head=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",),
                                                                    config=config.gemv))
 

@@ -69,6 +69,10 @@ class Kernels:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
+    # an MoE layer of up to moe_decode_copies token copies (tokens x k) on this rank in one call, router included;
+    # padding rows give zeros; contract: pallas_kernels.expert_gemm.moe_decode_reference; None: the two above
+    moe_decode: Callable | None = None
+    moe_decode_copies: int = 0
     # a prefill step's lm_head (its rows' last tokens, up to pallas_kernels.gemv.ROWS, an untied head): (x [M, K],
     # w [K, N], out_dtype) -> [M, N]; contract: pallas_kernels.gemv.gemv_reference; None: XLA's dot
     prefill_head: Callable | None = None
@@ -329,6 +333,12 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
     n, t, h = x.shape
     k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
+    if kernels.moe_decode is not None and n * t * k <= kernels.moe_decode_copies:
+        with jax.named_scope("experts"):
+            out = kernels.moe_decode(xs, jnp.ones(n * t, bool) if live is None else live,
+                                     jax.lax.axis_index(TP) * el, w.router, w.gate_up, w.down,
+                                     (w.shared.gate_up, w.shared.down, w.shared_gate), k=k)
+        return jax.lax.psum(out.reshape(n, t, h), TP).astype(x.dtype)
     with jax.named_scope("router"):
         top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
                                         live=jnp.ones(n * t, bool) if live is None else live)
