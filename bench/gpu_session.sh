@@ -7,7 +7,7 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab abtrees profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile prefillprofile lmhead
+#   moedecode multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile prefillprofile lmhead
 #   ttftab gemv.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
@@ -109,6 +109,9 @@ for s in $sections; do
          IFS=';' read -ra abv <<< "${AB_VARIANTS:?ab needs AB_VARIANTS}"
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --config bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --variants "" "${abv[@]}" ;;
+    moedecode)  # issue 40: the fused MoE decode kernel against the two-kernel path, one 35B-A3B layer, checked
+                # against its reference over many calls
+         CUDA_VISIBLE_DEVICES=0 run moedecode ${MD_SHARE:-150} python3 bench/moe_decode.py --record ;;
     abtrees)  # ab_commit.py of each untracked tree in AB_TREES (bench/ab_tree.sh made them) against this one, at
               # AB_CONFIG shapes and AB_BATCHES, AB_ROUNDS rounds each
          for t in ${AB_TREES:?abtrees needs AB_TREES}; do

@@ -79,7 +79,8 @@ def main():
             raise SystemExit(f"moe_decode is wrong at {m} tokens: {row}")
     if args.record:
         from bench.results import record
-        lines = ["| tokens | live | fused us | two-kernel us | max rel err | calls differing |", "|---|---|---|---|---|---|"]
+        lines = ["| tokens | live | fused us | two-kernel us | max rel err | calls differing |",
+                 "|---|---|---|---|---|---|"]
         lines += [f"| {w['tokens']} | {w['live']} | {w['fused_us']:.1f} | {w['two_kernel_us']:.1f} | "
                   f"{w['max_rel_err']:.2e} | {w['calls_differing']} |" for w in rows]
         record("Fused MoE decode kernel against the two-kernel path (bench/moe_decode.py)",

@@ -420,7 +420,7 @@ def _moe_kernel(live_ref, off_ref, x_ref, wr_ref, wg_ref, wd_ref, sg_ref, sd_ref
             acc = _row_times(lambda rows: x_ref[tok, rows], wr_ref, None, b, eb, h, block_k_router)
             logits_ref[tok, pl.ds(b * eb, eb)] = acc.astype(dt).astype(f32)
 
-        @pl.when(_signal(sync_ref, s_done + tok, interpret) == rb - 1)        # the token's last block: choose its experts
+        @pl.when(_signal(sync_ref, s_done + tok, interpret) == rb - 1)       # its last block: choose the experts
         def _():
             x = logits_ref[tok, :]
             p = jnp.exp(x - jnp.max(x))
