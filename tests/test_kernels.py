@@ -656,6 +656,34 @@ def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, i_s, d
     assert rel(got[0], alone[0]) > 0.01
 
 
+@pytest.mark.parametrize("m,k,e,el,offset,h,i,i_s,dtype", [(3, 4, 16, 16, 0, 64, 32, 32, jnp.float32),
+                                                             (2, 8, 32, 16, 16, 128, 64, 16, jnp.bfloat16),
+                                                             (4, 2, 16, 8, 0, 64, 16, 48, jnp.float32)])
+def test_moe_decode_kernel_matches_its_reference(m, k, e, el, offset, h, i, i_s, dtype):
+    """The fused MoE decode kernel (interpret mode) against moe_decode_reference (XLA's router GEMM, softmax and
+    top k, the sorted reference experts): this rank holding all experts or half of them (offset: the copies routed
+    elsewhere add nothing), a shared expert as wide, narrower and wider than the routed, a padding row (zeros) and
+    two tokens routed alike; a call repeated gives the same bits."""
+    ks = jax.random.split(jax.random.key(m * k), 8)
+    r = lambda key, *shape, s=0.2: (s * jax.random.normal(key, shape)).astype(dtype)
+    x, router = r(ks[0], m, h, s=1.0), r(ks[1], h, e, s=0.5)
+    x = x.at[-1].set(x[0])                                     # two tokens with the same experts
+    wg, wd = r(ks[2], el, h, 2 * i), r(ks[3], el, i, h)
+    shared = (r(ks[4], h, 2 * i_s), r(ks[5], i_s, h), r(ks[6], h, 1))
+    live = jnp.arange(m) != 1                                  # row 1: padding
+    tiles = expert_gemm.ExpertGemmConfig(copy_block_n=16, copy_block_k=16, router_block_e=16)
+    args = (x, live, offset, router, wg, wd, shared)
+    got = expert_gemm.moe_decode(*args, k=k, config=tiles, interpret=True)
+    want = expert_gemm.moe_decode_reference(*args, k=k)
+    assert got.dtype == jnp.float32 and got.shape == (m, h)
+    assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
+    assert not np.asarray(got[1]).any()
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expert_gemm.moe_decode(*args, k=k, config=tiles,
+                                                                                      interpret=True)))
+    alone = expert_gemm.shared_expert_reference(x, *shared).astype(jnp.float32)
+    assert rel(got[0], alone[0]) > 0.01                        # routed experts of this rank add to the shared one
+
+
 @pytest.mark.parametrize("m,e,k,dtype", [(5, 16, 4, jnp.float32), (3, 32, 10, jnp.float32), (4, 256, 8, jnp.bfloat16)])
 def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
     """The router kernel (interpret mode) against softmax + jax.lax.top_k + renormalisation: the same experts in the
@@ -709,8 +737,9 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
-    same output with the kernels (interpret mode: the grouped GEMM on sorted copies, the per-copy kernels) as with
-    ragged_dot; a padding row (live False) gets the shared expert alone and changes no other row."""
+    same output with the kernels (interpret mode: the grouped GEMM on sorted copies, the per-copy kernels, the fused
+    layer) as with ragged_dot; a padding row (live False) gets the shared expert alone (the fused layer: zeros) and
+    changes no other row."""
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.forward import moe_block
     from qwen35_jax.model.sharding import TP
@@ -740,6 +769,10 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     top_k = functools.partial(expert_gemm.router_top_k, interpret=True)
     for experts in (grouped, per_copy):
         assert rel(run(dataclasses.replace(base, routed_experts=experts, router_top_k=top_k)), run(base)) <= 1e-6
+    fused = functools.partial(expert_gemm.moe_decode, interpret=True,
+                              config=dataclasses.replace(tiles, router_block_e=16))
+    got = run(dataclasses.replace(base, moe_decode=fused, moe_decode_copies=6 * cfg.num_experts_per_tok))
+    assert rel(got[live], padded[live]) <= 1e-6 and not np.asarray(got[2]).any()        # the padding row: zeros
 
 
 def test_model_projections_round_once():
@@ -819,17 +852,17 @@ def test_decode_step_has_no_host_synchronisation():
 
 
 def test_moe_decode_step_has_no_host_synchronisation():
-    """The same for a MoE model: its decode step, lowered for CUDA with the per-copy expert kernels and with the
-    grouped one, has no while / case / if (the grouped kernel's block table is built by comparisons:
-    jnp.searchsorted's default scan is a while loop)."""
+    """The same for a MoE model: its decode step, lowered for CUDA with the fused MoE kernel (its programs' waits
+    are loops inside the kernel) and with the grouped expert kernel, has no while / case / if (the grouped kernel's
+    block table is built by comparisons: jnp.searchsorted's default scan is a while loop)."""
     from bench.compile_time import lower_decode_for_cuda
     from qwen35_jax.model.config import load_config
     cfg = dataclasses.replace(load_config(fixture_dir("moe_text_untied_e16_k4")), moe_intermediate_size=32)
-    for copies_max, call in ((16, "call @routed_experts("), (8, "call @expert_gemm(")):   # batch 4 of k 4: 16 copies
+    for copies_max, call in ((16, "call @moe_decode("), (8, "call @expert_gemm(")):   # batch 4 of k 4: 16 copies
         config = KernelConfig(backend="pallas", decode_split_k=4,
                               expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=copies_max))
         text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
-        assert call in text and "call @router_top_k(" in text
+        assert call in text and ("call @router_top_k(" in text) == (copies_max == 8)
         for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
             assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
 
