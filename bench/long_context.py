@@ -49,7 +49,6 @@ from bench.common import add_kernel_args, config_dir, kernel_config, random_engi
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
-from bench.timing import traced_events  # noqa: E402
 from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
 from qwen35_jax.model.forward import Batch  # noqa: E402
@@ -92,14 +91,37 @@ def ttft(args, cfg, kc, lens, weights=None, trace_lens=()):
         print(f"ttft {kc.changes() or 'default'} {n}: {[round(t, 3) for t in times]} s", flush=True)
     device = {}
     for n in trace_lens:
-        events = traced_events(lambda n=n: run(n), lambda *_: None)      # generate returns once the token is home
-        device[n] = ((max(e.end_ns for e in events) - min(e.start_ns for e in events)) / 1e9,
-                     sum(e.self_ns for e in events) / 1e9)
-        print(f"ttft traced {n}: device span {device[n][0] * 1e3:.1f} ms, kernels {device[n][1] * 1e3:.1f} ms",
-              flush=True)
+        device[n] = traced_request(lambda n=n: run(n))
+        print(f"ttft traced {n}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in device[n].items()), flush=True)
     w = engine.weights
     free(engine)
     return out, w, device
+
+
+def traced_request(run) -> dict:
+    """One request under the profiler, its time laid out (seconds): `request` the host's call, `span` its first
+    kernel's start to its last kernel's end and `kernels` their sum, `lead` the call's start to the first kernel,
+    `tail` the end of the first executable's kernels (the prefill's) to the call's return; and per executable (its
+    kernels share hlo_module and program_id) its kernels' span as `exec<i>`, in start order. The
+    profiler runs XLA's command buffers kernel by kernel, so the spans may exceed an untraced run's."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        with jax.profiler.TraceAnnotation("ttft_request"):
+            run()
+        jax.profiler.stop_trace()
+        trace = pt.load_trace(d, annotation_names=("ttft_request",))
+    (req,) = trace.annotations
+    events = [e for e in trace.events if req.start_ns <= e.start_ns <= req.end_ns]
+    runs: dict = {}
+    for e in events:
+        runs.setdefault((e.module, e.program_id), []).append(e)
+    spans = sorted((min(e.start_ns for e in es), max(e.end_ns for e in es)) for es in runs.values())
+    out = {"request": (req.end_ns - req.start_ns) / 1e9, "span": (spans[-1][1] - spans[0][0]) / 1e9,
+           "kernels": sum(e.self_ns for e in events) / 1e9, "lead": (spans[0][0] - req.start_ns) / 1e9,
+           "tail": (req.end_ns - spans[0][1]) / 1e9}
+    out.update({f"exec{i}": (b - a) / 1e9 for i, (a, b) in enumerate(spans)})
+    return out
 
 
 def rate(fn, flops: float, calls: int = 10) -> float:
@@ -432,8 +454,10 @@ def main():
                  "hf_fla_ms": hf_times.get(n, nan) * 1e3, "floor_ms": floor[n] * 1e3,
                  "floor_over_kernel": floor[n] / kernel[n], "sustained_floor_ms": held[n] * 1e3,
                  "sustained_floor_over_kernel": held[n] / kernel[n], "hf_over_kernel": hf_times.get(n, nan) / kernel[n],
-                 "device_span_ms": device.get(n, (nan, nan))[0] * 1e3,
-                 "device_kernels_ms": device.get(n, (nan, nan))[1] * 1e3}
+                 "device_span_ms": device.get(n, {}).get("span", nan) * 1e3,
+                 "device_kernels_ms": device.get(n, {}).get("kernels", nan) * 1e3,
+                 "traced_lead_ms": device.get(n, {}).get("lead", nan) * 1e3,
+                 "traced_tail_ms": device.get(n, {}).get("tail", nan) * 1e3}
                 for n in lens]
         tables.append(f"Time to first token (one prompt, chunks of {args.chunk}; floor: GEMMs at "
                       f"{gemm_rate / 1e12:.3g} TFLOP/s measured over 10 GEMMs (sustained floor: "
