@@ -147,7 +147,7 @@ def shared_expert_reference(x, w_gate_up, w_down, w_gate):
     return (dot(act, w_down).astype(f32) * g.astype(f32)).astype(dt)
 
 
-def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=expert_gemm_reference):
+def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, live=None, gemm=expert_gemm_reference):
     """The contract of an MoE layer's experts on one rank: x [M, H] tokens; experts [M, k] their experts as indices
     into this rank's weights (-1: another rank's); weights [M, k] their router weights (x.dtype); w_gate_up
     [E, H, 2I] ([gate | up]), w_down [E, I, H]; shared: the shared expert's (w_gate_up, w_down, w_gate) as
@@ -155,7 +155,8 @@ def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gem
     weight * down(silu(gate) * up), each GEMM accumulated in fp32 and rounded to x.dtype, as is the SiLU product and
     its product with the weight; plus the shared expert's output. Computed on the copies sorted by expert with
     grouped GEMMs (`gemm`: expert_gemm_reference, or expert_gemm): no group is padded, and copies of other ranks'
-    experts sit past the groups, where the GEMMs give zeros."""
+    experts sit past the groups, where the GEMMs give zeros. live [M] bool: False for padding tokens (experts all
+    -1), whose rows are zeros (None: every token live)."""
     m, k = experts.shape
     e, f32 = w_gate_up.shape[0], jnp.float32
     group = jnp.where(experts >= 0, experts, e).reshape(-1)
@@ -166,7 +167,8 @@ def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gem
     act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
     out = gemm(act, w_down, sizes)
     routed = jnp.zeros((m, x.shape[1]), f32).at[tok].add((out * weights.reshape(-1)[order][:, None]).astype(f32))
-    return routed + shared_expert_reference(x, *shared).astype(f32)
+    out = routed + shared_expert_reference(x, *shared).astype(f32)
+    return out if live is None else jnp.where(live[:, None], out, 0.0)
 
 
 def _row_dot(row, w):
@@ -188,11 +190,11 @@ def _row_times(row, w_ref, e, j, bn, width, block_k):
     return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((16, bn), jnp.float32)).sum(0)
 
 
-def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
+def _gate_up_kernel(ids_ref, live_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
     """Program (c, j): column tile j of copy c's [gate | up] (each half W = max(I, Is) wide), rounded: copy
-    c < routed is token c // k times its expert's columns, copy routed + t token t times the shared expert's. Tiles
-    past a copy's own width write zeros. Refs: ids [C'] (C' = routed), x [M, H], w [E, H, 2I], s [H, 2Is] (whole),
-    o [BN]."""
+    c < routed is token c // k times its expert's columns, copy routed + t token t times the shared expert's (a
+    padding token's: zeros). Tiles past a copy's own width write zeros. Refs: ids [C'] (C' = routed), live [M],
+    x [M, H], w [E, H, 2I], s [H, 2Is] (whole), o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
     bn, dt, h = o_ref.shape[0], o_ref.dtype, x_ref.shape[1]
     half, half_s = w_ref.shape[2] // 2, s_ref.shape[1] // 2
@@ -210,20 +212,24 @@ def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, 
     def _():
         tile(w_ref, e, half, c // k, block_k)
 
-    @pl.when((c >= routed) & (at < half_s))
+    live = live_ref[jnp.clip(c - routed, 0, x_ref.shape[0] - 1)] != 0
+
+    @pl.when((c >= routed) & live & (at < half_s))
     def _():
         tile(s_ref, None, half_s, c - routed, block_k_shared)
 
-    @pl.when(((c < routed) & ((e < 0) | (at >= half))) | ((c >= routed) & (at >= half_s)))
+    @pl.when(((c < routed) & ((e < 0) | (at >= half))) | ((c >= routed) & (~live | (at >= half_s))))
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k, block_k_shared):
+def _down_kernel(ids_ref, wt_ref, live_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k,
+                 block_k_shared):
     """Program (c, j): copy c's silu(gate) * up (from its rounded GEMM results, rounded as HF) times its expert's
-    down columns of tile j (copy routed + t: the shared expert's), summed in fp32 and rounded, times the copy's weight
-    (the router's; the shared expert's sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C']
-    (C' = routed), gate_up [C, 2W], w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
+    down columns of tile j (copy routed + t: the shared expert's; a padding token's: zeros), summed in fp32 and
+    rounded, times the copy's weight (the router's; the shared expert's sigmoid(x_t @ w_gate), rounded as HF),
+    rounded. Refs: ids [C'], weights [C'] (C' = routed), live [M], gate_up [C, 2W], w [E, I, H], x [M, H], shared
+    down [Is, H], shared gate [H] (whole), o [BN]."""
     c, j = pl.program_id(0), pl.program_id(1)
     bn, dt, f32 = o_ref.shape[0], o_ref.dtype, jnp.float32
     i, i_s, wide = w_ref.shape[1], sd_ref.shape[0], a_ref.shape[1] // 2
@@ -240,20 +246,22 @@ def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *,
         acc = _row_times(act, w_ref, e, j, bn, i, block_k)
         o_ref[...] = (acc.astype(dt).astype(f32) * wt_ref[r].astype(f32)).astype(dt)
 
-    @pl.when(c >= routed)
+    live = live_ref[jnp.clip(c - routed, 0, x_ref.shape[0] - 1)] != 0
+
+    @pl.when((c >= routed) & live)
     def _():
         acc = _row_times(act, sd_ref, None, j, bn, i_s, block_k_shared)
         logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
         gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
         o_ref[...] = (acc.astype(dt).astype(f32) * gate).astype(dt)
 
-    @pl.when((c < routed) & (e < 0))
+    @pl.when(((c < routed) & (e < 0)) | ((c >= routed) & ~live))
     def _():
         o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
-                   interpret: bool = False):
+def routed_experts(x, experts, weights, w_gate_up, w_down, shared, live=None, *,
+                   config: ExpertGemmConfig | None = None, interpret: bool = False):
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
     weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
     copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
@@ -272,24 +280,26 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk_s or h % bk_s:
         raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn})")
     ids = experts.reshape(routed).astype(jnp.int32)
+    live = jnp.ones((m,), jnp.int32) if live is None else live.astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
     grid = lambda n: (routed + m, n // bn)
     gate_up = pl.pallas_call(
         functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(2 * wide),
-        in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
+        in_specs=[whole(ids), whole(live), whole(x), whole(w_gate_up), whole(s_gate_up)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
         out_shape=jax.ShapeDtypeStruct((routed + m, 2 * wide), x.dtype), compiler_params=params,
         interpret=interpret, name="expert_gate_up",
-    )(ids, x, w_gate_up, s_gate_up)
+    )(ids, live, x, w_gate_up, s_gate_up)
     wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
     y = pl.pallas_call(
         functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
-        in_specs=[whole(ids), whole(wts), whole(gate_up), whole(w_down), whole(x), whole(s_down), whole(gate)],
+        in_specs=[whole(ids), whole(wts), whole(live), whole(gate_up), whole(w_down), whole(x), whole(s_down),
+                  whole(gate)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
         out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
         name="expert_down",
-    )(ids, wts, gate_up, w_down, x, s_down, gate)
+    )(ids, wts, live, gate_up, w_down, x, s_down, gate)
     f32 = jnp.float32
     return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 

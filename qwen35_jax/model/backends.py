@@ -244,13 +244,13 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                                                    config=config.gemv))
 
 
-def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):
+def _routed(x, experts, weights, w_gate_up, w_down, shared, live=None, *, per_copy, copies_max, gemm):
     """An MoE layer's experts by their static count of token copies: the per-copy kernels up to copies_max (small
     decode batches; the shared expert one more copy per token), else grouped GEMMs over the copies sorted by expert
     and the shared expert as XLA's GEMMs."""
     if experts.size <= copies_max:
-        return per_copy(x, experts, weights, w_gate_up, w_down, shared)
-    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=gemm)
+        return per_copy(x, experts, weights, w_gate_up, w_down, shared, live)
+    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, live, gemm=gemm)
 
 
 def _grouped(x, w, sizes, out_dtype=None, *, kernel, limit):

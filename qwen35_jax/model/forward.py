@@ -325,7 +325,7 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
     renormalised and rounded to the model dtype (as HF), this rank's E / tp experts over the tokens routed to them
     and the shared expert's partial sums times its sigmoid gate (kernels.routed_experts), and one all-reduce of both
     over tp, in the place of the dense MLP's. live [N*T] bool: tokens that route at all (None: every one); the
-    others read no expert and get the shared expert's output alone."""
+    others (padding) read no expert, not even the shared one, and give zeros."""
     n, t, h = x.shape
     k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
@@ -337,7 +337,7 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
         if el < cfg.num_experts:                                           # -1: another rank's
             local = jnp.where((local >= 0) & (local < el), local, -1)
         out = kernels.routed_experts(xs, local, top, w.gate_up, w.down, (w.shared.gate_up, w.shared.down,
-                                                                           w.shared_gate))
+                                                                           w.shared_gate), live)
     return jax.lax.psum(out.reshape(n, t, h), TP).astype(x.dtype)
 
 
