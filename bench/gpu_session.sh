@@ -155,7 +155,7 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run specmodel ${SM_SHARE:-240} python3 bench/speculative.py --record \
                --docs ${SM_DOCS:-16} --k ${SM_K:-1 2 3 4} --temperatures 0 1 ;;
     longttft)    # issue 39: TTFT 8k..262k, prefill kernel vs jnp attention vs HF + fla, against the compute floor
-                 # (LT_ARGS: more long_context.py arguments, e.g. --hf-lens '' --jnp-max 0)
+                 # (LT_ARGS: more long_context.py arguments, split on spaces, e.g. --hf-lens= --jnp-max 0)
              CUDA_VISIBLE_DEVICES=0 run longttft ${LT_SHARE:-540} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts ${LT_PARTS:-tiles,ttft} ${LT_LENS:+--lens $LT_LENS} ${LT_ARGS:-} ;;
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget

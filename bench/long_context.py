@@ -9,8 +9,9 @@ Parts (--parts), each recorded in one table:
   to --jnp-max tokens); HF transformers + fla in the same run (bench/hf_baseline.py's child, --hf-lens) where it
   fits; and the prefill's compute floor: the decoder's GEMM FLOPs at this machine's measured bf16 GEMM rate plus
   the causal attention FLOPs at the prefill kernel's own rate (measured on one 8k chunk). For --trace-lens, one
-  more request under the profiler gives the device's span (first kernel start to last kernel end) and its
-  kernels' time, beside the TTFT: what the engine adds around the executables, measured in the same process.
+  more request under the profiler gives the device's span (first kernel start to last kernel end), its kernels'
+  time, and the host's lead before the first kernel and tail after the last, beside the TTFT: what the engine adds
+  around the executables, measured in the same process.
 - decode: the decode step at --decode-batches rows with --decode-context tokens of context each (positions set
   directly, no prefill), against its floor (weights + GDN state + K/V read, over the measured copy bandwidth).
 - tpot: --tpot-rows requests decoding, then a --tpot-prompt-token prompt arrives; the time per output token of
@@ -101,9 +102,8 @@ def ttft(args, cfg, kc, lens, weights=None, trace_lens=()):
 def traced_request(run) -> dict:
     """One request under the profiler, its time laid out (seconds): `request` the host's call, `span` its first
     kernel's start to its last kernel's end and `kernels` their sum, `lead` the call's start to the first kernel,
-    `tail` the end of the first executable's kernels (the prefill's) to the call's return; and per executable (its
-    kernels share hlo_module and program_id) its kernels' span as `exec<i>`, in start order. The
-    profiler runs XLA's command buffers kernel by kernel, so the spans may exceed an untraced run's."""
+    `tail` the last kernel's end to the call's return. The profiler runs XLA's command buffers kernel by kernel and
+    adds its own host work, so all of these may exceed an untraced request's."""
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
@@ -113,15 +113,10 @@ def traced_request(run) -> dict:
         trace = pt.load_trace(d, annotation_names=("ttft_request",))
     (req,) = trace.annotations
     events = [e for e in trace.events if req.start_ns <= e.start_ns <= req.end_ns]
-    runs: dict = {}
-    for e in events:
-        runs.setdefault((e.module, e.program_id), []).append(e)
-    spans = sorted((min(e.start_ns for e in es), max(e.end_ns for e in es)) for es in runs.values())
-    out = {"request": (req.end_ns - req.start_ns) / 1e9, "span": (spans[-1][1] - spans[0][0]) / 1e9,
-           "kernels": sum(e.self_ns for e in events) / 1e9, "lead": (spans[0][0] - req.start_ns) / 1e9,
-           "tail": (req.end_ns - spans[0][1]) / 1e9}
-    out.update({f"exec{i}": (b - a) / 1e9 for i, (a, b) in enumerate(spans)})
-    return out
+    first, last = min(e.start_ns for e in events), max(e.end_ns for e in events)
+    return {"request": (req.end_ns - req.start_ns) / 1e9, "span": (last - first) / 1e9,
+            "kernels": sum(e.self_ns for e in events) / 1e9, "lead": (first - req.start_ns) / 1e9,
+            "tail": (req.end_ns - last) / 1e9}
 
 
 def rate(fn, flops: float, calls: int = 10) -> float:
