@@ -50,6 +50,7 @@ from bench.common import add_kernel_args, config_dir, kernel_config, random_engi
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
+from bench.timing import traced  # noqa: E402
 from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
 from qwen35_jax.model.forward import Batch  # noqa: E402
@@ -104,13 +105,11 @@ def traced_request(run) -> dict:
     kernel's start to its last kernel's end and `kernels` their sum, `lead` the call's start to the first kernel,
     `tail` the last kernel's end to the call's return. The profiler runs XLA's command buffers kernel by kernel and
     adds its own host work, so all of these may exceed an untraced request's."""
-    import tempfile
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
+    def annotated():
         with jax.profiler.TraceAnnotation("ttft_request"):
-            run()
-        jax.profiler.stop_trace()
-        trace = pt.load_trace(d, annotation_names=("ttft_request",))
+            run()             # generate returns once the token is home
+
+    trace = traced(annotated, lambda *_: None, annotations=("ttft_request",))
     (req,) = trace.annotations
     events = [e for e in trace.events if req.start_ns <= e.start_ns <= req.end_ns]
     first, last = min(e.start_ns for e in events), max(e.end_ns for e in events)

@@ -24,9 +24,9 @@ def slope_us(make_prog, args: tuple, calls: tuple[int, int], reps: int = 5, per_
     return (meds[1] - meds[0]) / ((calls[1] - calls[0]) * per_count) * 1e6
 
 
-def traced_events(run, sync):
-    """The device's kernel events while run() runs under JAX's profiler (CUPTI sees torch's kernels too).
-    sync(*outputs) waits for the device."""
+def traced(run, sync, annotations=()):
+    """The profiler's trace (qwen35_jax.tools.profile_trace.Trace) of run(): the device's kernel events (CUPTI sees
+    torch's kernels too) and the host annotations named in `annotations`. sync(*outputs) waits for the device."""
     import tempfile
 
     from qwen35_jax.tools import profile_trace
@@ -35,7 +35,12 @@ def traced_events(run, sync):
         jax.profiler.start_trace(d)
         sync(run())
         jax.profiler.stop_trace()
-        return profile_trace.load_trace(d).events
+        return profile_trace.load_trace(d, annotation_names=annotations)
+
+
+def traced_events(run, sync):
+    """The device's kernel events while run() runs under JAX's profiler."""
+    return traced(run, sync).events
 
 
 def traced_us(fn, args: tuple, calls: int = 16) -> tuple[float, dict[str, float]]:
