@@ -7,7 +7,7 @@ import weakref
 
 import numpy as np
 
-from qwen35_jax.engine.engine import EngineArgs, Observer, build_engine
+from qwen35_jax.engine.engine import EngineArgs, Observer, build_engine, token_ids as engine_token_ids
 from qwen35_jax.engine.outputs import RequestOutput
 from qwen35_jax.engine.sampling_params import SamplingParams
 from qwen35_jax.model.runner import ModelRunner, make_batch
@@ -98,14 +98,11 @@ class LLM:
     # ------------------------------------------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:
         """fp32 logits [len, vocab] at every position of one prompt (a scratch state, not the engine's)."""
-        ids = [int(t) for t in token_ids]
+        ids = engine_token_ids(token_ids, self.cfg.vocab_size)
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
         page_size = self.engine.args.page_size
         pages = -(-self.max_model_len // page_size)
         if self._runner is None:

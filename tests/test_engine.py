@@ -104,7 +104,11 @@ def test_bad_requests_get_clear_errors():
         model.generate([[5, 9999]], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         model.generate([[]], GREEDY)
+    for ids in ([5, 6.5], [[5, 6]], ["5"]):
+        with pytest.raises(ValueError, match="flat sequence of integers"):
+            model.generate([ids], GREEDY)
     assert model.generate([[5, 6]], GREEDY)[0].outputs[0].finish_reason == "length"   # still serving
+    assert model.generate([np.array([5, 6], np.int64)], GREEDY)[0].prompt_token_ids == [5, 6]
 
 
 def test_max_model_len_beyond_the_context_window_is_refused():

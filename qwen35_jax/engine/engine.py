@@ -41,6 +41,18 @@ from qwen35_jax.model.weights import abstract_weights, load_or_restore, random_w
 log = logging.getLogger(__name__)
 
 
+def token_ids(ids, vocab_size: int) -> list[int]:
+    """A prompt's token ids as a list of ints; ValueError unless they are integers in [0, vocab_size). Checked as
+    one array: id by id, a 32k-token prompt took ~3 ms of the request's time to first token."""
+    a = np.asarray(ids)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise ValueError("prompt token ids must be a flat sequence of integers")
+    bad = a[(a < 0) | (a >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab_size})")
+    return a.tolist()
+
+
 @dataclasses.dataclass
 class EngineArgs:
     """Everything that shapes an engine besides the model directory (named as vLLM's where vLLM has the setting)."""
@@ -423,15 +435,17 @@ class Engine:
         return self.error is None and not self._stopped and (self._thread is None or self._thread.is_alive())
 
     def encode_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string (tokenized), token ids, or a {"prompt",
+        "prompt_token_ids"} dict; ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, token_ids(self.tokenizer.encode(prompt), self.cfg.vocab_size)
         if isinstance(prompt, dict):
             if prompt.get("prompt_token_ids") is not None:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), token_ids(prompt["prompt_token_ids"], self.cfg.vocab_size)
             return self.encode_prompt(prompt["prompt"])
-        return None, [int(t) for t in prompt]
+        return None, token_ids(prompt, self.cfg.vocab_size)
 
     def add_request(self, prompt, params: SamplingParams, callback: Callable[[RequestOutput], None],
                     request_id: str | None = None, stream: bool = True, matchers: list | None = None) -> str:
@@ -445,9 +459,6 @@ class Engine:
         text, ids = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                              f"to generate")

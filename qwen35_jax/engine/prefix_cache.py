@@ -135,9 +135,9 @@ class PrefixCache:
             pass
         if len(self.free_pages) < n:
             return None
-        pages = [self.free_pages.pop() for _ in range(n)]
-        for p in pages:
-            self._ref(p)
+        pages = self.free_pages[len(self.free_pages) - n:][::-1]        # as popped one by one
+        del self.free_pages[len(self.free_pages) - n:]
+        self.refs.update(pages)             # free pages: no refs before, none from a snapshot, not reclaimable
         return pages
 
     def share(self, pages: list[int]):
