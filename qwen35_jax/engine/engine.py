@@ -7,6 +7,7 @@ i+1; a request that stops is simply left out of the next dispatch (its one extra
 """
 from __future__ import annotations
 
+import array
 import asyncio
 import atexit
 import dataclasses
@@ -44,9 +45,15 @@ log = logging.getLogger(__name__)
 def token_ids(ids, vocab_size: int) -> list[int]:
     """A prompt's token ids as a list of ints; ValueError unless they are integers in [0, vocab_size). Checked as
     one array: id by id, a 32k-token prompt took ~3 ms of the request's time to first token."""
-    a = np.asarray(ids)
-    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise ValueError("prompt token ids must be a flat sequence of integers")
+    if isinstance(ids, np.ndarray):
+        a = ids
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError("prompt token ids must be a flat sequence of integers")
+    else:
+        try:                      # array.array takes only integers, and copies a list of them in C
+            a = np.frombuffer(array.array("q", ids), np.int64)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"prompt token ids must be a flat sequence of integers ({e})") from None
     bad = a[(a < 0) | (a >= vocab_size)]
     if bad.size:
         raise ValueError(f"token ids {bad[:5].tolist()} are outside the vocabulary [0, {vocab_size})")
