@@ -268,8 +268,8 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
     weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
     copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
-    each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
-    that computes both: a batch-1 step has 8 copies)."""
+    each token's k + 1 rows summed in fp32 (the shared expert's first). gate and up tiles are programs of their own
+    (twice the programs of one that computes both: a batch-1 step has 8 copies)."""
     config = DEFAULT if config is None else config
     m, k = experts.shape
     e, h, i2 = w_gate_up.shape
@@ -302,7 +302,13 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
         name="expert_down",
     )(ids, wts, gate_up, w_down, x, s_down, gate)
     f32 = jnp.float32
-    return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
+    # The k + 1 rows added one by one, not as a reduce: elementwise, XLA fuses the sum into its consumers (the
+    # residual add and the next RMSNorm), where a reduce over k was a kernel of its own (and its rounding another).
+    copies = y[:routed].reshape(m, k, h)
+    out = y[routed:].astype(f32)
+    for r in range(k):
+        out = out + copies[:, r].astype(f32)
+    return out
 
 
 def router_top_k_reference(logits, k, live):
