@@ -90,8 +90,6 @@ def dump(out_dir, only=()):
     jobs += [(f"router_top_k_b{b}_w{w}", functools.partial(lambda x, live, w: ex.router_top_k(x, 8, live, num_warps=w),
                                                           w=w), (S((b, 256), bf), S((b,), jnp.bool_)))
              for b in (1, 64) for w in (1, 4)]
-    jobs += [(f"router_b{b}", lambda x, w, live: ex.router(x, w, 8, live), (S((b, 2048), bf), S((2048, 256), bf),
-                                                                           S((b,), jnp.bool_))) for b in (2, 16)]
     shared = (S((2048, 1024), bf), S((512, 2048), bf), S((2048, 1), bf))
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))

@@ -26,9 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
-ROUTER_ROWS = 16        # `router`'s most tokens: one Triton dot's rows
-
-
 @dataclasses.dataclass(frozen=True)
 class ExpertGemmConfig:
     """Tiles: copies per block (Triton's smallest dot), weight columns per program, K per loop step; Triton's warps
@@ -47,14 +44,6 @@ class ExpertGemmConfig:
     copy_block_k: int = 256
     copy_num_warps: int = 4
     router_num_warps: int = 1    # router_top_k's warps (its 2k + 2 reductions over E: shuffles at one warp)
-    router_rows: int = 16        # `router` (GEMM, softmax and top k as one kernel) up to this many tokens
-    router_block_e: int = 16     # its experts per program
-    router_block_k: int = 256    # its K per step
-
-    def __post_init__(self):
-        if not 0 <= self.router_rows <= ROUTER_ROWS:
-            raise ValueError(f"router_rows must be in [0, {ROUTER_ROWS}] (one Triton dot's rows), got "
-                             f"{self.router_rows}")
 
 
 DEFAULT = ExpertGemmConfig()
@@ -268,8 +257,8 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
     weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
     copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
-    each token's k + 1 rows summed in fp32 (the shared expert's first). gate and up tiles are programs of their own
-    (twice the programs of one that computes both: a batch-1 step has 8 copies)."""
+    each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
+    that computes both: a batch-1 step has 8 copies)."""
     config = DEFAULT if config is None else config
     m, k = experts.shape
     e, h, i2 = w_gate_up.shape
@@ -302,13 +291,7 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
         name="expert_down",
     )(ids, wts, gate_up, w_down, x, s_down, gate)
     f32 = jnp.float32
-    # The k + 1 rows added one by one, not as a reduce: elementwise, XLA fuses the sum into its consumers (the
-    # residual add and the next RMSNorm), where a reduce over k was a kernel of its own (and its rounding another).
-    copies = y[:routed].reshape(m, k, h)
-    out = y[routed:].astype(f32)
-    for r in range(k):
-        out = out + copies[:, r].astype(f32)
-    return out
+    return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 
 
 def router_top_k_reference(logits, k, live):
@@ -360,97 +343,3 @@ def router_top_k(logits, k, live, *, num_warps: int = 4, interpret: bool = False
         name="router_top_k",
     )(live, logits)
     return w[:, :k], i[:, :k]
-
-
-def router_reference(x, w, k, live):
-    """The contract of `router`: x [M, H] @ w [H, E] accumulated in fp32 and rounded to x.dtype (HF's router
-    logits), then router_top_k_reference."""
-    return router_top_k_reference(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), k, live)
-
-
-def _signal(count_ref, interpret):
-    """Raise count[0] by one once every thread's stores are done (release; and acquire: the program that raises it
-    last sees what the others stored); the count before. Interpret mode runs programs one after another."""
-    if not interpret:
-        pltriton.debug_barrier()
-    old = pltriton.atomic_add(count_ref, jnp.asarray(0, jnp.int32), jnp.int32(1))
-    if not interpret:
-        pltriton.debug_barrier()
-    return old
-
-
-def _router_kernel(live_ref, x_ref, w_ref, count_in, count_ref, logits_ref, wt_ref, id_ref, *, k, block_k,
-                   interpret):
-    """Program b: the logits of experts [b EB, (b + 1) EB) for every token (a [16, EB] dot over K; tokens past M
-    and experts past E masked), rounded to x.dtype, into the logits scratch; the last program to finish (an atomic
-    count) takes each token's softmax and top k from there. Refs: live [M], x [M, H], w [H, E] (whole), count [1]
-    (zeros in), logits [16, EB * programs] fp32, weights [M, k], experts [M, k]."""
-    del count_in
-    f32, dt, rows = jnp.float32, x_ref.dtype, ROUTER_ROWS
-    b, nb = pl.program_id(0), pl.num_programs(0)
-    m, h = x_ref.shape
-    e = w_ref.shape[1]
-    eb = logits_ref.shape[1] // nb
-    iota = lambda shape, axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    experts = b * eb + iota((block_k, eb), 1)
-
-    def body(s, acc):
-        cols = pl.ds(s * block_k, block_k)
-        xs = pltriton.load(x_ref.at[pl.ds(0, rows), cols], mask=iota((rows, block_k), 0) < m, other=0)
-        ws = pltriton.load(w_ref.at[cols, pl.ds(b * eb, eb)], mask=experts < e, other=0)
-        return acc + pltriton.dot(xs, ws)
-
-    acc = jax.lax.fori_loop(0, h // block_k, body, jnp.zeros((rows, eb), f32))
-    logits_ref[:, pl.ds(b * eb, eb)] = acc.astype(dt).astype(f32)
-
-    @pl.when(_signal(count_ref, interpret) == nb - 1)
-    def _():
-        kp = 1 << (k - 1).bit_length()
-        x = pltriton.load(logits_ref, volatile=True)            # the other programs' stores, not L1's copy
-        expert = iota(x.shape, 1)
-        x = jnp.where(expert < e, x, -jnp.inf)
-        p = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
-        p = p / jnp.sum(p, axis=1, keepdims=True)
-        slot = iota((rows, kp), 1)
-        vals, ids = jnp.zeros((rows, kp), f32), jnp.zeros((rows, kp), jnp.int32)
-        for r in range(k):
-            v = jnp.max(p, axis=1, keepdims=True)
-            j = jnp.min(jnp.where(p == v, expert, e), axis=1, keepdims=True)
-            vals, ids = jnp.where(slot == r, v, vals), jnp.where(slot == r, j, ids)
-            p = jnp.where(expert == j, -1.0, p)
-        live = pltriton.load(live_ref.at[pl.ds(0, rows)], mask=iota((rows,), 0) < m, other=0)[:, None] != 0
-        keep = (iota((rows, kp), 0) < m) & (slot < k)
-        out = (pl.ds(0, rows), pl.ds(0, kp))
-        pltriton.store(wt_ref.at[out], jnp.where(live, vals / jnp.sum(vals, axis=1, keepdims=True), 0).astype(dt),
-                       mask=keep)
-        pltriton.store(id_ref.at[out], jnp.where(live, ids, -1), mask=keep)
-
-
-def router(x, w, k, live, *, config: ExpertGemmConfig | None = None, interpret: bool = False):
-    """router_reference's contract for up to ROUTER_ROWS tokens (decode) in one launch, in the place of XLA's
-    GEMM and router_top_k: E / router_block_e programs each read their experts' columns of w once for all the
-    tokens, and the last of them to finish chooses every token's experts."""
-    config = DEFAULT if config is None else config
-    m, h = x.shape
-    e = w.shape[1]
-    eb, bk = config.router_block_e, min(config.router_block_k, h)
-    _check(w, router_block_e=eb, router_block_k=bk)
-    if m > ROUTER_ROWS:
-        raise ValueError(f"router: {m} tokens, at most {ROUTER_ROWS}")
-    if k > e:
-        raise ValueError(f"top {k} of {e} experts")
-    if h % bk:
-        raise ValueError(f"router weights [{h}, {e}]: H must be a multiple of router_block_k ({bk})")
-    nb = -(-e // eb)
-    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-    ins = (live.astype(jnp.int32), x, w, jnp.zeros((1,), jnp.int32))
-    outs = [jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((ROUTER_ROWS, nb * eb), jnp.float32),
-            jax.ShapeDtypeStruct((m, k), x.dtype), jax.ShapeDtypeStruct((m, k), jnp.int32)]
-    *_, wt, ids = pl.pallas_call(
-        functools.partial(_router_kernel, k=k, block_k=bk, interpret=interpret), grid=(nb,),
-        in_specs=[whole(a.shape) for a in ins], out_specs=[whole(o.shape) for o in outs], out_shape=outs,
-        input_output_aliases={3: 0},
-        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret, name="router",
-    )(*ins)
-    return wt, ids

@@ -578,10 +578,6 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         text = lower_for_cuda(lambda x, live: [expert_gemm.router_top_k(x, k, live, num_warps=w) for w in (4, 1)],
                               S((m, e), bf), S((m,), jnp.bool_))
         assert text.count("xla.gpu.triton") == 2
-    for m, h, e, k in ((2, 2048, 256, 8), (16, 4096, 512, 10)):    # the fused router, 35B-A3B's and 397B's
-        text = lower_for_cuda(lambda x, w, live: expert_gemm.router(x, w, k, live), S((m, h), bf), S((h, e), bf),
-                              S((m,), jnp.bool_))
-        assert text.count("xla.gpu.triton") == 1
     for m, i_s in ((1, 512), (16, 512), (4, 128)):         # 35B-A3B's per-copy experts at batch 1, 16; Is / 4
         shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
         text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
@@ -677,29 +673,6 @@ def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
     assert rel(got_w, want_w) <= (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("m,e,h,k,dtype", [(2, 256, 512, 8, jnp.bfloat16), (5, 64, 256, 10, jnp.float32),
-                                             (16, 32, 128, 4, jnp.bfloat16), (3, 8, 64, 2, jnp.float32),
-                                             (4, 40, 64, 4, jnp.bfloat16)])
-def test_router_kernel_matches_its_reference(m, e, h, k, dtype):
-    """The fused router (interpret mode: its GEMM, then the last program's softmax and top k) against
-    router_reference: the same experts in the same order and the same weights, from integer-valued inputs whose
-    logits are exact in fp32 (so both round them alike); a padding row routes nowhere; E not a multiple of the
-    programs' 16 experts (8, 40) masked; k = 10; more than 16 tokens refused."""
-    ks = jax.random.split(jax.random.key(m), 2)
-    x = jax.random.randint(ks[0], (m, h), -2, 3).astype(dtype)
-    w = (jax.random.randint(ks[1], (h, e), -2, 3) / 64).astype(dtype)
-    live = jnp.arange(m) != 1                                            # row 1: padding
-    config = expert_gemm.ExpertGemmConfig(router_block_k=64)
-    want_w, want_i = expert_gemm.router_reference(x, w, k, live)
-    got_w, got_i = expert_gemm.router(x, w, k, live, config=config, interpret=True)
-    assert got_w.dtype == dtype and got_i.shape == got_w.shape == (m, k)
-    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
-    np.testing.assert_array_equal(np.asarray(got_w, np.float32), np.asarray(want_w, np.float32))
-    assert (np.asarray(got_i[1]) == -1).all() and (np.asarray(got_i[0]) >= 0).all()
-    with pytest.raises(ValueError, match="at most 16"):
-        expert_gemm.router(jnp.zeros((17, h), dtype), w, k, jnp.ones(17, bool), config=config, interpret=True)
-
-
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
     """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies, the grouped GEMM
     kernel on sorted copies below max_rows and ragged_dot from there; expert_gemm=None and the reference backend
@@ -765,11 +738,8 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
                                 gemm=functools.partial(expert_gemm.expert_gemm, interpret=True, config=tiles))
     per_copy = functools.partial(expert_gemm.routed_experts, interpret=True, config=tiles)
     top_k = functools.partial(expert_gemm.router_top_k, interpret=True)
-    router = functools.partial(expert_gemm.router, interpret=True)
     for experts in (grouped, per_copy):
         assert rel(run(dataclasses.replace(base, routed_experts=experts, router_top_k=top_k)), run(base)) <= 1e-6
-    fused = dataclasses.replace(base, routed_experts=per_copy, router=router, router_rows=16)
-    assert rel(run(fused), run(base)) <= 1e-6
 
 
 def test_model_projections_round_once():
@@ -859,7 +829,7 @@ def test_moe_decode_step_has_no_host_synchronisation():
         config = KernelConfig(backend="pallas", decode_split_k=4,
                               expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=copies_max))
         text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)
-        assert call in text and "call @router(" in text and "router_top_k" not in text    # 4 rows: the fused one
+        assert call in text and "call @router_top_k(" in text
         for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
             assert op not in text, f"{op} in the MoE decode step: a host round trip per step on GPU"
 

@@ -36,8 +36,8 @@ class KernelConfig:
     (a data-dependent loop: a host round trip per key block on the GPU).
     expert_gemm: an MoE layer's routed experts: up to copies_max token copies (small decode batches) the per-copy
     kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
-    jax.lax.ragged_dot from there; the router's softmax and top k as one kernel, and up to router_rows tokens
-    its GEMM too (one launch per layer). None: XLA's GEMM and top k, ragged_dot always.
+    jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
+    always.
     gemv: a prefill step's untied lm_head (its rows' last tokens) on the GEMV kernel, where XLA ran a cuBLAS gemv
     on an fp32 copy of the head; None: XLA's dot. (Decode steps run XLA's GEMMs: with a padding row beside a lone
     request they measured faster than the GEMV on one row, bench/RESULTS.md.)
@@ -148,7 +148,7 @@ class KernelConfig:
             g = self.expert_gemm
             tiles = sorted({g.block_n, g.block_k, g.copy_block_n, g.copy_block_k})
             copy_tiles = sorted({g.copy_block_n, g.copy_block_k})  # the shared expert rides the per-copy kernels
-            for name, d, ts in (("hidden_size", cfg.hidden_size, sorted({*tiles, g.router_block_k})),
+            for name, d, ts in (("hidden_size", cfg.hidden_size, tiles),
                                 ("moe_intermediate_size", cfg.moe_intermediate_size, tiles),
                                 ("shared_expert_intermediate_size per rank", layout.shared_ffn, copy_tiles)):
                 fit = [min(t, d) for t in ts]               # the kernels' tiles shrink to a narrower width
@@ -224,11 +224,8 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
         prologue = jax.jit(functools.partial(paged_attention.decode_prologue, interpret=interpret),
                            static_argnames=("q_heads", "rotary_dim", "theta", "eps"))
     experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
-    router, router_rows = None, 0
     if config.expert_gemm is not None:
         top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
-        router = p(expert_gemm.router, static=("k",), config=config.expert_gemm)
-        router_rows = config.expert_gemm.router_rows
         gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
                                  limit=config.expert_gemm.max_rows)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
@@ -242,7 +239,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    gate_up_rounds_from=config.gate_up_rounds_from,
                    split_k=config.decode_split_k, split_k_from=config.decode_split_k_from,
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
-                   router_top_k=top_k, router=router, router_rows=router_rows,
+                   router_top_k=top_k,
                    prefill_head=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",),
                                                                    config=config.gemv))
 

@@ -69,10 +69,6 @@ class Kernels:
     # pallas_kernels.expert_gemm.routed_experts_reference and router_top_k_reference
     routed_experts: Callable = routed_experts_reference
     router_top_k: Callable = router_top_k_reference
-    # the router's GEMM and top k in one, for up to router_rows tokens (decode): (x [M, H], w [H, E], k, live) ->
-    # (weights, experts); contract: pallas_kernels.expert_gemm.router_reference; None: project, then router_top_k
-    router: Callable | None = None
-    router_rows: int = 0
     # a prefill step's lm_head (its rows' last tokens, up to pallas_kernels.gemv.ROWS, an untied head): (x [M, K],
     # w [K, N], out_dtype) -> [M, N]; contract: pallas_kernels.gemv.gemv_reference; None: XLA's dot
     prefill_head: Callable | None = None
@@ -333,12 +329,9 @@ def moe_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w, x, live=Non
     n, t, h = x.shape
     k, el = cfg.num_experts_per_tok, layout.experts
     xs = x.reshape(n * t, h)
-    live = jnp.ones(n * t, bool) if live is None else live
     with jax.named_scope("router"):
-        if kernels.router is not None and n * t <= kernels.router_rows:
-            top, idx = kernels.router(xs, w.router, k=k, live=live)
-        else:
-            top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k, live=live)
+        top, idx = kernels.router_top_k(project(x, w.router).reshape(n * t, -1), k=k,
+                                        live=jnp.ones(n * t, bool) if live is None else live)
     with jax.named_scope("experts"):
         local = idx - jax.lax.axis_index(TP) * el                          # [N*T, k] expert on this rank
         if el < cfg.num_experts:                                           # -1: another rank's
