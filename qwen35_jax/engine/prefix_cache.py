@@ -135,8 +135,9 @@ class PrefixCache:
             pass
         if len(self.free_pages) < n:
             return None
-        pages = self.free_pages[len(self.free_pages) - n:][::-1]        # as popped one by one
-        del self.free_pages[len(self.free_pages) - n:]
+        cut = len(self.free_pages) - n
+        pages = self.free_pages[cut:][::-1]                  # the order popping them one by one gave
+        del self.free_pages[cut:]
         self.refs.update(pages)             # free pages: no refs before, none from a snapshot, not reclaimable
         return pages
 
