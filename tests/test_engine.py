@@ -96,6 +96,30 @@ def test_abort_frees_slot_and_pages_at_once():
     assert len(sched.free_slots) == free_slots and sched.available_pages == free_pages
 
 
+def test_last_output_goes_out_before_the_slot_is_returned():
+    """A finishing request's bookkeeping (slot, pages, its prefix-cache snapshot) waits until its last output is
+    delivered, and is done before the engine's next step."""
+    model = llm(1)
+    eng = model.engine
+    sched = eng.scheduler
+    free_slots, free_pages = len(sched.free_slots), sched.available_pages
+    held = []
+
+    def callback(out):
+        if out.finished:
+            held.append((len(sched.free_slots), out.outputs[0].finish_reason))
+
+    eng.add_request(prompts(1, seed=41)[0], SamplingParams(max_tokens=1, ignore_eos=True), callback)
+    for _ in range(600):
+        if held and not sched.retired:
+            break
+        threading.Event().wait(0.05)
+    assert held == [(free_slots - 1, "length")]
+    assert len(sched.free_slots) == free_slots and sched.available_pages == free_pages and not sched.retired
+    # the next request runs as usual in the returned slot
+    assert len(model.generate([prompts(1, seed=42)[0]], GREEDY)[0].outputs[0].token_ids) == 12
+
+
 def test_bad_requests_get_clear_errors():
     model = llm(1)
     with pytest.raises(ValueError, match="max_model_len=256"):

@@ -347,7 +347,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.error: BaseException | None = None
-        self._saves: list = []            # finished requests' snapshot copies, dispatched before the next step
         self._grammars = None             # structured.Grammars, made for the first constrained request
         self._grammars_lock = threading.Lock()
         if leader is not None:
@@ -639,6 +638,7 @@ class Engine:
                         if not s.finished:
                             self._finish(s, "abort")
                     self._emit(group)
+                    self.scheduler.release()      # an abort frees at once
                 msg[2].set()
 
     def _loop(self):
@@ -724,9 +724,8 @@ class Engine:
         plan whose prefill has a mixed step's shape runs it and the decode as one mixed step, unless a row needs
         what only the separate steps do (prompt logprobs, a grammar's bitmask)."""
         records = []
-        if self._saves:
-            self.executor.run_copies("save", self._saves)
-            self._saves = []
+        if plan.finished_saves:
+            self.executor.run_copies("save", plan.finished_saves)
         if plan.restores:
             with jax.profiler.TraceAnnotation("prefix_restore", rows=len(plan.restores)):
                 self.executor.run_copies("restore", plan.restores)
@@ -785,7 +784,8 @@ class Engine:
 
     def _process(self, records):
         """Read back a step's records in dispatch order and stream each one's tokens before waiting for the next: a
-        prefill's first tokens go out as soon as the prefill is done, not after the decode dispatched behind it."""
+        prefill's first tokens go out as soon as the prefill is done, not after the decode dispatched behind it.
+        Finished requests' slots and pages (and their prefix-cache snapshots) are returned after every output."""
         for kind, rows, out in records:
             t0 = time.perf_counter()
             out = ex.fetch(out)
@@ -824,6 +824,9 @@ class Engine:
                 if group is not None and (group.stream or group.finished):
                     self._emit(group)
             self.stats.host_seconds += time.perf_counter() - t1
+        t0 = time.perf_counter()
+        self.scheduler.release()      # after the outputs: a request's last token does not wait on its bookkeeping
+        self.stats.host_seconds += time.perf_counter() - t0
 
     # -- per token -----------------------------------------------------------------------------------------------
     def _decoder(self, params: SamplingParams):
@@ -902,9 +905,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, stop_reason=None):
         req.finish_reason, req.stop_reason = reason, stop_reason
-        save = self.scheduler.free(req, exact=self._state_final(req))
-        if save is not None:
-            self._saves.append(save)
+        self.scheduler.finish(req, exact=self._state_final(req))
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.observer.on_finish(req)
 

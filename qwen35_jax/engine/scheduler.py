@@ -8,7 +8,7 @@ needs to be preempted; a prompt that could never fit is rejected when it is subm
 With prefix caching (engine.prefix_cache) admission first looks the prompt up: a request resuming from a snapshot
 shares the cached pages of its prefix, starts its prefill there (the step plan's `restores` copy the snapshot into
 its slot first) and ends a chunk at its branch point; chunk ends before a prompt's end and finished requests leave
-snapshots (the plan's `saves`, `free`'s return value).
+snapshots (the plan's `saves` and `finished_saves`).
 """
 from __future__ import annotations
 
@@ -95,6 +95,9 @@ class StepPlan:
     # (slot -> snapshot, at chunk ends) after it
     restores: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)
     saves: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)
+    # the snapshots of requests finished since the last plan (slot -> snapshot), dispatched before anything else:
+    # their slots may be reused in this plan
+    finished_saves: list[tuple[int, Copy]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -136,6 +139,8 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0      # prompt tokens looked up / found (vLLM's counters)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.retired: list[tuple[Request, bool]] = []   # finished, their slots and pages not yet returned (release)
+        self.finished_saves: list[tuple[int, Copy]] = []
 
     # -- capacity ------------------------------------------------------------------------------------------------
     def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -176,14 +181,23 @@ class Scheduler:
         self.check_fits(req.prompt_len, req.max_tokens)
         self.waiting.append(req)
 
-    def free(self, req: Request, exact: bool = True) -> tuple[int, Copy] | None:
-        """Return a finished or aborted request's slot and pages at once. With prefix caching its state is kept
-        as a snapshot where every token fed so far is known (decode_steps > 1 may have fed tokens past a stop) and
-        exact (False: a step in flight may still feed it more): returns (replica, the copy to dispatch before its
-        slot is reused), or None."""
-        save = None
+    def finish(self, req: Request, exact: bool = True):
+        """End a finished or aborted request: no step schedules it again. Its slot and pages go back in `release`
+        (the engine calls it once the request's last output is out, so the prefix cache's bookkeeping does not
+        delay it; `schedule` calls it too). With prefix caching its state is then kept as a snapshot where every
+        token fed so far is known (decode_steps > 1 may have fed tokens past a stop) and exact (False: a step in
+        flight may still feed it more)."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
+            self.retired.append((req, exact))
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+
+    def release(self):
+        """Return the finished requests' slots and pages; their snapshots' device copies collect in
+        `finished_saves` (the next plan's, dispatched before a slot is reused)."""
+        for req, exact in self.retired:
             pool = self.pools[req.replica]
             if req.restore is not None:          # admitted, never dispatched
                 pool.cache.restored(req.restore)
@@ -191,18 +205,17 @@ class Scheduler:
             elif exact and req.num_computed <= req.prompt_len + len(req.output_ids):
                 copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages,
                                            req.digests)
-                save = (req.replica, copy) if copy else None
+                if copy:
+                    self.finished_saves.append((req.replica, copy))
             pool.free_slots.append(req.slot)
             pool.cache.release(req.pages)
             pool.running -= 1
             req.slot, req.pages = 0, []
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-        req.status = Status.FINISHED
-        return save
+        self.retired.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached snapshot (and the pages only they held); False if a restore was still pending."""
+        self.release()
         return all([p.cache.reset() for p in self.pools])
 
     def _admit(self) -> Request | None:
@@ -247,6 +260,7 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self.release()
         decode = [r for r in self.running if r.prefill_done and r.num_sampled < r.max_tokens]
         per_replica = collections.Counter(r.replica for r in decode)
         budget = self.max_num_batched_tokens - max(per_replica.values(), default=0)
@@ -274,7 +288,8 @@ class Scheduler:
             chunks.append(Chunk(req, req.num_computed, 0))
             if remaining > shape[1]:   # this row is chunked: nothing after it can join a larger bucket usefully
                 break
-        plan = StepPlan(decode=decode, prefill=chunks, prefill_shape=shape)
+        plan = StepPlan(decode=decode, prefill=chunks, prefill_shape=shape, finished_saves=self.finished_saves)
+        self.finished_saves = []
         for c in chunks:
             r = c.request
             c.length = min(self._segment_end(r) - c.start, shape[1])
