@@ -10,6 +10,7 @@ from conftest import engine_args, fixture_dir
 from qwen35_jax.engine import prefix_cache as pc
 from qwen35_jax.engine.prefix_cache import PrefixCache
 from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.engine.scheduler import Request, Scheduler
 from qwen35_jax.llm import LLM
 
 PS = 4
@@ -78,6 +79,37 @@ def test_a_digest_collision_never_hits(monkeypatch):
     assert c.lookup([2] * 8 + [0], 8).snapshot is None             # same digest, other tokens
     assert c.snapshot(1, [2] * 8, 8, c.allocate(2)) is None         # and nothing is cached over it
     assert c.lookup([1] * 8 + [0], 8).length == 8
+
+
+def test_chunk_end_snapshots_follow_the_stride():
+    """A prompt prefilled alone leaves a snapshot at every chunk end; one whose chunks ride with decode rows (mixed
+    steps of 8 tokens here) only where it passes a multiple of the largest prefill chunk (32), and at its branch
+    point. Each snapshot pins its whole prefix, so one per mixed chunk made a long prompt's steps host-bound."""
+    s = Scheduler(num_slots=4, num_pages=160, page_size=PS, max_model_len=200, max_num_batched_tokens=32,
+                  decode_buckets=[1, 2, 4], prefill_buckets=[(1, 8), (1, 16), (1, 32)], num_snapshots=32,
+                  decode_prefill_budget=8, mixed=[(1, 8)])
+    cache = s.pools[0].cache
+    sp = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    def prefill(prompt):
+        """Schedule until the prompt's prefill is done; the positions of the snapshots its chunks left."""
+        req = Request(str(len(s.running)), prompt, sp, 0, 100)
+        s.add(req)
+        before = set(cache.snapshots)
+        while not req.prefill_done:
+            plan = s.schedule()
+            for c in plan.prefill:
+                c.request.num_computed += c.length
+            for r in plan.decode:
+                r.num_computed += 1
+        return req, sorted(snap.length for snap in cache.snapshots if snap not in before)
+
+    alone, saved = prefill(tokens(100, seed=1))
+    assert saved == [32, 64, 96]                 # chunks of 32: every chunk end
+    mixed, saved = prefill(tokens(100, seed=2))  # beside the first one's decode row: chunks of 8
+    assert saved == [32, 64, 96]
+    branch, saved = prefill(alone.prompt_ids[:42] + tokens(30, seed=3))   # resumes at 32, cached pages to 40
+    assert branch.num_cached == 32 and saved == [40, 64]
 
 
 def test_prefix_bits():

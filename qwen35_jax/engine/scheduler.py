@@ -132,6 +132,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_buckets = sorted(decode_buckets)
         self.prefill_buckets = sorted(prefill_buckets, key=lambda nt: (nt[0] * nt[1], nt[1]))
+        self.snapshot_stride = max(t for _, t in self.prefill_buckets)   # chunk-end snapshots: see schedule
         self.pools = [Pool(list(range(num_slots, 0, -1)),
                            PrefixCache(page_size, list(range(num_pages - 1, 0, -1)), num_snapshots))
                       for _ in range(dp)]
@@ -301,7 +302,11 @@ class Scheduler:
                 cache.restored(snap)
                 r.restore = None
             end = c.start + c.length
-            if end < r.prompt_len:     # a chunk end inside the prompt leaves a snapshot (after every admission)
+            # a chunk end inside the prompt leaves a snapshot at its branch point (after every admission) and
+            # where it passes a multiple of the stride: every chunk of a prompt prefilled alone, but not every
+            # 32-token chunk of one that rides with decode rows (each snapshot pins its whole prefix)
+            stride = self.snapshot_stride
+            if end < r.prompt_len and (end == r.save_at or end // stride > c.start // stride):
                 if end == r.save_at:
                     r.save_at = None
                 copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages, r.digests)
