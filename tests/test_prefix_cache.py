@@ -32,8 +32,9 @@ def test_lookup_finds_the_deepest_snapshot_within_the_limit():
     assert hit.length == 14 and hit.chain == pages[:3]
     assert c.lookup(toks, limit=13).length == 8                    # the longer one is past the limit
     assert c.lookup(toks[:13] + [0], limit=13).length == 8         # diverges inside the partial page
-    miss = c.lookup([7] + toks[1:], limit=15)
-    assert miss.snapshot is None and miss.chain == []
+    memo = []
+    miss = c.lookup([7] + toks[1:], limit=15, memo=memo)
+    assert miss.snapshot is None and miss.chain == [] and len(memo) == 1   # a miss hashes only the first page
     branch = c.lookup(toks[:12] + [0, 0, 0], limit=14)             # pages match beyond the best snapshot
     assert branch.length == 8 and len(branch.chain) == 3
 

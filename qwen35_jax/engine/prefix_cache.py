@@ -166,11 +166,13 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int], limit: int, memo: list | None = None) -> Hit:
         """The deepest snapshot at most `limit` tokens into `tokens` whose prefix is cached, and the chain of cached
-        leading pages (only full pages ending at or before `limit`). memo: as in `digests`."""
+        leading pages (only full pages ending at or before `limit`). memo: as in `digests`; pages are hashed as the
+        walk reaches them (in doubling batches), so a prompt the cache does not hold costs one digest here, not one per
+        page."""
         if not self.enabled:
             return Hit(None, [])
         node, chain, best = self.root, [], None
-        digests = self.digests(tokens, limit // self.ps, memo)
+        memo = [] if memo is None else memo
         while True:
             start = node.depth * self.ps
             for partial, snap in node.snapshots.items():
@@ -180,8 +182,10 @@ class PrefixCache:
             end = start + self.ps
             if end > limit:
                 break
+            if len(memo) <= node.depth:       # hash as the walk goes, in batches doubling up to the limit
+                self.digests(tokens, min(limit // self.ps, 2 * node.depth + 1), memo)
             page_tokens = tuple(tokens[start:end])
-            child = self.nodes.get(digests[node.depth])
+            child = self.nodes.get(memo[node.depth])
             if child is None or child.parent is not node or child.tokens != page_tokens:
                 break
             node = child
