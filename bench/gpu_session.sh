@@ -159,8 +159,9 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run longttft ${LT_SHARE:-540} python3 bench/long_context.py --record \
                --config bench/configs/qwen3.5-9b.json --parts ${LT_PARTS:-tiles,ttft} ${LT_LENS:+--lens $LT_LENS} ${LT_ARGS:-} ;;
     longdecode)  # issue 39: decode at 128k of context; TPOT of 16 rows while a 128k prompt prefills, per budget
+                 # (LD_ARGS: more long_context.py arguments, e.g. --prefix-caching --tpot-steps mixed)
              CUDA_VISIBLE_DEVICES=0 run longdecode ${LD_SHARE:-540} python3 bench/long_context.py --record \
-               --config bench/configs/qwen3.5-9b.json --parts ${LD_PARTS:-decode,tpot} ${LD_BUDGETS:+--budgets $LD_BUDGETS} ;;
+               --config bench/configs/qwen3.5-9b.json --parts ${LD_PARTS:-decode,tpot} ${LD_BUDGETS:+--budgets $LD_BUDGETS} ${LD_ARGS:-} ;;
     longtpotab)  # issue 39: the mixed steps' GEMMs as XLA chooses (the default) and with Triton GEMMs off (as the
                  # prefill buckets compile; every executable of that run then has them off), one engine each
              for kc in "" "xla_options.xla_gpu_enable_triton_gemm=false"; do

@@ -75,8 +75,8 @@ def ttft(args, cfg, kc, lens, weights=None, trace_lens=()):
     one traced request for each of trace_lens) for one kernel configuration."""
     engine = random_engine(args.config, EngineArgs(
         max_model_len=min(max(lens) + 16, cfg.max_position_embeddings), max_num_seqs=1,
-        max_num_batched_tokens=args.chunk, max_prefill_rows=1, precompile=False, enable_prefix_caching=False,
-        kernel_config=kc), weights=weights)
+        max_num_batched_tokens=args.chunk, max_prefill_rows=1, precompile=False,
+        enable_prefix_caching=args.prefix_caching, kernel_config=kc), weights=weights)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     rng = np.random.default_rng(0)
     run = lambda n: engine.generate([rng.integers(0, engine.cfg.vocab_size, n).tolist()], [params])
@@ -270,7 +270,8 @@ def tpot_part(args, kc) -> list[dict]:
     caps = [int(b) for b in args.budgets.split(",") if b != "none"]
     engine = random_engine(args.config, EngineArgs(       # the smallest prefill bucket fits the smallest cap
         max_model_len=prompt + 64, max_num_seqs=n + 1, max_num_batched_tokens=args.chunk, max_prefill_rows=1,
-        min_prefill_tokens=min(caps, default=None), precompile=False, enable_prefix_caching=False, kernel_config=kc))
+        min_prefill_tokens=min(caps, default=None), precompile=False, enable_prefix_caching=args.prefix_caching,
+        kernel_config=kc))
     obs = engine.observer = Tokens()
     rng = np.random.default_rng(1)
     vocab, rows = engine.cfg.vocab_size, []
@@ -420,6 +421,8 @@ def main():
     ap.add_argument("--steps-profile", default="", help="steps: trace the decode and mixed steps under this directory")
     ap.add_argument("--tpot-steps", default="mixed,apart", help="tpot: each cap with mixed steps, apart, or both")
     ap.add_argument("--pick", default="", help="chunktiles: write the picked tiles' --kernel-config text here")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="ttft / tpot: the prefix cache on (the engine default; off otherwise)")
     ap.add_argument("--record", action="store_true")
     add_kernel_args(ap)
     args = ap.parse_args()
@@ -430,7 +433,8 @@ def main():
 
     def flush():            # after each part: a run cut short by its time limit keeps the parts it finished
         body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights, kernels "
-                f"{kc.changes() or 'default'}.\n\n" + "\n\n".join(tables))
+                f"{kc.changes() or 'default'}, prefix cache {'on' if args.prefix_caching else 'off'} (ttft, tpot)."
+                f"\n\n" + "\n\n".join(tables))
         print(body, flush=True)
         if args.record:
             results.record("Long context (bench/long_context.py)", body, fields=fields)
