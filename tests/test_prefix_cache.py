@@ -52,7 +52,7 @@ def test_pages_are_refcounted_and_freed_with_their_last_holder():
     assert c.reset()                               # snapshot gone; the sharing request still holds its pages
     assert len(c.free_pages) == 9 - 2 and c.lookup(toks, 9).snapshot is None
     c.release(other.snapshot.pages)
-    assert len(c.free_pages) == 9 and not c.refs and not c.nodes
+    assert len(c.free_pages) == 9 and not c.refs.any() and not c.nodes
 
 
 def test_eviction_is_lru_and_spares_pending_restores():

@@ -21,7 +21,6 @@ this module only decides and keeps count. One instance per data-parallel replica
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 
@@ -34,7 +33,7 @@ def page_digest(parent: bytes, page: bytes) -> bytes:
     return hashlib.blake2b(parent + page, digest_size=16).digest()
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Node:
     """A cached full page: the chain of pages from the root to it holds tokens [0, depth * page_size)."""
     digest: bytes
@@ -88,42 +87,46 @@ class PrefixCache:
         self.root = Node(b"", None, (), 0, 0)
         self.nodes: dict[bytes, Node] = {}
         self.by_page: dict[int, Node] = {}
-        self.refs = collections.Counter()          # page -> refs (requests and snapshots)
-        self.snap_refs = collections.Counter()     # page -> refs held by snapshots
-        self.reclaimable = set()                   # pages only snapshots hold (evicting them frees these)
+        # per page, as arrays so that a long prompt's thousands of pages are counted in one vectorised step
+        size = max(free_pages, default=0) + 1
+        self.refs = np.zeros(size, np.int32)           # refs (requests and snapshots)
+        self.snap_refs = np.zeros(size, np.int32)      # refs held by snapshots
+        self.reclaimable = np.zeros(size, np.bool_)    # only snapshots hold it (evicting them frees it)
+        self.num_reclaimable = 0
         self.snapshots: dict[Snapshot, None] = {}  # LRU order: oldest first
 
     # -- pages ---------------------------------------------------------------------------------------------------
-    def _ref(self, page: int, snap: bool = False):
-        self.refs[page] += 1
+    def _ref(self, pages, snap: bool = False):
+        """One more ref on each of `pages` (distinct page ids)."""
+        pages = np.asarray(pages, np.intp)
+        self.refs[pages] += 1
         if snap:
-            self.snap_refs[page] += 1
-        self._update(page)
+            self.snap_refs[pages] += 1
+        self._update(pages)
 
-    def _unref(self, page: int, snap: bool = False):
-        self.refs[page] -= 1
+    def _unref(self, pages, snap: bool = False):
+        """One ref fewer on each of `pages` (distinct); those left with none are freed, their nodes dropped."""
+        pages = np.asarray(pages, np.intp)
+        self.refs[pages] -= 1
         if snap:
-            self.snap_refs[page] -= 1
-        if self.refs[page] == 0:
-            del self.refs[page]
-            self.snap_refs.pop(page, None)
-            self.reclaimable.discard(page)
-            node = self.by_page.pop(page, None)
+            self.snap_refs[pages] -= 1
+        self._update(pages)
+        freed = pages[self.refs[pages] == 0].tolist()
+        for p in freed:
+            node = self.by_page.pop(p, None)
             if node is not None:
                 del self.nodes[node.digest]
-            self.free_pages.append(page)
-        else:
-            self._update(page)
+        self.free_pages.extend(freed)
 
-    def _update(self, page: int):
-        if self.refs[page] == self.snap_refs[page]:
-            self.reclaimable.add(page)
-        else:
-            self.reclaimable.discard(page)
+    def _update(self, pages: np.ndarray):
+        held = self.refs[pages]
+        now = (held == self.snap_refs[pages]) & (held > 0)
+        self.num_reclaimable += int(np.count_nonzero(now)) - int(np.count_nonzero(self.reclaimable[pages]))
+        self.reclaimable[pages] = now
 
     def available(self) -> int:
         """Pages an allocation can get: free ones plus those only evictable snapshots hold."""
-        return len(self.free_pages) + len(self.reclaimable)
+        return len(self.free_pages) + self.num_reclaimable
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh pages (one ref each), evicting snapshots as needed; None if they cannot be had (when the free
@@ -138,17 +141,15 @@ class PrefixCache:
         cut = len(self.free_pages) - n
         pages = self.free_pages[cut:][::-1]                  # the order popping them one by one gave
         del self.free_pages[cut:]
-        self.refs.update(pages)             # free pages: no refs before, none from a snapshot, not reclaimable
+        self.refs[pages] = 1                # free pages: no refs before, none from a snapshot, not reclaimable
         return pages
 
     def share(self, pages: list[int]):
         """A request takes a ref on cached pages."""
-        for p in pages:
-            self._ref(p)
+        self._ref(pages)
 
     def release(self, pages: list[int]):
-        for p in pages:
-            self._unref(p)
+        self._unref(pages)
 
     # -- lookup --------------------------------------------------------------------------------------------------
     def digests(self, tokens: list[int], n: int, memo: list | None = None) -> list[bytes]:
@@ -233,8 +234,7 @@ class PrefixCache:
         if old is not None:
             self._touch(old)
             return None
-        for p in chain:                       # pin the chain before evicting anything for the entry / page
-            self._ref(p, snap=True)
+        self._ref(chain, snap=True)           # pin the chain before evicting anything for the entry / page
         entry = self._take_entry()
         page = 0
         if entry and partial:
@@ -244,12 +244,11 @@ class PrefixCache:
                 self.free_entries.append(entry)
                 entry = 0
         if not entry:
-            for p in chain:
-                self._unref(p, snap=True)
+            self._unref(chain, snap=True)
             return None
         if page:
             self.snap_refs[page] += 1
-            self._update(page)
+            self._update(np.array([page], np.intp))
         snap = Snapshot(entry, node, partial, length, chain, page)
         node.snapshots[partial] = snap
         self.snapshots[snap] = None
@@ -272,8 +271,7 @@ class PrefixCache:
         del self.snapshots[snap]
         del snap.node.snapshots[snap.partial]
         self.free_entries.append(snap.entry)
-        for p in snap.pages + ([snap.page] if snap.page else []):
-            self._unref(p, snap=True)
+        self._unref(snap.pages + ([snap.page] if snap.page else []), snap=True)
 
     def reset(self) -> bool:
         """Drop every snapshot (vLLM's reset_prefix_cache); False if some restore is still to be dispatched."""
