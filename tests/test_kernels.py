@@ -984,42 +984,6 @@ def test_prefill_head_on_the_gemv_equals_the_dot():
     assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
 
 
-def test_decode_in_proj_and_qkv_on_the_gemv_equal_the_gemm():
-    """KernelConfig.decode_gemv_rows: decode steps of up to that many rows run the GDN in_proj and the attention
-    qkv on the GEMV kernel, with the logits of XLA's GEMMs (fp32, 1e-6 of the largest logit); larger steps and
-    prefill chunks keep the GEMMs; more rows than the kernel takes are refused."""
-    from qwen35_jax.model.config import load_config
-    from qwen35_jax.model.runner import ModelRunner, make_batch
-    from qwen35_jax.model.sharding import make_mesh
-    from qwen35_jax.model.weights import load_weights
-    model = "text_untied_r1_g6"
-    cfg = load_config(fixture_dir(model))
-    mesh = make_mesh(1)
-    weights = load_weights(fixture_dir(model), cfg, mesh, jnp.float32)
-    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (3, 8))
-    pages = np.array([[1, 2], [3, 4], [5, 6]])
-    batches = {"decode2": make_batch(tokens[:2, :1], [3, 7], [1, 1], [1, 2], pages[:2]),
-               "decode3": make_batch(tokens[:, :1], [3, 7, 1], [1, 1, 1], [1, 2, 3], pages),
-               "prefill2": make_batch(tokens[:2], [0, 0], [8, 5], [1, 2], pages[:2])}
-    out, calls = {}, {}
-    for rows in (0, 2):
-        config = KernelConfig(backend="pallas_interpret", decode_gemv_rows=rows, gemv=gemv.GemvConfig(
-            block_n=16, block_k=16, min_programs=64))
-        runner = ModelRunner(cfg, mesh, Layout.build(cfg, 1), weights, jnp.float32, make_kernels(config.resolved()),
-                             num_slots=4, num_pages=8, page_size=16)
-        for name, batch in batches.items():
-            out[name, rows] = np.asarray(runner.run(batch), np.float32)[..., :cfg.vocab_size]
-        for name, batch in batches.items():          # traced last: tracing the runner leaves tracers in its state
-            calls[name, rows] = "name=gemv" in str(jax.make_jaxpr(lambda b: runner.run(b))(batch))
-    assert calls == {("decode2", 0): False, ("decode3", 0): False, ("prefill2", 0): True,      # the prefill head
-                     ("decode2", 2): True, ("decode3", 2): False, ("prefill2", 2): True}
-    for name in batches:
-        want, got = out[name, 0], out[name, 2]
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), name
-    with pytest.raises(ValueError, match="decode_gemv_rows"):
-        KernelConfig(decode_gemv_rows=gemv.ROWS + 1)
-
-
 def test_prep_auto_picks_the_fused_prep_for_few_chunks():
     """prep_mode "auto" (the default): the fused T / P / f kernel while its (chunk, value head) programs are few, on
     bf16 inputs only; the T solve + the per-key-head P / f prep otherwise; explicit modes pass through, a bad one

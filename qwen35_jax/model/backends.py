@@ -46,8 +46,6 @@ class KernelConfig:
     decode_split_k / decode_split_k_from: decode batches from split_k_from rows run each row-parallel GEMM as one
     batched dot over split_k ranges of K, compiled with XLA's own K splits off (so XLA splits no other GEMM); None:
     4 with the Pallas backends, 1 (XLA splits as it chooses) with the reference.
-    decode_gemv_rows: decode steps of up to this many rows per replica run the GDN in_proj and attention qkv on the
-    GEMV kernel (gemv's tiles); 0: XLA's GEMMs.
     decode_min_rows: decode steps run at least this many rows per replica (a power of two; the smallest decode
     bucket), the rest padding rows on the null slot, which route to no expert: XLA runs a one-row GEMM on slower
     tiles than a two-row one, and a lone request's step was faster beside a padding row than alone on the GEMV
@@ -69,7 +67,6 @@ class KernelConfig:
     decode_split_k: int | None = None
     decode_split_k_from: int = 64
     decode_min_rows: int = 2
-    decode_gemv_rows: int = 0
     staged_inputs: bool = False
     xla_options: tuple = ()
 
@@ -83,8 +80,6 @@ class KernelConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode_min_rows < 1 or self.decode_min_rows & (self.decode_min_rows - 1):
             raise ValueError(f"decode_min_rows must be a power of two >= 1, got {self.decode_min_rows}")
-        if not 0 <= self.decode_gemv_rows <= gemv.ROWS:
-            raise ValueError(f"decode_gemv_rows must be in [0, {gemv.ROWS}], got {self.decode_gemv_rows}")
         if self.decode_split_k is not None and self.decode_split_k < 1:
             raise ValueError(f"decode_split_k must be >= 1, got {self.decode_split_k}")
         for name, value in self.xla_options:
@@ -246,10 +241,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                    attention_prologue=prologue, attention_tiles=tiles, routed_experts=experts,
                    router_top_k=top_k,
                    prefill_head=None if config.gemv is None else p(gemv.gemv, static=("out_dtype",),
-                                                                   config=config.gemv),
-                   decode_gemv=p(gemv.gemv, static=("out_dtype",), config=config.gemv)
-                   if config.gemv is not None and config.decode_gemv_rows else None,
-                   decode_gemv_rows=config.decode_gemv_rows)
+                                                                   config=config.gemv))
 
 
 def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):

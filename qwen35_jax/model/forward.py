@@ -72,10 +72,6 @@ class Kernels:
     # a prefill step's lm_head (its rows' last tokens, up to pallas_kernels.gemv.ROWS, an untied head): (x [M, K],
     # w [K, N], out_dtype) -> [M, N]; contract: pallas_kernels.gemv.gemv_reference; None: XLA's dot
     prefill_head: Callable | None = None
-    # the GDN in_proj and attention qkv of decode steps of up to decode_gemv_rows tokens (a lone request beside its
-    # padding row): same signature and contract; None: XLA's GEMMs (project)
-    decode_gemv: Callable | None = None
-    decode_gemv_rows: int = 0
 
 
 VECTOR_DOT_LIMIT = 10_000_000      # XLA:GPU DotStrengthReduction: IsMatrixMultiplicationTooSmallForRewriting
@@ -97,15 +93,6 @@ def project(x, w, out_dtype=None, gemm_rounds=False):
     if x.shape[1] > 1 or gemm_rounds:
         return jnp.dot(x, w, preferred_element_type=out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
-
-
-def decode_project(kernels: Kernels, x, w):
-    """project, with a decode projection of up to kernels.decode_gemv_rows tokens (x [N, 1, K]) on
-    kernels.decode_gemv: the column-parallel in_proj and qkv, whose two-row GEMMs XLA reads at ~60-70% of the copy
-    bandwidth (bench/RESULTS.md)."""
-    if kernels.decode_gemv is not None and x.shape[1] == 1 and x.shape[0] <= kernels.decode_gemv_rows:
-        return kernels.decode_gemv(x[:, 0], w, x.dtype)[:, None]
-    return project(x, w)
 
 
 def rms_norm_1p(x, w, eps):
@@ -184,7 +171,7 @@ def attention_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: Atten
     """Gated full attention of each group of rows (xs, batches and positions: one per group), the projections
     shared by the groups."""
     with jax.named_scope("qkv_proj"):
-        qkvs = shared(lambda x: decode_project(kernels, x, w.qkv), xs)
+        qkvs = shared(lambda x: project(x, w.qkv), xs)
     outs = []
     for qkv, batch, pos in zip(qkvs, batches, positions):
         o, k_pages, v_pages = attention_core(cfg, layout, kernels, w, qkv, k_pages, v_pages, batch, pos)
@@ -234,7 +221,7 @@ def gdn_block(cfg: ModelConfig, layout: Layout, kernels: Kernels, w: GatedDeltaN
     """Gated DeltaNet of each group of rows (xs and batches: one per group), the projections shared by the
     groups."""
     with jax.named_scope("in_proj"):
-        projs = shared(lambda x: decode_project(kernels, x, w.in_proj), xs)     # [q | k | v | z | b | a] per rank
+        projs = shared(lambda x: project(x, w.in_proj), xs)     # [q | k | v | z | b | a] per rank
     outs = []
     for proj, batch in zip(projs, batches):
         o, conv_pool, rec_pool = gdn_core(cfg, layout, kernels, w, proj, conv_pool, rec_pool, batch)
