@@ -43,8 +43,6 @@ class ExpertGemmConfig:
     copy_block_n: int = 64
     copy_block_k: int = 256
     copy_num_warps: int = 4
-    down_block_n: int = 64       # routed_experts' down kernel: its own tiles (K there is the expert's I, not H)
-    down_block_k: int = 256
     router_num_warps: int = 1    # router_top_k's warps (its 2k + 2 reductions over E: shuffles at one warp)
 
 
@@ -269,19 +267,16 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     wide = max(i, i_s)
     bn = min(config.copy_block_n, i, i_s, h)
     bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
-    bn_d, bk_d, bk_ds = min(config.down_block_n, h), min(config.down_block_k, i), min(config.down_block_k, i_s)
     _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
-    _check(w_down, down_block_n=bn_d, down_block_k=bk_d, shared_down_block_k=bk_ds)
-    if i % bn or h % bk or i_s % bn or h % bk_s or h % bn_d or i % bk_d or i_s % bk_ds:
-        raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn}; "
-                         f"down {bk_d}, {bn_d})")
+    _check(w_down)
+    if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk_s or h % bk_s:
+        raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn})")
     ids = experts.reshape(routed).astype(jnp.int32)
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
-    grid = lambda n, bn: (routed + m, n // bn)
+    grid = lambda n: (routed + m, n // bn)
     gate_up = pl.pallas_call(
-        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s),
-        grid=grid(2 * wide, bn),
+        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(2 * wide),
         in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
         out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
         out_shape=jax.ShapeDtypeStruct((routed + m, 2 * wide), x.dtype), compiler_params=params,
@@ -289,9 +284,9 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     )(ids, x, w_gate_up, s_gate_up)
     wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
     y = pl.pallas_call(
-        functools.partial(_down_kernel, routed=routed, block_k=bk_d, block_k_shared=bk_ds), grid=grid(h, bn_d),
+        functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
         in_specs=[whole(ids), whole(wts), whole(gate_up), whole(w_down), whole(x), whole(s_down), whole(gate)],
-        out_specs=pl.BlockSpec((None, bn_d), lambda r, j: (r, j)),
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
         out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
         name="expert_down",
     )(ids, wts, gate_up, w_down, x, s_down, gate)
