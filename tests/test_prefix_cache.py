@@ -82,6 +82,45 @@ def test_a_digest_collision_never_hits(monkeypatch):
     assert c.lookup([1] * 8 + [0], 8).length == 8
 
 
+def test_a_requests_node_memo_walks_only_new_pages():
+    """snapshot's `nodes` memo: later snapshots of a request start after the pages an earlier one registered, and
+    leave what a walk from the root leaves; a page whose node is another request's (the same tokens computed
+    twice) stops the memo, so that node's eviction cannot leave a stale one in it."""
+    c = cache(pages=40, snapshots=8)
+    toks = list(range(200, 240))
+    other = c.allocate(3)
+    c.snapshot(1, toks, 8, other)                  # pages 0-1 of toks are the other request's nodes
+    c.release(other)
+    mine, digests, nodes = c.allocate(10), [], []
+    c.snapshot(2, toks, 6, mine, digests, nodes)
+    assert nodes == []                            # page 0's node holds the other request's page
+    c.reset()                                     # drops that snapshot and its pages' nodes
+    assert not c.nodes
+    c.snapshot(2, toks, 14, mine, digests, nodes)
+    assert [n.page for n in nodes] == mine[:3]    # registered anew, on this request's pages
+    walked = []
+    node = c.nodes[digests[2]]
+    while node.parent is not None:
+        walked.append(node)
+        node = node.parent
+    assert walked[::-1] == nodes
+
+    class Gets(dict):
+        def get(self, key, default=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().get(key, default)
+
+    c.nodes = Gets(c.nodes)
+    c.snapshot(2, toks, 30, mine, digests, nodes)
+    assert c.nodes.calls == 4                     # pages 3-6: those after the memo's
+    snap = max(c.snapshots, key=lambda s: s.length)
+    assert snap.length == 30 and snap.pages == mine[:7] and [n.page for n in nodes] == mine[:7]
+    fresh = cache(pages=40, snapshots=8)
+    fresh.snapshot(2, toks, 30, fresh.allocate(10))
+    shape = lambda cc: sorted((n.depth, n.tokens, n.parent.depth) for n in cc.nodes.values())
+    assert shape(fresh) == shape(c)
+
+
 def test_chunk_end_snapshots_follow_the_stride():
     """A prompt prefilled alone leaves a snapshot at every chunk end; one whose chunks ride with decode rows (mixed
     steps of 8 tokens here) only where it passes a multiple of the largest prefill chunk (32), and at its branch

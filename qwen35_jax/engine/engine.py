@@ -824,9 +824,10 @@ class Engine:
                 if group is not None and (group.stream or group.finished):
                     self._emit(group)
             self.stats.host_seconds += time.perf_counter() - t1
-        t0 = time.perf_counter()
-        self.scheduler.release()      # after the outputs: a request's last token does not wait on its bookkeeping
-        self.stats.host_seconds += time.perf_counter() - t0
+        if self.scheduler.retired:    # after the outputs: a request's last token does not wait on its bookkeeping
+            t0 = time.perf_counter()
+            self.scheduler.release()
+            self.stats.host_seconds += time.perf_counter() - t0
 
     # -- per token -----------------------------------------------------------------------------------------------
     def _decoder(self, params: SamplingParams):

@@ -208,17 +208,22 @@ class PrefixCache:
 
     # -- snapshots -----------------------------------------------------------------------------------------------
     def snapshot(self, slot: int, tokens: list[int], length: int, pages: list[int],
-                 memo: list | None = None) -> Copy | None:
+                 memo: list | None = None, nodes: list | None = None) -> Copy | None:
         """Record the state of `slot` at position `length` (its K/V in `pages`, a request's page table; tokens:
         at least its first `length` token ids; memo: as in `digests`) as a snapshot: registers its full pages and
-        returns the device copy to make, or None (cache off, already cached, or no room)."""
+        returns the device copy to make, or None (cache off, already cached, or no room). nodes (a request's list,
+        extended in place): the nodes of its leading pages found or registered here, so that its next snapshot
+        walks only the pages after them; a node joins it only while its page is the request's own (pages[i]),
+        which the request's ref keeps cached."""
         if not self.enabled or length < 1:
             return None
         ps = self.ps
         full = length // ps
-        node, chain = self.root, []
+        nodes = [] if nodes is None else nodes
+        known = min(len(nodes), full)
+        node, chain = (nodes[known - 1] if known else self.root), pages[:known]
         digests = self.digests(tokens, full, memo)
-        for i in range(full):                 # find or register the chain of full pages
+        for i in range(known, full):          # find or register the chain of full pages
             page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
             digest = digests[i]
             child = self.nodes.get(digest)
@@ -227,6 +232,8 @@ class PrefixCache:
                     return None
                 child = Node(digest, node, page_tokens, pages[i], i + 1)
                 self.nodes[digest], self.by_page[pages[i]] = child, child
+            if len(nodes) == i and child.page == pages[i]:
+                nodes.append(child)
             node = child
             chain.append(node.page)
         partial = tuple(tokens[full * ps:length])

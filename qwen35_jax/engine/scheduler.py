@@ -55,6 +55,7 @@ class Request:
     restore: Snapshot | None = None             # the snapshot to copy into its slot before its first chunk
     save_at: int | None = None                  # its branch point: a chunk ends there and leaves a snapshot
     digests: list = dataclasses.field(default_factory=list)     # its pages' chained digests (prefix_cache.digests)
+    nodes: list = dataclasses.field(default_factory=list)       # its pages' cache nodes (prefix_cache.snapshot)
     steps_in_flight: int = 0                    # speculative decoding: its steps dispatched and not yet read back
 
     @property
@@ -205,7 +206,7 @@ class Scheduler:
                 req.restore = None
             elif exact and req.num_computed <= req.prompt_len + len(req.output_ids):
                 copy = pool.cache.snapshot(req.slot, req.prompt_ids + req.output_ids, req.num_computed, req.pages,
-                                           req.digests)
+                                           req.digests, req.nodes)
                 if copy:
                     self.finished_saves.append((req.replica, copy))
             pool.free_slots.append(req.slot)
@@ -309,7 +310,7 @@ class Scheduler:
             if end < r.prompt_len and (end == r.save_at or end // stride > c.start // stride):
                 if end == r.save_at:
                     r.save_at = None
-                copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages, r.digests)
+                copy = self.pools[r.replica].cache.snapshot(r.slot, r.prompt_ids, end, r.pages, r.digests, r.nodes)
                 if copy:
                     plan.saves.append((r.replica, copy))
         return plan

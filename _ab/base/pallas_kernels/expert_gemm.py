@@ -1,0 +1,345 @@
+"""Grouped GEMM of token copies sorted by expert, reading only the experts that have tokens (Pallas-Triton).
+
+Why a kernel: `jax.lax.ragged_dot` (the reference, `expert_gemm_reference`) sweeps every expert's weights on the GPU
+whatever the group sizes: a decode step of Qwen3.5-35B-A3B routes a token to 8 of 256 experts per layer and read all
+256 (bench/RESULTS.md, the 35B-A3B section). Here the copies are cut into blocks of `block_m` rows that each belong to
+one expert (a group's last block is partly empty, never padded into the next group); a program multiplies one block by
+one `block_n`-column tile of its expert's weights, indexed by the expert id it reads from the block table. Blocks past
+the last group read nothing. Prefill steps, whose copies touch every expert many times over, keep ragged_dot: from
+`max_rows` copies the backend calls it.
+
+Small decode batches skip the sort: `routed_experts` runs one program per token copy and weight tile, reading the
+copy's expert by id: gate and up tiles as programs of their own, the SiLU product on the down kernel's loads and the
+router weight after it; the shared expert is one more copy per token, its sigmoid gate computed in the down
+kernel. The sorted path's block table, gathers and scatter cost ~20 launches per layer, more than the experts'
+reads at batch 1, and the shared expert as XLA's GEMMs another six. Copies of one expert in flight together read
+its tiles from L2 after the first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemmConfig:
+    """Tiles: copies per block (Triton's smallest dot), weight columns per program, K per loop step; Triton's warps
+    and pipeline depth (router_num_warps: the router kernel's). max_rows: from this many copies (M) the backend runs
+    the reference (ragged_dot) instead. copies_max: up to this many token copies an MoE layer runs routed_experts
+    (one program per copy and tile of copy_block_n columns, copy_block_k of K per step) in the place of the sorted
+    grouped GEMMs."""
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    max_rows: int = 4096
+    copies_max: int = 128        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
+    copy_block_n: int = 64
+    copy_block_k: int = 256
+    copy_num_warps: int = 4
+    router_num_warps: int = 1    # router_top_k's warps (its 2k + 2 reductions over E: shuffles at one warp)
+
+
+DEFAULT = ExpertGemmConfig()
+
+
+def _check(w, **tiles):
+    """Refuse tiles Triton cannot take and weights the kernels' int32 element offsets cannot address."""
+    for name, v in tiles.items():
+        if v & (v - 1) or v < 16:
+            raise ValueError(f"{name} ({v}) must be a power of two >= 16 (Triton block shapes)")
+    if w.size >= 2 ** 31:
+        raise ValueError(f"expert weights {list(w.shape)} have 2^31 elements or more: split the experts over more "
+                         "devices (tp), or run jax.lax.ragged_dot (KernelConfig(expert_gemm=None))")
+
+
+def expert_gemm_reference(x, w, sizes, out_dtype=None):
+    """The contract: x [M, K] token copies sorted by expert, group g holding the next sizes[g] rows; w [E, K, N];
+    -> [M, N] with row m = x[m] @ w[its group], fp32 accumulation rounded once to out_dtype (default x.dtype);
+    rows past sum(sizes) are zeros."""
+    out = jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype if out_dtype is None else out_dtype)
+
+
+def _kernel(expert_ref, x_ref, w_ref, o_ref, *, block_k):
+    """Refs: expert [NB] (whole: each block's expert, -1 past the last group), x [BM, K] (this block's copies),
+    w [E, K, N] (whole), o [BM, BN] (this block and column tile)."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    e = expert_ref[b]
+    bm, k = x_ref.shape
+    bn = o_ref.shape[1]
+
+    @pl.when(e >= 0)
+    def _():
+        def body(i, acc):
+            xk = x_ref[:, pl.ds(i * block_k, block_k)]
+            wk = w_ref[e, pl.ds(i * block_k, block_k), pl.ds(j * bn, bn)]
+            return acc + pltriton.dot(xk, wk)
+
+        acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((bm, bn), jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    @pl.when(e < 0)                                              # an empty block reads no weights
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+
+def expert_gemm(x, w, sizes, out_dtype=None, *, config: ExpertGemmConfig | None = None, interpret: bool = False):
+    """expert_gemm_reference's contract as the kernel: the copies are laid into blocks of block_m rows, one
+    expert per block (gathered in XLA: a decode step's few rows), the kernel writes each block's [block_m, N], and
+    each copy's row is gathered back."""
+    config = DEFAULT if config is None else config
+    m, kdim = x.shape
+    e, _, n = w.shape
+    bm, bn, bk = config.block_m, min(config.block_n, n), min(config.block_k, kdim)
+    _check(w, block_m=bm, block_n=bn, block_k=bk)
+    if n % bn or kdim % bk:
+        raise ValueError(f"expert weights [{e}, {kdim}, {n}]: K and N must be multiples of the tiles ({bk}, {bn})")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    sizes = sizes.astype(jnp.int32)
+    # The block table by comparisons: jnp.searchsorted's default scan is a while loop, which a decode step must not
+    # have (on the GPU each iteration is launched from the host).
+    nb = -(-m // bm) + min(e, m)                          # each group adds at most one partly empty block
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    nblocks = -(-sizes // bm)                             # blocks per group
+    bend = jnp.cumsum(nblocks)
+    bstart = bend - nblocks
+    blocks = jnp.arange(nb, dtype=jnp.int32)
+    group = jnp.searchsorted(bend, blocks, side="right", method="compare_all").astype(jnp.int32)
+    valid = group < e
+    g = jnp.minimum(group, e - 1)
+    rows = (starts[g] + (blocks - bstart[g]) * bm)[:, None] + jnp.arange(bm, dtype=jnp.int32)   # [NB, BM]
+    inside = valid[:, None] & (rows < ends[g][:, None])
+    xb = jnp.where(inside[..., None], x[jnp.minimum(rows, m - 1)], 0).reshape(nb * bm, kdim)
+    out = pl.pallas_call(
+        functools.partial(_kernel, block_k=bk),
+        grid=(nb, n // bn),
+        in_specs=[pl.BlockSpec((nb,), lambda b, j: (0,)), pl.BlockSpec((bm, kdim), lambda b, j: (b, 0)),
+                  pl.BlockSpec((e, kdim, n), lambda b, j: (0, 0, 0))],
+        out_specs=pl.BlockSpec((bm, bn), lambda b, j: (b, j)),
+        out_shape=jax.ShapeDtypeStruct((nb * bm, n), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret, name="expert_gemm",
+    )(jnp.where(valid, g, -1), xb, w)
+    # copy m of group h sits at row bstart[h] * bm + (m - starts[h]) of the blocks
+    r = jnp.arange(m, dtype=jnp.int32)
+    h = jnp.minimum(jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32), e - 1)
+    return jnp.where((r < ends[-1])[:, None], out[bstart[h] * bm + r - starts[h]], 0).astype(out_dtype)
+
+
+def shared_expert_reference(x, w_gate_up, w_down, w_gate):
+    """The shared expert of an MoE layer as HF runs it: x [M, H]; w_gate_up [H, 2Is] ([gate | up], this rank's Is),
+    w_down [Is, H], w_gate [H, 1] -> [M, H] in x.dtype: sigmoid(x @ w_gate) * down(silu(gate) * up), each GEMM
+    accumulated in fp32 and rounded to x.dtype, as are the SiLU product, the sigmoid and the last product. Under tp
+    the down GEMM's result is this rank's partial sum over Is."""
+    f32, dt = jnp.float32, x.dtype
+    dot = lambda a, w: jnp.dot(a, w, preferred_element_type=dt)     # fp32 accumulation, rounded once
+    gate, up = jnp.split(dot(x, w_gate_up), 2, axis=-1)
+    act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(dt)
+    g = jax.nn.sigmoid(dot(x, w_gate).astype(f32)).astype(dt)
+    return (dot(act, w_down).astype(f32) * g.astype(f32)).astype(dt)
+
+
+def routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=expert_gemm_reference):
+    """The contract of an MoE layer's experts on one rank: x [M, H] tokens; experts [M, k] their experts as indices
+    into this rank's weights (-1: another rank's); weights [M, k] their router weights (x.dtype); w_gate_up
+    [E, H, 2I] ([gate | up]), w_down [E, I, H]; shared: the shared expert's (w_gate_up, w_down, w_gate) as
+    shared_expert_reference takes them. -> [M, H] fp32: over each token's experts on this rank, the sum of
+    weight * down(silu(gate) * up), each GEMM accumulated in fp32 and rounded to x.dtype, as is the SiLU product and
+    its product with the weight; plus the shared expert's output. Computed on the copies sorted by expert with
+    grouped GEMMs (`gemm`: expert_gemm_reference, or expert_gemm): no group is padded, and copies of other ranks'
+    experts sit past the groups, where the GEMMs give zeros."""
+    m, k = experts.shape
+    e, f32 = w_gate_up.shape[0], jnp.float32
+    group = jnp.where(experts >= 0, experts, e).reshape(-1)
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=e + 1)[:e].astype(jnp.int32)
+    tok = order // k
+    gate, up = jnp.split(gemm(x[tok], w_gate_up, sizes), 2, axis=-1)
+    act = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(x.dtype)
+    out = gemm(act, w_down, sizes)
+    routed = jnp.zeros((m, x.shape[1]), f32).at[tok].add((out * weights.reshape(-1)[order][:, None]).astype(f32))
+    return routed + shared_expert_reference(x, *shared).astype(f32)
+
+
+def _row_dot(row, w):
+    """row [BK] @ w [BK, BN] as Triton's smallest dot: [16, BN] whose first row is the product and the other 15
+    zeros (the row, then rows of zeros), so the loop's weight loads are pipelined as a GEMM's. The loops add these
+    up and sum the 16 rows once at the end, exactly row 0."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (16, row.shape[0]), 0)
+    return pltriton.dot(jnp.where(rows == 0, row[None, :], jnp.zeros_like(row)[None, :]), w)
+
+
+def _row_times(row, w_ref, e, j, bn, width, block_k):
+    """fp32 [BN]: row(K range) over [0, width) @ w[e][:width, tile j] (e None: w is one matrix), block_k of K per
+    step."""
+    def body(s, acc):
+        rows = pl.ds(s * block_k, block_k)
+        wk = w_ref[rows, pl.ds(j * bn, bn)] if e is None else w_ref[e, rows, pl.ds(j * bn, bn)]
+        return acc + _row_dot(row(rows), wk)
+
+    return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((16, bn), jnp.float32)).sum(0)
+
+
+def _gate_up_kernel(ids_ref, x_ref, w_ref, s_ref, o_ref, *, k, routed, block_k, block_k_shared):
+    """Program (c, j): column tile j of copy c's [gate | up] (each half W = max(I, Is) wide), rounded: copy
+    c < routed is token c // k times its expert's columns, copy routed + t token t times the shared expert's. Tiles
+    past a copy's own width write zeros. Refs: ids [C'] (C' = routed), x [M, H], w [E, H, 2I], s [H, 2Is] (whole),
+    o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    bn, dt, h = o_ref.shape[0], o_ref.dtype, x_ref.shape[1]
+    half, half_s = w_ref.shape[2] // 2, s_ref.shape[1] // 2
+    wide = max(half, half_s)
+    e = ids_ref[jnp.minimum(c, routed - 1)]
+    up = (j * bn >= wide).astype(jnp.int32)
+    at = j * bn - up * wide                                      # the tile's offset in its half
+
+    def tile(w, e, half, t, bk):
+        start = at + up * half
+        row = lambda rows: x_ref[t, rows]
+        o_ref[...] = _row_times(row, w, e, start // bn, bn, h, bk).astype(dt)
+
+    @pl.when((c < routed) & (e >= 0) & (at < half))
+    def _():
+        tile(w_ref, e, half, c // k, block_k)
+
+    @pl.when((c >= routed) & (at < half_s))
+    def _():
+        tile(s_ref, None, half_s, c - routed, block_k_shared)
+
+    @pl.when(((c < routed) & ((e < 0) | (at >= half))) | ((c >= routed) & (at >= half_s)))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
+
+
+def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *, routed, block_k, block_k_shared):
+    """Program (c, j): copy c's silu(gate) * up (from its rounded GEMM results, rounded as HF) times its expert's
+    down columns of tile j (copy routed + t: the shared expert's), summed in fp32 and rounded, times the copy's weight
+    (the router's; the shared expert's sigmoid(x_t @ w_gate), rounded as HF), rounded. Refs: ids [C'], weights [C']
+    (C' = routed), gate_up [C, 2W], w [E, I, H], x [M, H], shared down [Is, H], shared gate [H] (whole), o [BN]."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    bn, dt, f32 = o_ref.shape[0], o_ref.dtype, jnp.float32
+    i, i_s, wide = w_ref.shape[1], sd_ref.shape[0], a_ref.shape[1] // 2
+    r = jnp.minimum(c, routed - 1)
+    e = ids_ref[r]
+
+    def act(rows):
+        gate = a_ref[c, rows].astype(f32)
+        up = a_ref[c, pl.ds(wide + rows.start, rows.size)].astype(f32)
+        return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
+
+    @pl.when((c < routed) & (e >= 0))
+    def _():
+        acc = _row_times(act, w_ref, e, j, bn, i, block_k)
+        o_ref[...] = (acc.astype(dt).astype(f32) * wt_ref[r].astype(f32)).astype(dt)
+
+    @pl.when(c >= routed)
+    def _():
+        acc = _row_times(act, sd_ref, None, j, bn, i_s, block_k_shared)
+        logit = jnp.sum(x_ref[c - routed, :].astype(f32) * sg_ref[...].astype(f32)).astype(dt).astype(f32)
+        gate = (1.0 / (1.0 + jnp.exp(-logit))).astype(dt).astype(f32)
+        o_ref[...] = (acc.astype(dt).astype(f32) * gate).astype(dt)
+
+    @pl.when((c < routed) & (e < 0))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
+
+
+def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
+                   interpret: bool = False):
+    """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
+    weight tile in each of two kernels (gate_up's GEMM results; down with the SiLU product on its loads and the
+    copy's weight after), the shared expert as one more copy per token (its gate computed in the down kernel), then
+    each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
+    that computes both: a batch-1 step has 8 copies)."""
+    config = DEFAULT if config is None else config
+    m, k = experts.shape
+    e, h, i2 = w_gate_up.shape
+    s_gate_up, s_down, s_gate = shared
+    i, i_s, routed = i2 // 2, s_down.shape[0], m * k
+    wide = max(i, i_s)
+    bn = min(config.copy_block_n, i, i_s, h)
+    bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
+    _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
+    _check(w_down)
+    if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk_s or h % bk_s:
+        raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn})")
+    ids = experts.reshape(routed).astype(jnp.int32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    params = pltriton.CompilerParams(num_warps=config.copy_num_warps, num_stages=config.num_stages)
+    grid = lambda n: (routed + m, n // bn)
+    gate_up = pl.pallas_call(
+        functools.partial(_gate_up_kernel, k=k, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(2 * wide),
+        in_specs=[whole(ids), whole(x), whole(w_gate_up), whole(s_gate_up)],
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((routed + m, 2 * wide), x.dtype), compiler_params=params,
+        interpret=interpret, name="expert_gate_up",
+    )(ids, x, w_gate_up, s_gate_up)
+    wts, gate = weights.reshape(routed).astype(x.dtype), s_gate.reshape(h)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, routed=routed, block_k=bk, block_k_shared=bk_s), grid=grid(h),
+        in_specs=[whole(ids), whole(wts), whole(gate_up), whole(w_down), whole(x), whole(s_down), whole(gate)],
+        out_specs=pl.BlockSpec((None, bn), lambda r, j: (r, j)),
+        out_shape=jax.ShapeDtypeStruct((routed + m, h), x.dtype), compiler_params=params, interpret=interpret,
+        name="expert_down",
+    )(ids, wts, gate_up, w_down, x, s_down, gate)
+    f32 = jnp.float32
+    return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
+
+
+def router_top_k_reference(logits, k, live):
+    """The router's choice, as HF: logits [M, E] (model dtype) -> (weights [M, k] in the logits' dtype, experts
+    [M, k] int32): the softmax over all E experts in fp32, its k largest (the lower index first among equals),
+    renormalised to sum to one. Rows where live [M] is False (padding) get expert -1 (none) and weight 0."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, idx = jax.lax.top_k(probs, k)
+    top = (top / top.sum(-1, keepdims=True)).astype(logits.dtype)
+    return jnp.where(live[:, None], top, 0), jnp.where(live[:, None], idx.astype(jnp.int32), -1)
+
+
+def _top_k_kernel(live_ref, l_ref, w_ref, i_ref, *, k):
+    """Program t: token t's softmax over its E logits and k rounds of (largest, lowest index holding it, masked
+    out). Refs: live [M] (whole), logits [E], weights [KP], experts [KP] (KP: k to a power of two; the rest
+    zeros)."""
+    f32 = jnp.float32
+    x = l_ref[...].astype(f32)
+    p = jnp.exp(x - jnp.max(x))
+    p = p / jnp.sum(p)
+    e = p.shape[0]
+    iota = jax.lax.broadcasted_iota(jnp.int32, p.shape, 0)
+    slot = jax.lax.broadcasted_iota(jnp.int32, w_ref.shape, 0)
+    vals, ids = jnp.zeros(w_ref.shape, f32), jnp.zeros(i_ref.shape, jnp.int32)
+    for r in range(k):
+        v = jnp.max(p)
+        j = jnp.min(jnp.where(p == v, iota, e))
+        vals, ids = jnp.where(slot == r, v, vals), jnp.where(slot == r, j, ids)
+        p = jnp.where(iota == j, -1.0, p)
+    live = live_ref[pl.program_id(0)] != 0
+    w_ref[...] = jnp.where(live, vals / jnp.sum(vals), 0.0).astype(w_ref.dtype)
+    i_ref[...] = jnp.where(live, ids, -1)
+
+
+def router_top_k(logits, k, live, *, num_warps: int = 4, interpret: bool = False):
+    """router_top_k_reference's contract in one kernel (one program per token), in the place of XLA's softmax,
+    its sort for top_k, the renormalisation and the padding's mask: five launches per MoE layer."""
+    m, e = logits.shape
+    kp = 1 << (k - 1).bit_length()
+    if k > e:
+        raise ValueError(f"top {k} of {e} experts")
+    live = live.astype(jnp.int32)
+    w, i = pl.pallas_call(
+        functools.partial(_top_k_kernel, k=k), grid=(m,),
+        in_specs=[pl.BlockSpec((m,), lambda t: (0,)), pl.BlockSpec((None, e), lambda t: (t, 0))],
+        out_specs=[pl.BlockSpec((None, kp), lambda t: (t, 0))] * 2,
+        out_shape=[jax.ShapeDtypeStruct((m, kp), logits.dtype), jax.ShapeDtypeStruct((m, kp), jnp.int32)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="router_top_k",
+    )(live, logits)
+    return w[:, :k], i[:, :k]

@@ -1,0 +1,1 @@
+"""The serving engine: scheduler, compiled step executables, sampler, tokenizer, multi-host replay."""

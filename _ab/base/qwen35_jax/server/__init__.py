@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: routes, request schema, streaming generation, Prometheus metrics."""
