@@ -42,3 +42,14 @@ def engine_args(**kw):
                 compilation_cache_dir=XLA_CACHE)
     base.update(kw)
     return base
+
+
+def settled(engine):
+    """engine's scheduler once every finished request's slot and pages are back: an idle engine returns them a
+    moment after the requests' last outputs (Engine._loop), so a caller woken by an output may look before that."""
+    import time
+    deadline = time.monotonic() + 60
+    while engine.scheduler.retired:
+        assert time.monotonic() < deadline, "finished requests' resources were never returned"
+        time.sleep(0.01)
+    return engine.scheduler

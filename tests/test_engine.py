@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import engine_args, fixture_dir, reference
+from conftest import engine_args, fixture_dir, reference, settled
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.llm import LLM
 from qwen35_jax.engine.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ def test_recycled_slot_matches_fresh_engine():
 def test_abort_frees_slot_and_pages_at_once():
     model = llm(1)
     eng = model.engine
-    sched = eng.scheduler
+    sched = settled(eng)
     free_slots, free_pages = len(sched.free_slots), sched.available_pages
     started = threading.Event()
     rid = eng.add_request(prompts(1, seed=31)[0], SamplingParams(max_tokens=200, ignore_eos=True),
@@ -101,7 +101,7 @@ def test_last_output_goes_out_before_the_slot_is_returned():
     delivered, and is done before the engine's next step."""
     model = llm(1)
     eng = model.engine
-    sched = eng.scheduler
+    sched = settled(eng)
     free_slots, free_pages = len(sched.free_slots), sched.available_pages
     held = []
 

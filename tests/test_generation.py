@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from conftest import engine_args
+from conftest import engine_args, settled
 from qwen35_jax.llm import LLM
 from qwen35_jax.engine.sampling_params import SamplingParams
 
@@ -76,7 +76,7 @@ def test_async_streaming_inside_running_loop(llm):
 
 
 def test_cancelled_stream_aborts_and_frees(llm):
-    sched = llm.engine.scheduler
+    sched = settled(llm.engine)
     free = len(sched.free_slots)
 
     async def run():

@@ -40,6 +40,7 @@ from qwen35_jax.model.state import abstract_snapshots, abstract_state, bytes_per
 from qwen35_jax.model.weights import abstract_weights, load_or_restore, random_weights, weight_specs
 
 log = logging.getLogger(__name__)
+RELEASE_WAIT_S = 0.001      # an idle engine's wait before returning finished requests' resources (_loop)
 
 
 def token_ids(ids, vocab_size: int) -> list[int]:
@@ -602,10 +603,10 @@ class Engine:
     def _has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
-    def _drain_inbox(self, block: bool):
+    def _drain_inbox(self, block: bool, timeout: float | None = None):
         while True:
             try:
-                msg = self._inbox.get(block=block, timeout=None if block else 0)
+                msg = self._inbox.get(block=block, timeout=timeout if block else 0)
             except queue.Empty:
                 return
             block = False
@@ -644,7 +645,15 @@ class Engine:
     def _loop(self):
         pending = None
         while not self._stopped and self.error is None:
-            self._drain_inbox(block=pending is None and not self._has_work())
+            idle = pending is None and not self._has_work()
+            if idle and self.scheduler.retired:
+                # finished requests' slots, pages and snapshots go back after their last outputs (with other work,
+                # schedule() does it first thing): a short wait first lets the callers those outputs woke take the
+                # GIL, which this bookkeeping would otherwise hold for up to the 5 ms switch interval
+                self._drain_inbox(block=True, timeout=RELEASE_WAIT_S)
+                self.scheduler.release()
+                continue
+            self._drain_inbox(block=idle)
             if self._stopped:
                 break
             with jax.profiler.StepTraceAnnotation("engine_step", step_num=self.stats.steps):
@@ -824,10 +833,6 @@ class Engine:
                 if group is not None and (group.stream or group.finished):
                     self._emit(group)
             self.stats.host_seconds += time.perf_counter() - t1
-        if self.scheduler.retired:    # after the outputs: a request's last token does not wait on its bookkeeping
-            t0 = time.perf_counter()
-            self.scheduler.release()
-            self.stats.host_seconds += time.perf_counter() - t0
 
     # -- per token -----------------------------------------------------------------------------------------------
     def _decoder(self, params: SamplingParams):
