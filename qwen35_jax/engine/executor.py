@@ -659,13 +659,15 @@ class Executor:
         return self.lazy or (self._split_done is not None and self._split_done.done()
                              and self._split_done.exception() is None)
 
-    def precompile(self, threads: int | None = None, progress: bool = True) -> float:
-        """Compile every bucket ahead of time; returns the sweep's wall time in seconds. The slowest compiles are
+    def precompile(self, threads: int | None = None, progress: bool = True, kinds: tuple | None = None) -> float:
+        """Compile every bucket ahead of time (kinds: only those of these kinds, e.g. ("save", "restore") for a
+        lazy executor's prefix-cache copies); returns the sweep's wall time in seconds. The slowest compiles are
         started first (prefill buckets by tokens, then the decode modes from the vocabulary sort down to the
         argmax, larger buckets first): queued last, they would make the sweep's tail."""
         cost = lambda k: ((1, k[1] * k[2]) if k[0] == "prefill" else (1, k[3] * k[4] + k[1]) if k[0] == "mixed"
                           else (0, SAMPLER_MODES.index(k[2]), k[1]) if k[0] in ("decode", "spec") else (-1, k[1]))
-        keys = sorted((k for k in self.keys() if k not in self.compiled), key=cost, reverse=True)
+        keys = sorted((k for k in self.keys() if k not in self.compiled and (kinds is None or k[0] in kinds)),
+                      key=cost, reverse=True)
         t0 = time.perf_counter()
         threads = max(1, threads or min(len(keys), os.cpu_count() or 2, 16))
         bar = None
