@@ -1,1 +1,0 @@
-"""The serving engine: scheduler, compiled step executables, sampler, tokenizer, multi-host replay."""

@@ -1,1 +1,0 @@
-"""The OpenAI-compatible HTTP server: routes, request schema, streaming generation, Prometheus metrics."""
