@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices (tp up to 8), the HF fixtures, and the embedded tiny model."""
 import os
+import time
 
 # Tests compile a few hundred small executables and run them on tiny models: LLVM at -O0 roughly halves XLA:CPU's
 # compile time (measured: 4-6 s -> 2.5-3.5 s per engine executable) and makes the suite faster overall.
@@ -47,7 +48,6 @@ def engine_args(**kw):
 def settled(engine):
     """engine's scheduler once every finished request's slot and pages are back: an idle engine returns them a
     moment after the requests' last outputs (Engine._loop), so a caller woken by an output may look before that."""
-    import time
     deadline = time.monotonic() + 60
     while engine.scheduler.retired:
         assert time.monotonic() < deadline, "finished requests' resources were never returned"

@@ -652,7 +652,7 @@ class Engine:
                 # GIL, which this bookkeeping would otherwise hold for up to the 5 ms switch interval
                 self._drain_inbox(block=True, timeout=RELEASE_WAIT_S)
                 self.scheduler.release()
-                saves, self.scheduler.finished_saves = self.scheduler.finished_saves, []
+                saves = self.scheduler.take_finished_saves()
                 if saves:         # their snapshots' copies now, not on the next request's time to first token
                     self.executor.run_copies("save", saves)
                 continue

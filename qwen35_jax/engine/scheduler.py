@@ -215,6 +215,11 @@ class Scheduler:
             req.slot, req.pages = 0, []
         self.retired.clear()
 
+    def take_finished_saves(self) -> list[tuple[int, Copy]]:
+        """The released requests' snapshot copies not yet handed out (to a plan, or to an idle engine)."""
+        saves, self.finished_saves = self.finished_saves, []
+        return saves
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached snapshot (and the pages only they held); False if a restore was still pending."""
         self.release()
@@ -290,8 +295,7 @@ class Scheduler:
             chunks.append(Chunk(req, req.num_computed, 0))
             if remaining > shape[1]:   # this row is chunked: nothing after it can join a larger bucket usefully
                 break
-        plan = StepPlan(decode=decode, prefill=chunks, prefill_shape=shape, finished_saves=self.finished_saves)
-        self.finished_saves = []
+        plan = StepPlan(decode=decode, prefill=chunks, prefill_shape=shape, finished_saves=self.take_finished_saves())
         for c in chunks:
             r = c.request
             c.length = min(self._segment_end(r) - c.start, shape[1])
