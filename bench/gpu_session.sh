@@ -193,11 +193,12 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches \
                $( [ $big = 1 ] || echo --gpu-memory-utilization 0.98 ) ;;
-    moeprofile)  # issue 40: where the 35B-A3B decode step's time goes at batch 1 (per scope and layer; the trace comes
-                 # back in moeprofile.tgz)
+    moeprofile)  # issue 40: where the 35B-A3B decode step's time goes at batch MP_BATCH (default 1; per scope and
+                 # layer; the trace comes back in moeprofile.tgz)
              XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES=0 run moeprofile ${MP_SHARE:-150} \
-               python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights --batch 1 \
-               --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile --top-unattributed 25
+               python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights \
+               --batch ${MP_BATCH:-1} --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile \
+               --top-unattributed 25 ${MP_KC:+--kernel-config "$MP_KC"}
              tar czf "$out/moeprofile.tgz" -C /tmp moeprofile ;;
     prefillprofile)  # issue 39: where one 8k prompt's prefill goes (9B, batch 1), with PP_KC's --kernel-config if set
              CUDA_VISIBLE_DEVICES=0 run prefillprofile ${PP_SHARE:-120} python3 bench/profile.py \
