@@ -8,7 +8,7 @@
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab abtrees profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
 #   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile prefillprofile lmhead
-#   ttftab gemv.
+#   ttftab gemv gemmlayout.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
 # (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
@@ -217,6 +217,9 @@ for s in $sections; do
              done ;;
     gemv)        # decode projections at batch 1: XLA's GEMM against a Pallas GEMV sweep (an experiment)
              CUDA_VISIBLE_DEVICES=0 run gemv ${GV_SHARE:-150} python3 bench/gemv.py --record ;;
+    gemmlayout)  # decode projections by weight layout, [K, N] against [N, K], XLA and GEMV kernels (an experiment)
+             CUDA_VISIBLE_DEVICES=0 run gemmlayout ${GL_SHARE:-150} python3 bench/gemm_layout.py --record \
+               ${GL_SHAPES:+--shapes $GL_SHAPES} ${GL_ROWS:+--rows $GL_ROWS} ;;
     multiturn) CUDA_VISIBLE_DEVICES=0 run multiturn ${MT_SHARE:-480} python3 bench/multiturn.py --record \
                  --config bench/configs/qwen3.5-9b.json --num-state-snapshots 64 --snapshots ${MT_SNAPSHOTS-16 32} \
                  --rounds 2 --random-requests ${MT_RANDOM:-64} --think-ms ${MT_THINK_MS:-0} \
