@@ -35,7 +35,7 @@ def child(args):
     if batches:
         kw = dict(max_model_len=args.context + 64, max_num_seqs=max(batches), precompile=False,
                   max_num_batched_tokens=max(256, max(batches)), max_prefill_rows=1,
-                  compilation_cache_dir=args.cache)
+                  compilation_cache_dir=args.cache, gpu_memory_utilization=args.gpu_memory_utilization)
         if hasattr(engine_module, "build_engine"):          # this tree's API
             from bench.common import random_engine
             engine = random_engine(raw, engine_module.EngineArgs(**kw))
@@ -101,6 +101,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="GDN prefill of one sequence (0: none)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="the engines' share of device memory (35B-A3B at 64 rows on an 80 GB card: 0.98)")
     ap.add_argument("--cache", default="/tmp/qwen35-ab-xla", help="persistent XLA cache shared by the rounds")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -114,7 +116,8 @@ def main():
         for name in (trees if r % 2 == 0 else list(trees)[::-1]):
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--root", trees[name], "--config",
                    args.config, "--batches", args.batches, "--context", str(args.context), "--iters",
-                   str(args.iters), "--prefill-tokens", str(args.prefill_tokens), "--cache", args.cache]
+                   str(args.iters), "--prefill-tokens", str(args.prefill_tokens), "--cache", args.cache,
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=trees[name],
                                env=dict(os.environ, PYTHONPATH=trees[name]))
             line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -139,7 +142,8 @@ def main():
         from bench import results
         body = (f"Model `{args.config}` shapes, random bf16 weights, greedy decode at context {args.context}, "
                 f"steady-state step (slope of bursts of {args.iters} to {2 * args.iters}); GDN prefill kernel alone "
-                f"on one sequence. Base tree `{args.base}`; {args.rounds} rounds of alternating processes.\n\n"
+                f"on one sequence. Base tree `{args.base}`; {args.rounds} rounds of alternating processes; "
+                f"gpu_memory_utilization {args.gpu_memory_utilization}.\n\n"
                 + results.table(rows, list(rows[0])))
         results.record("Commit A/B (bench/ab_commit.py)", body)
 

@@ -110,11 +110,11 @@ for s in $sections; do
          CUDA_VISIBLE_DEVICES=0 run ab ${AB_SHARE:-240} python3 bench/ab_decode.py --record --batches ${AB_BATCHES:-16,64} \
            --config bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --variants "" "${abv[@]}" ;;
     abtrees)  # ab_commit.py of each untracked tree in AB_TREES (bench/ab_tree.sh made them) against this one, at
-              # AB_CONFIG shapes and AB_BATCHES, AB_ROUNDS rounds each
+              # AB_CONFIG shapes and AB_BATCHES, AB_ROUNDS rounds each, AB_ARGS more of its arguments
          for t in ${AB_TREES:?abtrees needs AB_TREES}; do
            CUDA_VISIBLE_DEVICES=0 run abtree_$(basename $t) ${AB_SHARE:-240} python3 bench/ab_commit.py --record \
              --base $PWD/$t --config $PWD/bench/configs/${AB_CONFIG:-qwen3.5-9b.json} --batches ${AB_BATCHES:-1} \
-             --prefill-tokens 0 --rounds ${AB_ROUNDS:-2}
+             --prefill-tokens 0 --rounds ${AB_ROUNDS:-2} ${AB_ARGS:-}
          done ;;
     profiletp) run profiletp 90 python3 bench/profile.py --config bench/configs/qwen3.5-9b.json --tp 2 \
                --random-weights --batch 16 --prompt-len 512 --decode-steps 8 --out /tmp/proftp \

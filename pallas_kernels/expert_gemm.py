@@ -294,6 +294,150 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     return y[:routed].reshape(m, k, h).astype(f32).sum(1) + y[routed:].astype(f32)
 
 
+def _sorted_gate_up_kernel(blk_ref, row0_ref, end_ref, tok_ref, x_ref, w_ref, s_ref, o_ref, *, n_routed,
+                           block_k):
+    """Program (b, j): block b's up to BM copies of one expert (group g; g = E: the shared expert), their tokens'
+    rows gathered from x, times the expert's gate and up column tiles j, each rounded, and silu(gate) * up
+    rounded: o [BM, BN]. An empty block (g < 0) writes nothing; tiles past the expert's width write zeros. Refs:
+    block groups, first sorted rows, group ends [NB]; sorted copies' tokens [C + BM]; x [M, H]; w [E, H, 2I];
+    s [H, 2Is] (all whole)."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    g = blk_ref[b]
+    bm, bn = o_ref.shape
+    dt, f32, h = o_ref.dtype, jnp.float32, x_ref.shape[1]
+    rows = row0_ref[b] + jnp.arange(bm, dtype=jnp.int32)
+    live = rows < end_ref[b]
+    tok = jnp.where(live, tok_ref[pl.ds(row0_ref[b], bm)], 0)
+
+    def act(w, e, half):
+        def body(i, acc):
+            ks = pl.ds(i * block_k, block_k)
+            xk = jnp.where(live[:, None], x_ref[tok, ks], 0)
+            wg = w_ref[e, ks, pl.ds(j * bn, bn)] if e is not None else w[ks, pl.ds(j * bn, bn)]
+            wu = w_ref[e, ks, pl.ds(half + j * bn, bn)] if e is not None else w[ks, pl.ds(half + j * bn, bn)]
+            return acc[0] + pltriton.dot(xk, wg), acc[1] + pltriton.dot(xk, wu)
+
+        zero = jnp.zeros((bm, bn), f32)
+        gate, up = jax.lax.fori_loop(0, h // block_k, body, (zero, zero))
+        gate, up = gate.astype(dt).astype(f32), up.astype(dt).astype(f32)
+        o_ref[...] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
+
+    half, half_s = w_ref.shape[2] // 2, s_ref.shape[1] // 2
+
+    @pl.when((g >= 0) & (g < n_routed) & (j * bn < half))
+    def _():
+        act(None, g, half)
+
+    @pl.when((g == n_routed) & (j * bn < half_s))
+    def _():
+        act(s_ref, None, half_s)
+
+    @pl.when(((g >= 0) & (g < n_routed) & (j * bn >= half)) | ((g == n_routed) & (j * bn >= half_s)))
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, dt)
+
+
+def _sorted_down_kernel(blk_ref, row0_ref, end_ref, tok_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *,
+                        n_routed, block_k):
+    """Program (b, j): block b's SiLU products [BM, W] times its expert's down columns of tile j, rounded, times
+    each copy's router weight (the shared expert: sigmoid(x_t @ w_gate), rounded as HF), rounded: o [BM, BN]. Refs
+    as _sorted_gate_up_kernel's, plus the sorted copies' weights [C + BM], the products [NB * BM, W], w [E, I, H],
+    shared down [Is, H] and gate [H] (all whole)."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    g = blk_ref[b]
+    bm, bn = o_ref.shape
+    dt, f32 = o_ref.dtype, jnp.float32
+    rows = pl.ds(b * bm, bm)
+
+    def down(w, e, width):
+        def body(i, acc):
+            ks = pl.ds(i * block_k, block_k)
+            wk = w_ref[e, ks, pl.ds(j * bn, bn)] if e is not None else w[ks, pl.ds(j * bn, bn)]
+            return acc + pltriton.dot(a_ref[rows, ks], wk)
+
+        return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((bm, bn), f32)).astype(dt).astype(f32)
+
+    @pl.when((g >= 0) & (g < n_routed))
+    def _():
+        wt = wt_ref[pl.ds(row0_ref[b], bm)].astype(f32)
+        o_ref[...] = (down(None, g, w_ref.shape[1]) * wt[:, None]).astype(dt)
+
+    @pl.when(g == n_routed)
+    def _():
+        live = row0_ref[b] + jnp.arange(bm, dtype=jnp.int32) < end_ref[b]
+        tok = jnp.where(live, tok_ref[pl.ds(row0_ref[b], bm)], 0)
+        logit = jnp.sum(x_ref[tok, :].astype(f32) * sg_ref[...].astype(f32)[None, :], axis=1)
+        gate = (1.0 / (1.0 + jnp.exp(-logit.astype(dt).astype(f32)))).astype(dt).astype(f32)
+        o_ref[...] = (down(sd_ref, None, sd_ref.shape[0]) * gate[:, None]).astype(dt)
+
+
+def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
+                   interpret: bool = False):
+    """routed_experts_reference's contract for decode batches past the per-copy kernels: the token copies (the
+    shared expert one more per token, as group E) sorted by expert and cut into blocks of block_m copies of one
+    expert; one program per block and column tile in each of two kernels, which gather their tokens' rows
+    themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights), so only the experts with
+    copies are read and no padded copy of x is written; then each token's k + 1 rows summed in fp32."""
+    config = DEFAULT if config is None else config
+    m, k = experts.shape
+    e, h, i2 = w_gate_up.shape
+    s_gate_up, s_down, s_gate = shared
+    i, i_s, routed = i2 // 2, s_down.shape[0], m * k
+    wide = max(i, i_s)
+    bm, bn, bk = config.block_m, min(config.block_n, i, i_s, h), min(config.block_k, i, i_s, h)
+    _check(w_gate_up, block_m=bm, block_n=bn, block_k=bk)
+    _check(w_down)
+    if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk:
+        raise ValueError(f"expert widths H={h}, I={i}, shared Is={i_s} must be multiples of the tiles ({bk}, {bn})")
+    i32, f32 = jnp.int32, jnp.float32
+    c = routed + m
+    # group of each copy: its expert, E for the shared expert's copies, E + 1 for another rank's (dropped)
+    group = jnp.concatenate([jnp.where(experts >= 0, experts, e + 1).reshape(routed).astype(i32),
+                             jnp.full((m,), e, i32)])
+    order = jnp.argsort(group, stable=True).astype(i32)                       # sorted position -> copy
+    sizes = jnp.zeros(e + 2, i32).at[group].add(1)[:e + 1]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    nblocks = -(-sizes // bm)
+    bend = jnp.cumsum(nblocks)
+    bstart = bend - nblocks
+    nb = -(-c // bm) + min(e, routed) + 1                   # each nonempty group adds at most one partly full block
+    blocks = jnp.arange(nb, dtype=i32)
+    g = jnp.searchsorted(bend, blocks, side="right", method="compare_all").astype(i32)
+    gc = jnp.minimum(g, e)
+    blk = jnp.where(g <= e, g, -1)
+    row0 = jnp.where(g <= e, starts[gc] + (blocks - bstart[gc]) * bm, 0)
+    end = jnp.where(g <= e, ends[gc], 0)
+    pad = jnp.zeros(bm, i32)
+    tok = jnp.concatenate([jnp.where(order < routed, order // k, order - routed), pad])
+    wts = jnp.concatenate([weights.reshape(routed).astype(x.dtype), jnp.zeros(m + bm, x.dtype)])[
+        jnp.concatenate([order, pad + c])]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+    params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    meta = (blk, row0, end, tok)
+    act = pl.pallas_call(
+        functools.partial(_sorted_gate_up_kernel, n_routed=e, block_k=bk), grid=(nb, wide // bn),
+        in_specs=[*map(whole, meta), whole(x), whole(w_gate_up), whole(s_gate_up)],
+        out_specs=pl.BlockSpec((bm, bn), lambda b, j: (b, j)),
+        out_shape=jax.ShapeDtypeStruct((nb * bm, wide), x.dtype), compiler_params=params, interpret=interpret,
+        name="sorted_gate_up",
+    )(*meta, x, w_gate_up, s_gate_up)
+    y = pl.pallas_call(
+        functools.partial(_sorted_down_kernel, n_routed=e, block_k=bk), grid=(nb, h // bn),
+        in_specs=[*map(whole, meta), whole(wts), whole(act), whole(w_down), whole(x), whole(s_down),
+                  pl.BlockSpec((h,), lambda *_: (0,))],
+        out_specs=pl.BlockSpec((bm, bn), lambda b, j: (b, j)),
+        out_shape=jax.ShapeDtypeStruct((nb * bm, h), x.dtype), compiler_params=params, interpret=interpret,
+        name="sorted_down",
+    )(*meta, wts, act, w_down, x, s_down, s_gate.reshape(h))
+    # copy q's row of y: its group's first block, then its rank in the group (the sort is stable)
+    pos = jnp.zeros(c, i32).at[order].set(jnp.arange(c, dtype=i32))
+    gq = jnp.minimum(group, e)
+    row = jnp.where(group <= e, bstart[gq] * bm + pos - starts[gq], 0)
+    rows = jnp.where((group <= e)[:, None], y[row].astype(f32), 0)
+    return rows[:routed].reshape(m, k, h).sum(1) + rows[routed:]
+
+
 def router_top_k_reference(logits, k, live):
     """The router's choice, as HF: logits [M, E] (model dtype) -> (weights [M, k] in the logits' dtype, experts
     [M, k] int32): the softmax over all E experts in fp32, its k largest (the lower index first among equals),

@@ -578,9 +578,11 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         text = lower_for_cuda(lambda x, live: [expert_gemm.router_top_k(x, k, live, num_warps=w) for w in (4, 1)],
                               S((m, e), bf), S((m,), jnp.bool_))
         assert text.count("xla.gpu.triton") == 2
-    for m, i_s in ((1, 512), (16, 512), (4, 128)):         # 35B-A3B's per-copy experts at batch 1, 16; Is / 4
+    for m, i_s, fn in ((1, 512, expert_gemm.routed_experts), (16, 512, expert_gemm.routed_experts),
+                       (4, 128, expert_gemm.routed_experts), (64, 512, expert_gemm.sorted_experts),
+                       (256, 512, expert_gemm.sorted_experts)):   # 35B-A3B's experts at batch 1 to 256; Is / 4
         shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
-        text = lower_for_cuda(expert_gemm.routed_experts, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
+        text = lower_for_cuda(fn, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
                               S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared)
         assert text.count("__gpu$xla.gpu.triton") == 2
 
@@ -627,13 +629,16 @@ def test_expert_gemm_matches_ragged_dot(m, k, n, sizes, dtype):
     assert not np.asarray(got[sum(sizes):]).any()
 
 
+@pytest.mark.parametrize("kernels", ["per_copy", "sorted"])
 @pytest.mark.parametrize("m,k,e,h,i,i_s,dtype", [(3, 4, 8, 64, 32, 32, jnp.float32),
                                                    (2, 8, 16, 128, 64, 16, jnp.bfloat16),    # shared narrower
-                                                   (2, 2, 4, 64, 16, 48, jnp.float32)])      # shared wider
-def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, i_s, dtype):
-    """The per-copy expert kernels (interpret mode) against routed_experts_reference (sorted copies, ragged_dot,
-    the shared expert as HF): two tokens sharing an expert, copies of another rank's experts (-1) adding nothing, a
-    token with none here (the shared expert's output alone), a shared expert narrower and wider than the routed."""
+                                                   (2, 2, 4, 64, 16, 48, jnp.float32),       # shared wider
+                                                   (21, 4, 4, 64, 32, 32, jnp.float32)])     # groups of 2+ blocks
+def test_expert_kernels_match_the_sorted_reference(kernels, m, k, e, h, i, i_s, dtype):
+    """The per-copy and the sorted expert kernels (interpret mode) against routed_experts_reference (sorted copies,
+    ragged_dot, the shared expert as HF): two tokens sharing an expert, copies of another rank's experts (-1) adding
+    nothing, a token with none here (the shared expert's output alone), a shared expert narrower and wider than the
+    routed, groups (the shared expert's too) over several blocks of 16 copies."""
     ks = jax.random.split(jax.random.key(m), 8)
     x = jax.random.normal(ks[0], (m, h)).astype(dtype)
     wg = (0.2 * jax.random.normal(ks[1], (e, h, 2 * i))).astype(dtype)
@@ -647,8 +652,9 @@ def test_routed_experts_kernels_match_the_sorted_reference(m, k, e, h, i, i_s, d
     ids[-1] = -1 if m > 2 else ids[-1]                        # no expert on this rank
     weights = jax.nn.softmax(jax.random.normal(ks[4], (m, k)), -1).astype(dtype)
     want = expert_gemm.routed_experts_reference(x, jnp.asarray(ids), weights, wg, wd, shared)
-    got = expert_gemm.routed_experts(x, jnp.asarray(ids), weights, wg, wd, shared, interpret=True,
-                                     config=expert_gemm.ExpertGemmConfig(copy_block_n=16, copy_block_k=16))
+    tiles = expert_gemm.ExpertGemmConfig(block_n=16, block_k=16, copy_block_n=16, copy_block_k=16)
+    fn = expert_gemm.routed_experts if kernels == "per_copy" else expert_gemm.sorted_experts
+    got = fn(x, jnp.asarray(ids), weights, wg, wd, shared, interpret=True, config=tiles)
     assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
     alone = expert_gemm.shared_expert_reference(x, *shared).astype(jnp.float32)
     if m > 2:                                                 # no routed expert here: the shared expert's output
@@ -709,7 +715,7 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
-    same output with the kernels (interpret mode: the grouped GEMM on sorted copies, the per-copy kernels) as with
+    same output with the kernels (interpret mode: the sorted grouped kernels, the per-copy kernels) as with
     ragged_dot; a padding row (live False) gets the shared expert alone and changes no other row."""
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.forward import moe_block
@@ -734,8 +740,7 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     alive, padded = run(base, None), run(base)
     assert rel(padded[live], alive[live]) == 0 and rel(padded[2], alive[2]) > 0.01   # routed: nothing for row 2
     tiles = expert_gemm.ExpertGemmConfig(block_n=32, block_k=32, copy_block_n=16, copy_block_k=16)
-    grouped = functools.partial(expert_gemm.routed_experts_reference,
-                                gemm=functools.partial(expert_gemm.expert_gemm, interpret=True, config=tiles))
+    grouped = functools.partial(expert_gemm.sorted_experts, interpret=True, config=tiles)
     per_copy = functools.partial(expert_gemm.routed_experts, interpret=True, config=tiles)
     top_k = functools.partial(expert_gemm.router_top_k, interpret=True)
     for experts in (grouped, per_copy):
@@ -825,7 +830,7 @@ def test_moe_decode_step_has_no_host_synchronisation():
     from bench.compile_time import lower_decode_for_cuda
     from qwen35_jax.model.config import load_config
     cfg = dataclasses.replace(load_config(fixture_dir("moe_text_untied_e16_k4")), moe_intermediate_size=32)
-    for copies_max, call in ((16, "call @routed_experts("), (8, "call @expert_gemm(")):   # batch 4 of k 4: 16 copies
+    for copies_max, call in ((16, "call @routed_experts("), (8, "call @sorted_experts(")):  # batch 4 of k 4: 16 copies
         config = KernelConfig(backend="pallas", decode_split_k=4,
                               expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=copies_max))
         text = lower_decode_for_cuda(cfg, make_kernels(config), batch=4, slots=4, pages=9, pages_per_seq=8)

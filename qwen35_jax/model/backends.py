@@ -34,10 +34,10 @@ class KernelConfig:
     the kernel (with XLA's q / k norm, RoPE and K / V write before it); attention_prologue runs those as one kernel
     that also lays out the kernel's query tiles. prefill_attention None runs the jnp reference for prefill chunks
     (a data-dependent loop: a host round trip per key block on the GPU).
-    expert_gemm: an MoE layer's routed experts: up to copies_max token copies (small decode batches) the per-copy
-    kernels, then the grouped GEMM kernel up to max_rows copies (decode; both read only the experts routed to),
-    jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k, ragged_dot
-    always.
+    expert_gemm: an MoE layer's routed and shared experts: up to copies_max token copies (small decode batches)
+    the per-copy kernels, then the sorted grouped kernels below max_rows copies (decode; both read only the experts
+    routed to), jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k,
+    ragged_dot always.
     gemv: a prefill step's untied lm_head (its rows' last tokens) on the GEMV kernel, where XLA ran a cuBLAS gemv
     on an fp32 copy of the head; None: XLA's dot. (Decode steps run XLA's GEMMs: with a padding row beside a lone
     request they measured faster than the GEMV on one row, bench/RESULTS.md.)
@@ -146,11 +146,10 @@ class KernelConfig:
                             "tiles)")
         if cfg.moe and self.expert_gemm is not None:
             g = self.expert_gemm
-            tiles = sorted({g.block_n, g.block_k, g.copy_block_n, g.copy_block_k})
-            copy_tiles = sorted({g.copy_block_n, g.copy_block_k})  # the shared expert rides the per-copy kernels
-            for name, d, ts in (("hidden_size", cfg.hidden_size, tiles),
+            tiles = sorted({g.block_n, g.block_k, g.copy_block_n, g.copy_block_k})    # the shared expert rides
+            for name, d, ts in (("hidden_size", cfg.hidden_size, tiles),                  # both kernel pairs
                                 ("moe_intermediate_size", cfg.moe_intermediate_size, tiles),
-                                ("shared_expert_intermediate_size per rank", layout.shared_ffn, copy_tiles)):
+                                ("shared_expert_intermediate_size per rank", layout.shared_ffn, tiles)):
                 fit = [min(t, d) for t in ts]               # the kernels' tiles shrink to a narrower width
                 if d < 16 or any(f & (f - 1) or d % f for f in fit):
                     problems.append(f"{name}={d} does not split into the expert kernels' tiles {ts} (a power "
@@ -226,10 +225,9 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
     experts, top_k = expert_gemm.routed_experts_reference, expert_gemm.router_top_k_reference
     if config.expert_gemm is not None:
         top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
-        gemm = functools.partial(_grouped, kernel=p(expert_gemm.expert_gemm, config=config.expert_gemm),
-                                 limit=config.expert_gemm.max_rows)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
-                                    copies_max=config.expert_gemm.copies_max, gemm=gemm)
+                                    grouped=p(expert_gemm.sorted_experts, config=config.expert_gemm),
+                                    copies_max=config.expert_gemm.copies_max, max_rows=config.expert_gemm.max_rows)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=config.gdn_prefill),
                    gdn_decode=p(gdn.gdn_decode_packed, config=config.gdn_decode),
                    gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
@@ -244,19 +242,15 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                                                    config=config.gemv))
 
 
-def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, copies_max, gemm):
+def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, grouped, copies_max, max_rows):
     """An MoE layer's experts by their static count of token copies: the per-copy kernels up to copies_max (small
-    decode batches; the shared expert one more copy per token), else grouped GEMMs over the copies sorted by expert
-    and the shared expert as XLA's GEMMs."""
+    decode batches), the sorted grouped kernels below max_rows (larger decode batches, verify and mixed steps), and
+    from there ragged_dot on the sorted copies (prefill, where every expert is read anyway)."""
     if experts.size <= copies_max:
         return per_copy(x, experts, weights, w_gate_up, w_down, shared)
-    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared, gemm=gemm)
-
-
-def _grouped(x, w, sizes, out_dtype=None, *, kernel, limit):
-    """The grouped expert GEMM by its static row count: the kernel below `limit` token copies (decode), ragged_dot
-    from there (prefill, where every expert is read anyway)."""
-    return (kernel if x.shape[0] < limit else expert_gemm.expert_gemm_reference)(x, w, sizes, out_dtype)
+    if experts.size < max_rows:
+        return grouped(x, experts, weights, w_gate_up, w_down, shared)
+    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared)
 
 
 _MAKERS: dict[str, typing.Callable[[KernelConfig], Kernels]] = {
