@@ -197,7 +197,7 @@ for s in $sections; do
                  # layer; the trace comes back in moeprofile.tgz)
              XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES=0 run moeprofile ${MP_SHARE:-150} \
                python3 bench/profile.py --config bench/configs/qwen3.5-35b-a3b.json --random-weights \
-               --batch ${MP_BATCH:-1} --prompt-len 64 --decode-steps 4 --greedy --out /tmp/moeprofile \
+               --batch ${MP_BATCH:-1} --prompt-len ${MP_PROMPT:-64} --decode-steps 4 --greedy --out /tmp/moeprofile \
                --top-unattributed 25 ${MP_KC:+--kernel-config "$MP_KC"}
              tar czf "$out/moeprofile.tgz" -C /tmp moeprofile ;;
     prefillprofile)  # issue 39: where one 8k prompt's prefill goes (9B, batch 1), with PP_KC's --kernel-config if set

@@ -39,7 +39,7 @@ class ExpertGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     max_rows: int = 4096
-    copies_max: int = 128        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
+    copies_max: int = 256        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
     copy_block_n: int = 64
     copy_block_k: int = 256
     copy_num_warps: int = 4
