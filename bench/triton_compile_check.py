@@ -86,7 +86,7 @@ def dump(out_dir, only=()):
     jobs += [(f"conv_decode_{c.decode_name}", functools.partial(conv1d.conv_decode, config=c), conv_dec)
              for c in ks.conv_decode_sweep()]
     # MoE at 35B-A3B shapes (H 2048, I 512, E 256, k 8): the router, the per-copy experts at batch 1 and 16, the
-    # grouped expert GEMM (gate_up at batch 16's 128 copies)
+    # sorted experts at batch 64
     jobs += [(f"router_top_k_b{b}_w{w}", functools.partial(lambda x, live, w: ex.router_top_k(x, 8, live, num_warps=w),
                                                           w=w), (S((b, 256), bf), S((b,), jnp.bool_)))
              for b in (1, 64) for w in (1, 4)]
@@ -94,7 +94,8 @@ def dump(out_dir, only=()):
     jobs += [(f"routed_experts_b{b}", ex.routed_experts, (S((b, 2048), bf), S((b, 8), i32), S((b, 8), bf),
                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared))
              for b in (1, 16)]
-    jobs.append(("expert_gemm_m128", ex.expert_gemm, (S((128, 2048), bf), S((256, 2048, 1024), bf), S((256,), i32))))
+    jobs.append(("sorted_experts_b64", ex.sorted_experts, (S((64, 2048), bf), S((64, 8), i32), S((64, 8), bf),
+                                                           S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared)))
     # the decode GEMV at batch 1: the 9B in_proj, the 35B-A3B in_proj, the 9B out_proj (fp32 out, K split)
     jobs += [(f"gemv_{k}x{n}", functools.partial(gv.gemv, out_dtype=out), (S((1, k), bf), S((k, n), bf)))
              for k, n, out in ((4096, 12352, bf), (2048, 12352, bf), (4096, 4096, f32))]

@@ -123,7 +123,7 @@ def test_profile_bench_smoke(tmp_path):
 
 def test_moe_bench_smoke(tmp_path):
     """bench/moe.py on a tiny MoE config with the interpret-mode kernels (the router kernel, the per-copy expert
-    kernels at batch 1 and the grouped expert GEMM at batch 4, past copies_max): the counting engine reports the
+    kernels at batch 1 and the sorted ones at batch 4, past copies_max): the counting engine reports the
     experts each step routes to, near the uniform expectation, and every batch is timed against its floor."""
     import ast
     import json

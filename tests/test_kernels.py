@@ -568,9 +568,6 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         acfgs = kernel_sweeps.attention_sweep()
         text = lower_for_cuda(lambda *x: [paged_attention.paged_decode_attention(*x, config=c) for c in acfgs], *attn)
         assert text.count("__gpu$xla.gpu.triton") == len(acfgs)
-    for m, k, n in ((8, 2048, 1024), (128, 512, 2048)):            # 35B-A3B's experts: gate_up at batch 1, down at 16
-        text = lower_for_cuda(expert_gemm.expert_gemm, S((m, k), bf), S((256, k, n), bf), S((256,), i32))
-        assert "__gpu$xla.gpu.triton" in text
     for k, n, out in ((4096, 12352, bf), (2048, 12352, bf), (5120, 16432, bf), (4096, 4096, f32)):   # decode GEMVs
         text = lower_for_cuda(lambda x, w: gemv.gemv(x, w, out), S((1, k), bf), S((k, n), bf))
         assert text.count("__gpu$xla.gpu.triton") == 1
@@ -607,26 +604,6 @@ def test_gemv_matches_the_dot(m, k, n, config, dtype, out_dtype):
         assert rel(got, want) <= 1e-6
     with pytest.raises(ValueError, match="at most 16 rows"):
         gemv.gemv(jnp.zeros((17, k), dtype), w, config=config, interpret=True)
-
-
-@pytest.mark.parametrize("m,k,n,sizes,dtype", [
-    (8, 64, 128, [0, 1, 0, 3, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1], jnp.float32),   # rows 7.. past the groups
-    (40, 128, 64, [17, 0, 5, 18], jnp.float32),                                   # groups over several blocks
-    (24, 64, 256, [3, 3, 3, 3, 12, 0, 0, 0], jnp.bfloat16),
-    (5, 32, 32, [0, 0, 0, 0], jnp.float32)])                                      # no copy on this rank
-def test_expert_gemm_matches_ragged_dot(m, k, n, sizes, dtype):
-    """The expert GEMM kernel (interpret mode) against jax.lax.ragged_dot: each copy times its group's expert, fp32
-    accumulation, rows past sum(sizes) (copies routed to another rank's experts) zeros."""
-    ks = jax.random.split(jax.random.key(m), 2)
-    x = jax.random.normal(ks[0], (m, k)).astype(dtype)
-    w = (0.1 * jax.random.normal(ks[1], (len(sizes), k, n))).astype(dtype)
-    s = jnp.asarray(sizes, jnp.int32)
-    want = expert_gemm.expert_gemm_reference(x, w, s, jnp.float32)
-    got = expert_gemm.expert_gemm(x, w, s, jnp.float32, config=expert_gemm.ExpertGemmConfig(block_n=32, block_k=32),
-                                  interpret=True)
-    if sum(sizes):
-        assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 1e-2)
-    assert not np.asarray(got[sum(sizes):]).any()
 
 
 @pytest.mark.parametrize("kernels", ["per_copy", "sorted"])
@@ -680,8 +657,8 @@ def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
 
 
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
-    """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies, the grouped GEMM
-    kernel on sorted copies below max_rows and ragged_dot from there; expert_gemm=None and the reference backend
+    """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies, the sorted
+    kernels below max_rows and ragged_dot from there; expert_gemm=None and the reference backend
     run ragged_dot; a MoE model whose widths the tiles cannot take is refused before anything compiles."""
     from qwen35_jax.model.config import load_config
     f32, i32 = jnp.float32, jnp.int32
@@ -700,8 +677,8 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
     for c in (KernelConfig(backend="pallas_interpret", expert_gemm=None), KernelConfig(backend="reference")):
         assert "ragged_dot" in jaxpr(c, 2) and "pallas_call" not in jaxpr(c, 2)
     with pytest.raises(ValueError, match="2\\^31 elements"):                     # int32 offsets in the kernels
-        jax.eval_shape(expert_gemm.expert_gemm, args(8)[0], jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16),
-                       jax.ShapeDtypeStruct((512,), jnp.int32))
+        jax.eval_shape(expert_gemm.sorted_experts, *args(8)[:3], jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((512, 2 ** 15, 64), f32), shared)
     with pytest.raises(ValueError, match="2\\^31 elements"):
         big = jax.ShapeDtypeStruct((512, 64, 2 ** 16), jnp.bfloat16)
         jax.eval_shape(expert_gemm.routed_experts, *args(2)[:3], big, jax.ShapeDtypeStruct((512, 2 ** 15, 64), f32),
@@ -825,7 +802,7 @@ def test_decode_step_has_no_host_synchronisation():
 
 def test_moe_decode_step_has_no_host_synchronisation():
     """The same for a MoE model: its decode step, lowered for CUDA with the per-copy expert kernels and with the
-    grouped one, has no while / case / if (the grouped kernel's block table is built by comparisons:
+    sorted ones, has no while / case / if (the sorted kernels' block table is built by comparisons:
     jnp.searchsorted's default scan is a while loop)."""
     from bench.compile_time import lower_decode_for_cuda
     from qwen35_jax.model.config import load_config
