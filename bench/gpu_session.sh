@@ -7,8 +7,8 @@
 # Sections: attention kernels kheadline parts enginecheck kmodel kconv kdecode sampler throughput
 #   throughput_staged serving servinglite profile
 #   profile64 profile64pick profile64envs ab abtrees profiletp tp9b tpflags tp27b structured hostprofile speccost speccost27 specmodel
-#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moeprofile prefillprofile lmhead
-#   ttftab gemv gemmlayout.
+#   multiturn longttft longdecode longtpotab longsteps chunktiles longtpotpick moe35 moecheck moeprofile prefillprofile
+#   lmhead ttftab gemv gemmlayout.
 # Single-GPU sections run on GPU 0.
 # .whl/ (git-ignored, carried) holds the wheels the GPU machine lacks, installed into /tmp/site: llguidance 1.9.1
 # (structured), fla-core and flash-linear-attention 0.6.0 (HF + fla baselines: the H100 machines have no fla), from
@@ -193,6 +193,9 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches \
                $( [ $big = 1 ] || echo --gpu-memory-utilization 0.98 ) ;;
+    moecheck)    # issue 40: the MoE expert kernels against their reference on the GPU, at 35B-A3B shapes
+             CUDA_VISIBLE_DEVICES=0 run moecheck ${MC_SHARE:-90} python3 bench/moe_check.py --record \
+               --config bench/configs/qwen3.5-35b-a3b.json ;;
     moeprofile)  # issue 40: where the 35B-A3B decode step's time goes at batch MP_BATCH (default 1; per scope and
                  # layer; the trace comes back in moeprofile.tgz)
              XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES=0 run moeprofile ${MP_SHARE:-150} \
