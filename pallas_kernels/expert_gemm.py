@@ -11,7 +11,7 @@ copy's expert by id: gate and up tiles as programs of their own, the SiLU produc
 router weight after it; the shared expert is one more copy per token, its sigmoid gate computed in the down
 kernel. Copies of one expert in flight together read its tiles from L2 after the first. Larger batches, where
 copies of one expert are many, run `sorted_experts`: the copies sorted by expert into blocks of one expert each,
-whose kernels gather their tokens' rows themselves and store each product row at its copy's index.
+whose kernels gather their tokens' rows themselves.
 """
 from __future__ import annotations
 
