@@ -144,13 +144,16 @@ def test_hostile_inputs(server):
 
 def test_big_prompt_does_not_stall_health(server):
     """An 8 MB chat message is rendered and tokenized off the event loop (seconds of work), so /health keeps
-    answering at once meanwhile; then the prompt is refused as too long."""
+    answering meanwhile; then the prompt is refused as too long. Tokenized on the loop, one /health call would wait
+    out most of the work; the bound is relative to the work's own time, as a loaded 2-core machine can stall any
+    thread for a second or more (a CI run saw one 2.6 s answer among many fast ones)."""
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(rng.randint(2, 9))) for _ in range(2000)]
     text = " ".join(rng.choice(words) for _ in range(1_500_000))[:8_000_000]
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault(
         "r", post(server, CH, {"messages": [{"role": "user", "content": text}], "max_tokens": 1})))
+    began = time.monotonic()
     worker.start()
     latencies = []
     while worker.is_alive():
@@ -159,10 +162,12 @@ def test_big_prompt_does_not_stall_health(server):
         latencies.append(time.monotonic() - t)
         time.sleep(0.02)
     worker.join()
+    work = time.monotonic() - began
     r = result["r"]
     assert r.status_code == 400 and assert_openai_error(r)["code"] == "context_length_exceeded", r.text[:300]
     assert len(latencies) >= 10, latencies          # the work took a while: /health was polled throughout
-    assert max(latencies) < 0.5, sorted(latencies)[-5:]
+    assert sorted(latencies)[len(latencies) // 2] < 0.1, sorted(latencies)
+    assert max(latencies) < 0.4 * work, (work, sorted(latencies)[-5:])
 
 
 # -- fuzzing -----------------------------------------------------------------------------------------------------
