@@ -183,6 +183,14 @@ def _down_kernel(ids_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *,
         o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
+def _widths(experts, w_gate_up, shared):
+    """(m tokens, k, E, H, I, shared Is, routed copies m k, the wider of I and Is) of an MoE layer's call."""
+    m, k = experts.shape
+    e, h, i2 = w_gate_up.shape
+    i, i_s = i2 // 2, shared[1].shape[0]
+    return m, k, e, h, i, i_s, m * k, max(i, i_s)
+
+
 def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
                    interpret: bool = False):
     """routed_experts_reference's contract for a few token copies (decode): no sort, one program per copy and
@@ -191,11 +199,8 @@ def routed_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     each token's k + 1 rows summed in fp32. gate and up tiles are programs of their own (twice the programs of one
     that computes both: a batch-1 step has 8 copies)."""
     config = DEFAULT if config is None else config
-    m, k = experts.shape
-    e, h, i2 = w_gate_up.shape
+    m, k, e, h, i, i_s, routed, wide = _widths(experts, w_gate_up, shared)
     s_gate_up, s_down, s_gate = shared
-    i, i_s, routed = i2 // 2, s_down.shape[0], m * k
-    wide = max(i, i_s)
     bn = min(config.copy_block_n, i, i_s, h)
     bk, bk_s = min(config.copy_block_k, i, h), min(config.copy_block_k, i_s, h)
     _check(w_gate_up, copy_block_n=bn, copy_block_k=bk, shared_block_k=bk_s)
@@ -310,11 +315,8 @@ def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights), so only the experts with
     copies are read and no padded copy of x is written; then each token's k + 1 rows summed in fp32."""
     config = DEFAULT if config is None else config
-    m, k = experts.shape
-    e, h, i2 = w_gate_up.shape
+    m, k, e, h, i, i_s, routed, wide = _widths(experts, w_gate_up, shared)
     s_gate_up, s_down, s_gate = shared
-    i, i_s, routed = i2 // 2, s_down.shape[0], m * k
-    wide = max(i, i_s)
     bm, bn, bk = config.block_m, min(config.block_n, i, i_s, h), min(config.block_k, i, i_s, h)
     _check(w_gate_up, block_m=bm, block_n=bn, block_k=bk)
     _check(w_down)
