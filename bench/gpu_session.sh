@@ -193,9 +193,10 @@ for s in $sections; do
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches \
                $( [ $big = 1 ] || echo --gpu-memory-utilization 0.98 ) ;;
-    moecheck)    # issue 40: the MoE expert kernels against their reference on the GPU, at 35B-A3B shapes
+    moecheck)    # issue 40: the MoE expert kernels against their reference on the GPU, at 35B-A3B shapes (MC_ARGS:
+                 # more moe_check.py arguments, e.g. --sweep for the sorted kernels' tiles)
              CUDA_VISIBLE_DEVICES=0 run moecheck ${MC_SHARE:-90} python3 bench/moe_check.py --record \
-               --config bench/configs/qwen3.5-35b-a3b.json ;;
+               --config bench/configs/qwen3.5-35b-a3b.json ${MC_ARGS:-} ;;
     moeprofile)  # issue 40: where the 35B-A3B decode step's time goes at batch MP_BATCH (default 1; per scope and
                  # layer; the trace comes back in moeprofile.tgz)
              XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 CUDA_VISIBLE_DEVICES=0 run moeprofile ${MP_SHARE:-150} \
