@@ -192,7 +192,7 @@ for s in $sections; do
              batches=${MOE_BATCHES:-$( [ $big = 1 ] && echo 1,16,64,256 || echo 1,16,64 )}
              CUDA_VISIBLE_DEVICES=0 run moe35 ${MOE_SHARE:-540} python3 bench/moe.py --record \
                --config bench/configs/qwen3.5-35b-a3b.json --batches $batches \
-               $( [ $big = 1 ] || echo --gpu-memory-utilization 0.98 ) ;;
+               $( [ $big = 1 ] || echo --gpu-memory-utilization 0.98 ) ${MOE_ARGS:-} ;;   # e.g. --ttft 2048,8192
     moecheck)    # issue 40: the MoE expert kernels against their reference on the GPU, at 35B-A3B shapes (MC_ARGS:
                  # more moe_check.py arguments, e.g. --sweep for the sorted kernels' tiles)
              CUDA_VISIBLE_DEVICES=0 run moecheck ${MC_SHARE:-90} python3 bench/moe_check.py --record \

@@ -6,7 +6,9 @@ experts it routes to, GDN state read and written, K/V read) over the copy bandwi
 Routed experts per layer are counted on the step's own inputs (rows fed distinct random tokens, an
 engine of its own that reports each layer's routing), beside the expectation under uniform routing,
 E (1 - (1 - k/E)^b) for b rows. HF transformers runs first in a child process of its own:
-`generate` of --hf-tokens tokens at every batch, greedy, tokens/s.
+`generate` of --hf-tokens tokens at every batch, greedy, tokens/s. --ttft: then the time to the first token of one
+prompt of each length (random ids, chunks of 2048 tokens, median of 3 after a warm-up that compiles the buckets),
+beside the prefill's expert-weight floor (every expert's weights read once per chunk, over the copy bandwidth).
 
     python bench/moe.py --config bench/configs/qwen3.5-35b-a3b.json --record
 """
@@ -118,6 +120,7 @@ def main():
     ap.add_argument("--hf-tokens", type=int, default=32, help="tokens HF generates per timed run (0: no HF run)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="the engine's (default 0.9): 0.98 leaves 64 rows' state room beside 35B-A3B on an 80 GB card")
+    ap.add_argument("--ttft", default="", help="prompt lengths to time to the first token, e.g. 2048,8192")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -167,6 +170,7 @@ def main():
         print(row, flush=True)
         rows.append(row)
     engine.shutdown()
+    ttft_rows = ttft(args, w, bw) if args.ttft else []
     fmt = [{c: f"{v:.3f}" if isinstance(v, float) else v for c, v in r.items()} for r in rows]
     cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[-1]).index(c) if c in rows[-1] else 99)
     body = (f"Model `{os.path.basename(args.config)}` shapes, random bf16 weights ({sum(x.nbytes for x in
@@ -175,9 +179,52 @@ def main():
             f"state + K/V. "
             + (f"HF: transformers generate of {args.hf_tokens} tokens, bf16." if hf else "No HF run.") + "\n\n"
             + results.table([{c: r.get(c, "") for c in cols} for r in fmt], cols))
+    if ttft_rows:
+        body += ("\n\nTime to the first token of one prompt (chunks of 2048 tokens, median of 3); expert floor: "
+                 "every expert's weights read once per chunk over the copy bandwidth.\n\n"
+                 + results.table([{c: f"{v:.1f}" if isinstance(v, float) else v for c, v in r.items()}
+                                  for r in ttft_rows], list(ttft_rows[0])))
     print(body)
     if args.record:
-        results.record("MoE decode against its floor and HF (bench/moe.py)", body, fields={"rows": rows, "hf": hf})
+        results.record("MoE decode against its floor and HF (bench/moe.py)", body,
+                       fields={"rows": rows, "hf": hf, "ttft": ttft_rows})
+
+
+def ttft(args, w, bw) -> list[dict]:
+    """Seconds to the first token of one prompt per --ttft length, on an engine of its own over the same weights."""
+    import statistics
+
+    import numpy as np
+
+    from bench.common import kernel_config, random_engine
+    from qwen35_jax.engine.engine import EngineArgs
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    lens, chunk = ints(args.ttft), 2048
+    engine = random_engine(args.config, EngineArgs(
+        max_model_len=max(lens) + 16, max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_rows=1,
+        precompile=False, enable_prefix_caching=False, kernel_config=kernel_config(args),
+        **({} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization})),
+        weights=w)
+    cfg = engine.cfg
+    expert_bytes = sum(x.nbytes for x in (engine.weights.layers[0].mlp.gate_up, engine.weights.layers[0].mlp.down))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    run = lambda n: engine.generate([rng.integers(0, cfg.vocab_size, n).tolist()], [params])
+    for n in sorted({min(lens), *(n % chunk for n in lens if n % chunk)}):
+        run(n)                                      # compiles every prefill bucket the lengths pass through
+    rows = []
+    for n in lens:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run(n)
+            times.append(time.perf_counter() - t0)
+        chunks = -(-n // chunk)
+        rows.append({"prompt tokens": n, "ttft ms": statistics.median(times) * 1e3,
+                     "expert floor ms": chunks * cfg.num_layers * expert_bytes / bw * 1e3})
+        print(rows[-1], [round(t, 3) for t in times], flush=True)
+    engine.shutdown()
+    return rows
 
 
 if __name__ == "__main__":

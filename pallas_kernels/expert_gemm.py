@@ -1,17 +1,19 @@
-"""An MoE layer's routed and shared experts at decode, reading only the experts that have token copies
-(Pallas-Triton), and the router's softmax and top k.
+"""An MoE layer's routed and shared experts, reading only the experts that have token copies (Pallas-Triton), and
+the router's softmax and top k.
 
-Why kernels: `jax.lax.ragged_dot` (the reference's grouped GEMM, `expert_gemm_reference`) sweeps every expert's
-weights on the GPU whatever the group sizes: a decode step of Qwen3.5-35B-A3B routes a token to 8 of 256 experts
-per layer and read all 256 (bench/RESULTS.md, the 35B-A3B section). Prefill steps, whose copies touch every expert
-many times over, keep ragged_dot: from `max_rows` copies the backend calls the reference.
+Why kernels: `jax.lax.ragged_dot` (the reference's grouped GEMM, `expert_gemm_reference`) is no grouped GEMM on an
+NVIDIA GPU: XLA rewrites it into a dense dot over every expert (RaggedDotRewriter: the copies broadcast to [C, E, H]
+and masked per group), E times the FLOPs and an E-times temporary. A decode step of Qwen3.5-35B-A3B, which routes
+a token to 8 of 256 experts per layer, read all 256 (bench/RESULTS.md, the 35B-A3B section); a 2048-token prefill
+chunk (16384 routed copies) would need a 17 GB temporary per GEMM and 256 times its FLOPs.
 
 Small decode batches skip the sort: `routed_experts` runs one program per token copy and weight tile, reading the
 copy's expert by id: gate and up tiles as programs of their own, the SiLU product on the down kernel's loads and the
 router weight after it; the shared expert is one more copy per token, its sigmoid gate computed in the down
-kernel. Copies of one expert in flight together read its tiles from L2 after the first. Larger batches, where
-copies of one expert are many, run `sorted_experts`: the copies sorted by expert into blocks of one expert each,
-whose kernels gather their tokens' rows themselves.
+kernel. Copies of one expert in flight together read its tiles from L2 after the first. Everything larger (decode
+batches where copies of one expert are many, verify, mixed and prefill steps) runs `sorted_experts`: the copies
+sorted by expert into blocks of one expert each, whose kernels gather their tokens' rows themselves; the blocks
+grow with the copies per expert (prefill), so each expert's tiles are read by fewer blocks.
 """
 from __future__ import annotations
 
@@ -27,16 +29,16 @@ from jax.experimental.pallas import triton as pltriton
 @dataclasses.dataclass(frozen=True)
 class ExpertGemmConfig:
     """Tiles: copies per block (Triton's smallest dot), weight columns per program, K per loop step; Triton's warps
-    and pipeline depth (router_num_warps: the router kernel's). max_rows: from this many copies (M) the backend runs
-    the reference (ragged_dot) instead. copies_max: up to this many token copies an MoE layer runs routed_experts
-    (one program per copy and tile of copy_block_n columns, copy_block_k of K per step), above it sorted_experts
-    (blocks of block_m copies, block_n columns, block_k of K per step)."""
+    and pipeline depth (router_num_warps: the router kernel's). copies_max: up to this many token copies an MoE
+    layer runs routed_experts (one program per copy and tile of copy_block_n columns, copy_block_k of K per step),
+    above it sorted_experts (blocks of block_m copies, or more up to block_m_max where the mean group holds more,
+    block_n columns, block_k of K per step)."""
     block_m: int = 16
+    block_m_max: int = 64
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    max_rows: int = 4096
     copies_max: int = 256        # routed_experts: per-copy kernels up to this many token copies (tokens x k)
     copy_block_n: int = 64
     copy_block_k: int = 256
@@ -302,22 +304,36 @@ def _sorted_down_kernel(blk_ref, row0_ref, end_ref, tok_ref, wt_ref, a_ref, w_re
     def _():
         live = row0_ref[b] + jnp.arange(bm, dtype=jnp.int32) < end_ref[b]
         tok = jnp.where(live, tok_ref[pl.ds(row0_ref[b], bm)], 0)
-        logit = jnp.sum(x_ref[tok, :].astype(f32) * sg_ref[...].astype(f32)[None, :], axis=1)
+
+        def dot_gate(i, acc):           # x_t @ w_gate over K steps (a block's whole rows at once would spill)
+            ks = pl.ds(i * block_k, block_k)
+            return acc + jnp.sum(x_ref[tok, ks].astype(f32) * sg_ref[ks].astype(f32)[None, :], axis=1)
+
+        logit = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, dot_gate, jnp.zeros((bm,), f32))
         gate = (1.0 / (1.0 + jnp.exp(-logit.astype(dt).astype(f32)))).astype(dt).astype(f32)
         o_ref[...] = (down(sd_ref, None, sd_ref.shape[0]) * gate[:, None]).astype(dt)
 
 
+def block_m(config: ExpertGemmConfig, copies: int, groups: int) -> int:
+    """sorted_experts' copies per block: config.block_m, doubled while the mean group holds twice as many copies,
+    up to config.block_m_max (a prefill chunk's groups hold hundreds: each expert's tiles are read per block)."""
+    bm = config.block_m
+    while 2 * bm <= min(config.block_m_max, copies // groups):
+        bm *= 2
+    return bm
+
+
 def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: ExpertGemmConfig | None = None,
                    interpret: bool = False):
-    """routed_experts_reference's contract for decode batches past the per-copy kernels: the token copies (the
-    shared expert one more per token, as group E) sorted by expert and cut into blocks of block_m copies of one
-    expert; one program per block and column tile in each of two kernels, which gather their tokens' rows
-    themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights), so only the experts with
-    copies are read and no padded copy of x is written; then each token's k + 1 rows summed in fp32."""
+    """routed_experts_reference's contract for any number of tokens (past the per-copy kernels): the token copies
+    (the shared expert one more per token, as group E) sorted by expert and cut into blocks of BM copies of one
+    expert (BM: `block_m`); one program per block and column tile in each of two kernels, which gather their
+    tokens' rows themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights), so only the
+    experts with copies are read and no padded copy of x is written; then each token's k + 1 rows summed in fp32."""
     config = DEFAULT if config is None else config
     m, k, e, h, i, i_s, routed, wide = _widths(experts, w_gate_up, shared)
     s_gate_up, s_down, s_gate = shared
-    bm, bn, bk = config.block_m, min(config.block_n, i, i_s, h), min(config.block_k, i, i_s, h)
+    bm, bn, bk = block_m(config, routed + m, e + 1), min(config.block_n, i, i_s, h), min(config.block_k, i, i_s, h)
     _check(w_gate_up, block_m=bm, block_n=bn, block_k=bk)
     _check(w_down)
     if i % bn or h % bn or i % bk or h % bk or i_s % bn or i_s % bk:

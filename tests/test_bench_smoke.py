@@ -124,14 +124,15 @@ def test_profile_bench_smoke(tmp_path):
 def test_moe_bench_smoke(tmp_path):
     """bench/moe.py on a tiny MoE config with the interpret-mode kernels (the router kernel, the per-copy expert
     kernels at batch 1 and the sorted ones at batch 4, past copies_max): the counting engine reports the
-    experts each step routes to, near the uniform expectation, and every batch is timed against its floor."""
+    experts each step routes to, near the uniform expectation, and every batch is timed against its floor; a
+    prompt's time to the first token beside its expert floor."""
     import ast
     import json
     raw = json.load(open(os.path.join(fixture_dir("moe_text_untied_e16_k4"), "config.json")))
     json.dump(dict(raw, moe_intermediate_size=32), open(tmp_path / "config.json", "w"))   # the kernel's tiles
     cmd = [sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--config", str(tmp_path / "config.json"),
            "--batches", "1,4", "--context", "16", "--iters", "2", "--hf-tokens", "0",
-           "--kernel-backend", "pallas_interpret", "--kernel-config", "expert_gemm.copies_max=8"]
+           "--kernel-backend", "pallas_interpret", "--kernel-config", "expert_gemm.copies_max=8", "--ttft", "24"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=server_env(), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in r.stdout.splitlines() if line.startswith("{'batch'")]
@@ -139,6 +140,9 @@ def test_moe_bench_smoke(tmp_path):
     assert rows[0]["experts_touched_per_layer"] == 4.0        # k of one token's routing
     assert abs(rows[1]["experts_touched_per_layer"] - rows[1]["uniform_expectation"]) < 3
     assert all(row["floor_ms"] > 0 and row["step_ms"] > 0 for row in rows) and "No HF run." in r.stdout
+    ttft = [ast.literal_eval(line.split("} ")[0] + "}") for line in r.stdout.splitlines()
+            if line.startswith("{'prompt tokens'")]
+    assert [t["prompt tokens"] for t in ttft] == [24] and ttft[0]["ttft ms"] > 0 < ttft[0]["expert floor ms"]
 
 
 def test_gemv_and_lm_head_bench_smoke():

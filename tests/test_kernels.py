@@ -639,6 +639,25 @@ def test_expert_kernels_match_the_sorted_reference(kernels, m, k, e, h, i, i_s, 
     assert rel(got[0], alone[0]) > 0.01
 
 
+@pytest.mark.parametrize("block_m_max,bm", [(16, 16), (64, 32)])
+def test_sorted_experts_blocks_grow_with_the_groups(block_m_max, bm):
+    """A prefill-sized call (a mean of 40 copies per group) cuts its groups into blocks of 32 copies (up to
+    block_m_max) and matches the reference as blocks of 16 do (interpret mode)."""
+    m, k, e, h, i = 40, 4, 4, 64, 32
+    ks = jax.random.split(jax.random.key(3), 8)
+    x = jax.random.normal(ks[0], (m, h))
+    wg, wd = 0.2 * jax.random.normal(ks[1], (e, h, 2 * i)), 0.2 * jax.random.normal(ks[2], (e, i, h))
+    shared = tuple(0.2 * jax.random.normal(key, shape) for key, shape in zip(ks[5:], ((h, 2 * i), (i, h), (h, 1))))
+    ids = jnp.stack([jax.random.permutation(key, e)[:k] for key in jax.random.split(ks[3], m)]).at[0, -1].set(-1)
+    weights = jax.nn.softmax(jax.random.normal(ks[4], (m, k)), -1)
+    want = expert_gemm.routed_experts_reference(x, ids, weights, wg, wd, shared)
+    tiles = expert_gemm.ExpertGemmConfig(block_n=16, block_k=16, block_m_max=block_m_max)
+    assert expert_gemm.block_m(tiles, m * (k + 1), e + 1) == bm
+    got = expert_gemm.sorted_experts(x, ids, weights, wg, wd, shared, interpret=True, config=tiles)
+    assert rel(got, want) <= 1e-6
+    assert [expert_gemm.block_m(expert_gemm.DEFAULT, 9 * t, 257) for t in (64, 512, 2048)] == [16, 16, 64]
+
+
 @pytest.mark.parametrize("m,e,k,dtype", [(5, 16, 4, jnp.float32), (3, 32, 10, jnp.float32), (4, 256, 8, jnp.bfloat16)])
 def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
     """The router kernel (interpret mode) against softmax + jax.lax.top_k + renormalisation: the same experts in the
@@ -657,9 +676,10 @@ def test_router_top_k_kernel_matches_softmax_and_top_k(m, e, k, dtype):
 
 
 def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
-    """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies, the sorted
-    kernels below max_rows and ragged_dot from there; expert_gemm=None and the reference backend
-    run ragged_dot; a MoE model whose widths the tiles cannot take is refused before anything compiles."""
+    """The pallas backends run the per-copy kernels up to ExpertGemmConfig.copies_max token copies and the sorted
+    kernels past them, prefill-sized calls too (ragged_dot is a dense dot over every expert on a GPU);
+    expert_gemm=None and the reference backend run ragged_dot; a MoE model whose widths the tiles cannot take is
+    refused before anything compiles."""
     from qwen35_jax.model.config import load_config
     f32, i32 = jnp.float32, jnp.int32
     w = (jax.ShapeDtypeStruct((8, 64, 64), f32), jax.ShapeDtypeStruct((8, 32, 64), f32))
@@ -669,11 +689,11 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
                       jax.ShapeDtypeStruct((m, 4), f32), *w, shared)
     jaxpr = lambda c, m: str(jax.make_jaxpr(make_kernels(c.resolved()).routed_experts)(*args(m)))
     kernel = KernelConfig(backend="pallas_interpret",
-                          expert_gemm=expert_gemm.ExpertGemmConfig(max_rows=64, copies_max=16))
+                          expert_gemm=expert_gemm.ExpertGemmConfig(copies_max=16))
     assert "expert_gate_up" in jaxpr(kernel, 4) and "ragged_dot" not in jaxpr(kernel, 4)
-    grouped = jaxpr(kernel, 5)                                          # 20 copies
-    assert "pallas_call" in grouped and "expert_gate_up" not in grouped and "ragged_dot" not in grouped
-    assert "ragged_dot" in jaxpr(kernel, 16) and "pallas_call" not in jaxpr(kernel, 16)     # 64 copies
+    for m in (5, 4096):                                                 # 20 copies; a prefill chunk's 16384
+        grouped = jaxpr(kernel, m)
+        assert "sorted_gate_up" in grouped and "expert_gate_up" not in grouped and "ragged_dot" not in grouped
     for c in (KernelConfig(backend="pallas_interpret", expert_gemm=None), KernelConfig(backend="reference")):
         assert "ragged_dot" in jaxpr(c, 2) and "pallas_call" not in jaxpr(c, 2)
     with pytest.raises(ValueError, match="2\\^31 elements"):                     # int32 offsets in the kernels

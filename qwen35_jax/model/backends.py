@@ -35,9 +35,9 @@ class KernelConfig:
     that also lays out the kernel's query tiles. prefill_attention None runs the jnp reference for prefill chunks
     (a data-dependent loop: a host round trip per key block on the GPU).
     expert_gemm: an MoE layer's routed and shared experts: up to copies_max token copies (small decode batches)
-    the per-copy kernels, then the sorted grouped kernels below max_rows copies (decode; both read only the experts
-    routed to), jax.lax.ragged_dot from there; the router's softmax and top k as one kernel. None: XLA's top k,
-    ragged_dot always.
+    the per-copy kernels, the sorted grouped kernels past them (both read only the experts routed to); the
+    router's softmax and top k as one kernel. None: the reference, XLA's top k and jax.lax.ragged_dot (which XLA
+    runs on a GPU as a dense dot over every expert: pallas_kernels/expert_gemm.py).
     gemv: a prefill step's untied lm_head (its rows' last tokens) on the GEMV kernel, where XLA ran a cuBLAS gemv
     on an fp32 copy of the head; None: XLA's dot. (Decode steps run XLA's GEMMs: with a padding row beside a lone
     request they measured faster than the GEMV on one row, bench/RESULTS.md.)
@@ -227,7 +227,7 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
         top_k = p(expert_gemm.router_top_k, static=("k",), num_warps=config.expert_gemm.router_num_warps)
         experts = functools.partial(_routed, per_copy=p(expert_gemm.routed_experts, config=config.expert_gemm),
                                     grouped=p(expert_gemm.sorted_experts, config=config.expert_gemm),
-                                    copies_max=config.expert_gemm.copies_max, max_rows=config.expert_gemm.max_rows)
+                                    copies_max=config.expert_gemm.copies_max)
     return Kernels(gdn_prefill=p(gdn.gdn_prefill, config=config.gdn_prefill),
                    gdn_decode=p(gdn.gdn_decode_packed, config=config.gdn_decode),
                    gdn_tokens=p(gdn.gdn_decode_tokens_packed, static=("write",), config=config.gdn_decode),
@@ -242,15 +242,13 @@ def _pallas(config: KernelConfig, interpret: bool) -> Kernels:
                                                                    config=config.gemv))
 
 
-def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, grouped, copies_max, max_rows):
+def _routed(x, experts, weights, w_gate_up, w_down, shared, *, per_copy, grouped, copies_max):
     """An MoE layer's experts by their static count of token copies: the per-copy kernels up to copies_max (small
-    decode batches), the sorted grouped kernels below max_rows (larger decode batches, verify and mixed steps), and
-    from there ragged_dot on the sorted copies (prefill, where every expert is read anyway)."""
+    decode batches), the sorted grouped kernels past them (larger decode batches, verify, mixed and prefill
+    steps)."""
     if experts.size <= copies_max:
         return per_copy(x, experts, weights, w_gate_up, w_down, shared)
-    if experts.size < max_rows:
-        return grouped(x, experts, weights, w_gate_up, w_down, shared)
-    return expert_gemm.routed_experts_reference(x, experts, weights, w_gate_up, w_down, shared)
+    return grouped(x, experts, weights, w_gate_up, w_down, shared)
 
 
 _MAKERS: dict[str, typing.Callable[[KernelConfig], Kernels]] = {
