@@ -713,7 +713,8 @@ def test_expert_gemm_backend_runs_the_kernel_for_decode_rows():
 def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     """A whole MoE layer (router, top k, experts split over tp, shared expert, all-reduce) on decode rows gives the
     same output with the kernels (interpret mode: the sorted grouped kernels, the per-copy kernels) as with
-    ragged_dot; a padding row (live False) gets the shared expert alone and changes no other row."""
+    ragged_dot; a padding row (live False) gets the shared expert alone and changes no other row; a prefill chunk
+    of 128 tokens runs the sorted kernels on blocks of 32 (tp 1) or 64 copies (tp 2: 8 experts per rank)."""
     from qwen35_jax.model.config import load_config
     from qwen35_jax.model.forward import moe_block
     from qwen35_jax.model.sharding import TP
@@ -731,7 +732,7 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
                 shared_gate=P())
     base = make_kernels(KernelConfig(backend="reference").resolved())
     live = jnp.arange(6) != 2                                              # row 2: padding
-    run = lambda kern, live=live: jax.jit(jax.shard_map(
+    run = lambda kern, live=live, x=x: jax.jit(jax.shard_map(
         lambda w, x: moe_block(cfg, Layout.build(cfg, tp), kern, w, x, live), mesh=mesh, in_specs=(specs, P()),
         out_specs=P(), check_vma=False))(w, x)
     alive, padded = run(base, None), run(base)
@@ -742,6 +743,10 @@ def test_moe_block_with_the_expert_kernel_equals_ragged_dot(tp):
     top_k = functools.partial(expert_gemm.router_top_k, interpret=True)
     for experts in (grouped, per_copy):
         assert rel(run(dataclasses.replace(base, routed_experts=experts, router_top_k=top_k)), run(base)) <= 1e-6
+    chunk = jax.random.normal(ks[6], (1, 128, h))
+    assert expert_gemm.block_m(tiles, 128 * (cfg.num_experts_per_tok + 1), e // tp + 1) == 32 * tp
+    got = run(dataclasses.replace(base, routed_experts=grouped, router_top_k=top_k), None, chunk)
+    assert rel(got, run(base, None, chunk)) <= 1e-6
 
 
 def test_model_projections_round_once():
