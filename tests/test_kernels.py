@@ -577,7 +577,8 @@ def test_kernels_cross_lower_for_cuda(hk, hv, dk, dv, conv_ch):
         assert text.count("xla.gpu.triton") == 2
     for m, i_s, fn in ((1, 512, expert_gemm.routed_experts), (16, 512, expert_gemm.routed_experts),
                        (4, 128, expert_gemm.routed_experts), (64, 512, expert_gemm.sorted_experts),
-                       (256, 512, expert_gemm.sorted_experts)):   # 35B-A3B's experts at batch 1 to 256; Is / 4
+                       (256, 512, expert_gemm.sorted_experts),   # 35B-A3B's experts at batch 1 to 256; Is / 4;
+                       (2048, 512, expert_gemm.sorted_experts)):  # a prefill chunk (blocks of 64 copies)
         shared = (S((2048, 2 * i_s), bf), S((i_s, 2048), bf), S((2048, 1), bf))
         text = lower_for_cuda(fn, S((m, 2048), bf), S((m, 8), i32), S((m, 8), bf),
                               S((256, 2048, 1024), bf), S((256, 512, 2048), bf), shared)
