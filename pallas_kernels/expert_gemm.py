@@ -32,10 +32,10 @@ class ExpertGemmConfig:
     and pipeline depth (router_num_warps: the router kernel's). copies_max: up to this many token copies an MoE
     layer runs routed_experts (one program per copy and tile of copy_block_n columns, copy_block_k of K per step),
     above it sorted_experts (blocks of block_m copies, or more up to block_m_max where the mean group holds more,
-    block_n columns, block_k of K per step)."""
+    num_warps per block_m of them; block_n columns, block_k of K per step)."""
     block_m: int = 16
-    block_m_max: int = 64
-    block_n: int = 64
+    block_m_max: int = 32
+    block_n: int = 128
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
@@ -275,35 +275,41 @@ def _sorted_gate_up_kernel(blk_ref, row0_ref, end_ref, tok_ref, x_ref, w_ref, s_
         o_ref[...] = jnp.zeros(o_ref.shape, dt)
 
 
-def _sorted_down_kernel(blk_ref, row0_ref, end_ref, tok_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref, o_ref, *,
-                        n_routed, block_k):
+def _sorted_down_kernel(blk_ref, row0_ref, end_ref, tok_ref, ord_ref, wt_ref, a_ref, w_ref, x_ref, sd_ref, sg_ref,
+                        o_ref, *, n_routed, block_k, block_n):
     """Program (b, j): block b's SiLU products [BM, W] times its expert's down columns of tile j, rounded, times
-    each copy's router weight (the shared expert: sigmoid(x_t @ w_gate), rounded as HF), rounded: o [BM, BN]. Refs
-    as _sorted_gate_up_kernel's, plus the sorted copies' weights [C + BM], the products [NB * BM, W], w [E, I, H],
-    shared down [Is, H] and gate [H] (all whole)."""
+    each copy's router weight (the shared expert: sigmoid(x_t @ w_gate), rounded as HF), rounded, stored at the
+    copies' own rows of o [C + 1, H] (copy order: token t's routed copies at t k .. t k + k - 1, its shared copy at
+    M k + t; rows past the group's end at the spare last row), so that each token's k + 1 rows are summed without
+    a gather. Refs as _sorted_gate_up_kernel's, plus the sorted copies' indices and weights [C + BM], the products
+    [NB * BM, W], w [E, I, H], x [M, H], shared down [Is, H] and gate [H] (all whole)."""
     b, j = pl.program_id(0), pl.program_id(1)
     g = blk_ref[b]
-    bm, bn = o_ref.shape
+    bm, bn = a_ref.shape[0] // blk_ref.shape[0], block_n
     dt, f32 = o_ref.dtype, jnp.float32
     rows = pl.ds(b * bm, bm)
+    sorted_rows = pl.ds(row0_ref[b], bm)
+    live = row0_ref[b] + jnp.arange(bm, dtype=jnp.int32) < end_ref[b]
+    cols = pl.ds(j * bn, bn)
 
     def down(w, e, width):
         def body(i, acc):
             ks = pl.ds(i * block_k, block_k)
-            wk = w_ref[e, ks, pl.ds(j * bn, bn)] if e is not None else w[ks, pl.ds(j * bn, bn)]
+            wk = w_ref[e, ks, cols] if e is not None else w[ks, cols]
             return acc + pltriton.dot(a_ref[rows, ks], wk)
 
         return jax.lax.fori_loop(0, width // block_k, body, jnp.zeros((bm, bn), f32)).astype(dt).astype(f32)
 
+    def store(out):
+        o_ref[jnp.where(live, ord_ref[sorted_rows], o_ref.shape[0] - 1), cols] = out.astype(dt)   # past: a spare row
+
     @pl.when((g >= 0) & (g < n_routed))
     def _():
-        wt = wt_ref[pl.ds(row0_ref[b], bm)].astype(f32)
-        o_ref[...] = (down(None, g, w_ref.shape[1]) * wt[:, None]).astype(dt)
+        store(down(None, g, w_ref.shape[1]) * wt_ref[sorted_rows].astype(f32)[:, None])
 
     @pl.when(g == n_routed)
     def _():
-        live = row0_ref[b] + jnp.arange(bm, dtype=jnp.int32) < end_ref[b]
-        tok = jnp.where(live, tok_ref[pl.ds(row0_ref[b], bm)], 0)
+        tok = jnp.where(live, tok_ref[sorted_rows], 0)
 
         def dot_gate(i, acc):           # x_t @ w_gate over K steps (a block's whole rows at once would spill)
             ks = pl.ds(i * block_k, block_k)
@@ -311,7 +317,7 @@ def _sorted_down_kernel(blk_ref, row0_ref, end_ref, tok_ref, wt_ref, a_ref, w_re
 
         logit = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, dot_gate, jnp.zeros((bm,), f32))
         gate = (1.0 / (1.0 + jnp.exp(-logit.astype(dt).astype(f32)))).astype(dt).astype(f32)
-        o_ref[...] = (down(sd_ref, None, sd_ref.shape[0]) * gate[:, None]).astype(dt)
+        store(down(sd_ref, None, sd_ref.shape[0]) * gate[:, None])
 
 
 def block_m(config: ExpertGemmConfig, copies: int, groups: int) -> int:
@@ -328,8 +334,9 @@ def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     """routed_experts_reference's contract for any number of tokens (past the per-copy kernels): the token copies
     (the shared expert one more per token, as group E) sorted by expert and cut into blocks of BM copies of one
     expert (BM: `block_m`); one program per block and column tile in each of two kernels, which gather their
-    tokens' rows themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights), so only the
-    experts with copies are read and no padded copy of x is written; then each token's k + 1 rows summed in fp32."""
+    tokens' rows themselves (gate_up: silu(gate) * up of the block; down: times the copies' weights, each row
+    stored at its copy's own index), so only the experts with copies are read and no padded copy of x is written;
+    then each token's k + 1 rows summed in fp32."""
     config = DEFAULT if config is None else config
     m, k, e, h, i, i_s, routed, wide = _widths(experts, w_gate_up, shared)
     s_gate_up, s_down, s_gate = shared
@@ -360,9 +367,9 @@ def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
     pad = jnp.zeros(bm, i32)
     tok = jnp.concatenate([jnp.where(order < routed, order // k, order - routed), pad])
     wts = jnp.concatenate([weights.reshape(routed).astype(x.dtype), jnp.zeros(m + bm, x.dtype)])[
-        jnp.concatenate([order, pad + c])]
+        jnp.concatenate([order, pad + c])]                                   # the shared copies' and padding: 0
     whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-    params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    params = pltriton.CompilerParams(num_warps=config.num_warps * bm // config.block_m, num_stages=config.num_stages)
     meta = (blk, row0, end, tok)
     act = pl.pallas_call(
         functools.partial(_sorted_gate_up_kernel, n_routed=e, block_k=bk), grid=(nb, wide // bn),
@@ -371,19 +378,17 @@ def sorted_experts(x, experts, weights, w_gate_up, w_down, shared, *, config: Ex
         out_shape=jax.ShapeDtypeStruct((nb * bm, wide), x.dtype), compiler_params=params, interpret=interpret,
         name="sorted_gate_up",
     )(*meta, x, w_gate_up, s_gate_up)
+    order = jnp.concatenate([order, pad])
     y = pl.pallas_call(
-        functools.partial(_sorted_down_kernel, n_routed=e, block_k=bk), grid=(nb, h // bn),
-        in_specs=[*map(whole, meta), whole(wts), whole(act), whole(w_down), whole(x), whole(s_down),
+        functools.partial(_sorted_down_kernel, n_routed=e, block_k=bk, block_n=bn), grid=(nb, h // bn),
+        in_specs=[*map(whole, meta), whole(order), whole(wts), whole(act), whole(w_down), whole(x), whole(s_down),
                   pl.BlockSpec((h,), lambda *_: (0,))],
-        out_specs=pl.BlockSpec((bm, bn), lambda b, j: (b, j)),
-        out_shape=jax.ShapeDtypeStruct((nb * bm, h), x.dtype), compiler_params=params, interpret=interpret,
+        out_specs=pl.BlockSpec((c + 1, h), lambda b, j: (0, 0)),
+        out_shape=jax.ShapeDtypeStruct((c + 1, h), x.dtype), compiler_params=params, interpret=interpret,
         name="sorted_down",
-    )(*meta, wts, act, w_down, x, s_down, s_gate.reshape(h))
-    # copy q's row of y: its group's first block, then its rank in the group (the sort is stable)
-    pos = jnp.zeros(c, i32).at[order].set(jnp.arange(c, dtype=i32))
-    gq = jnp.minimum(group, e)
-    row = jnp.where(group <= e, bstart[gq] * bm + pos - starts[gq], 0)
-    rows = jnp.where((group <= e)[:, None], y[row].astype(f32), 0)
+    )(*meta, order, wts, act, w_down, x, s_down, s_gate.reshape(h))
+    # rows of copies of another rank's experts are never written
+    rows = jnp.where((group <= e)[:, None], y[:c].astype(f32), 0)
     return rows[:routed].reshape(m, k, h).sum(1) + rows[routed:]
 
 
