@@ -62,9 +62,10 @@ def sweep(batches, h, e, k, i, i_s, wg, wd, shared, record, interpret, reference
             gate_up = sum(v for n, v in kernels.items() if "gate_up" in n)
             down = sum(v for n, v in kernels.items() if "down" in n)
             c = cfg or d
-            row = {"tokens": m, "form": name, "block_m": expert_gemm.block_m(c, m * (k + 1), e + 1) if cfg else "",
-                   "block_n": c.block_n if cfg else "", "block_k": c.block_k if cfg else "",
-                   "warps": c.num_warps if cfg else "", "stages": c.num_stages if cfg else "",
+            bm = expert_gemm.block_m(c, m * (k + 1), e + 1)
+            row = {"tokens": m, "form": name, "block_m": bm if cfg else "",
+                   "block_n": c.block_n if cfg else "", "block_k": c.block_k if cfg else "",       # the kernels' warps:
+                   "warps": c.num_warps * bm // c.block_m if cfg else "", "stages": c.num_stages if cfg else "",
                    "total us": f"{us:.1f}", "gate_up us": f"{gate_up:.1f}", "down us": f"{down:.1f}",
                    "glue us": f"{us - gate_up - down:.1f}"}
             rows.append(row)
