@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qwen35_jax.model.backends import BACKENDS, KernelConfig  # noqa: E402
@@ -39,3 +40,25 @@ def add_kernel_args(ap: argparse.ArgumentParser):
 def kernel_config(args) -> KernelConfig:
     """The KernelConfig that add_kernel_args' flags name."""
     return KernelConfig.parse(args.kernel_config, KernelConfig(backend=args.kernel_backend))
+
+
+def prompt_ttfts(engine: Engine, lens, chunk: int, reps: int) -> dict[int, list[float]]:
+    """Seconds to the first token of one random prompt of each length in lens, `reps` times each (max_tokens=1,
+    greedy); first one prompt per prefill bucket the lengths pass through (chunks of `chunk` tokens), so no timed
+    request compiles."""
+    import numpy as np
+
+    from qwen35_jax.engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    run = lambda n: engine.generate([rng.integers(0, engine.cfg.vocab_size, n).tolist()], [params])
+    for n in sorted({min(lens), *(n % chunk for n in lens if n % chunk)}):
+        run(n)
+    out = {}
+    for n in lens:
+        out[n] = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run(n)
+            out[n].append(time.perf_counter() - t0)
+    return out

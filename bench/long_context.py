@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results  # noqa: E402
-from bench.common import add_kernel_args, config_dir, kernel_config, random_engine  # noqa: E402
+from bench.common import add_kernel_args, config_dir, kernel_config, prompt_ttfts, random_engine  # noqa: E402
 from bench.hf_baseline import run_hf  # noqa: E402
 from bench.kernel_sweeps import prefill_attention_sweep  # noqa: E402
 from bench.throughput import Row, copy_bandwidth, time_decode  # noqa: E402
@@ -85,20 +85,13 @@ def ttft(args, cfg, kc, lens, weights=None, trace_lens=()):
         max_num_batched_tokens=args.chunk, max_prefill_rows=1, precompile=False,
         enable_prefix_caching=args.prefix_caching, kernel_config=kc), weights=weights)
     warm_copies(engine)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(0)
-    run = lambda n: engine.generate([rng.integers(0, engine.cfg.vocab_size, n).tolist()], [params])
-    for n in sorted({min(lens), *(n % args.chunk for n in lens if n % args.chunk)}):
-        run(n)                                      # compiles every prefill bucket the lengths pass through
     out = {}
-    for n in lens:
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            run(n)
-            times.append(time.perf_counter() - t0)
+    for n, times in prompt_ttfts(engine, lens, args.chunk, args.reps).items():
         out[n] = statistics.median(times)
         print(f"ttft {kc.changes() or 'default'} {n}: {[round(t, 3) for t in times]} s", flush=True)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(1)                  # prompts of their own: none the prefix cache has seen
+    run = lambda n: engine.generate([rng.integers(0, engine.cfg.vocab_size, n).tolist()], [params])
     device = {}
     for n in trace_lens:
         device[n] = traced_request(lambda n=n: run(n))

@@ -194,38 +194,23 @@ def ttft(args, w, bw) -> list[dict]:
     """Seconds to the first token of one prompt per --ttft length, on an engine of its own over the same weights."""
     import statistics
 
-    import numpy as np
-
-    from bench.common import kernel_config, random_engine
+    from bench.common import kernel_config, prompt_ttfts, random_engine
     from qwen35_jax.engine.engine import EngineArgs
-    from qwen35_jax.engine.sampling_params import SamplingParams
     lens, chunk = ints(args.ttft), 2048
     engine = random_engine(args.config, EngineArgs(
         max_model_len=max(lens) + 16, max_num_seqs=1, max_num_batched_tokens=chunk, max_prefill_rows=1,
         precompile=False, enable_prefix_caching=False, kernel_config=kernel_config(args),
         **({} if args.gpu_memory_utilization is None else {"gpu_memory_utilization": args.gpu_memory_utilization})),
         weights=w)
-    cfg = engine.cfg
-    expert_bytes = sum(x.nbytes for x in (engine.weights.layers[0].mlp.gate_up, engine.weights.layers[0].mlp.down))
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    rng = np.random.default_rng(0)
-    run = lambda n: engine.generate([rng.integers(0, cfg.vocab_size, n).tolist()], [params])
-    for n in sorted({min(lens), *(n % chunk for n in lens if n % chunk)}):
-        run(n)                                      # compiles every prefill bucket the lengths pass through
+    layer = engine.weights.layers[0].mlp
+    expert_bytes = layer.gate_up.nbytes + layer.down.nbytes
     rows = []
-    for n in lens:
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            run(n)
-            times.append(time.perf_counter() - t0)
-        chunks = -(-n // chunk)
+    for n, times in prompt_ttfts(engine, lens, chunk, reps=3).items():
         rows.append({"prompt tokens": n, "ttft ms": statistics.median(times) * 1e3,
-                     "expert floor ms": chunks * cfg.num_layers * expert_bytes / bw * 1e3})
+                     "expert floor ms": -(-n // chunk) * engine.cfg.num_layers * expert_bytes / bw * 1e3})
         print(rows[-1], [round(t, 3) for t in times], flush=True)
     engine.shutdown()
     return rows
-
 
 if __name__ == "__main__":
     main()
