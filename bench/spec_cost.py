@@ -107,20 +107,24 @@ def exe_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> float:
     import jax
     from qwen35_jax.engine.executor import STOP_IDS
     from qwen35_jax.engine.sampler import host_batch_rows
+    from qwen35_jax.engine.scheduler import next_bucket
     ex = engine.executor
-    slots = np.arange(1, rows + 1, dtype=np.int32)
+    b = next_bucket(rows, ex.decode_buckets)          # the engine's bucket: padding rows on the null slot past them
+    slots = np.zeros(b, np.int32)
+    slots[:rows] = np.arange(1, rows + 1)
     per_row = -(-(context + (iters + 2) * (k + 1) + 2 * k) // engine.args.page_size)
-    pages = np.zeros((rows, ex.pages_per_seq), np.int32)
-    pages[:, :per_row] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
-    ex.sstate = dataclasses.replace(ex.sstate, position=ex.sstate.position.at[slots].set(context),
-                                    sampled=ex.sstate.sampled.at[slots].set(1))
-    sp = host_batch_rows([None] * rows)
-    limits = (np.full(rows, 1 << 30, np.int32), np.zeros(rows, np.int32), np.full((rows, STOP_IDS), -1, np.int32))
+    pages = np.zeros((b, ex.pages_per_seq), np.int32)
+    pages[:rows, :per_row] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
+    live = slots[:rows]
+    ex.sstate = dataclasses.replace(ex.sstate, position=ex.sstate.position.at[live].set(context),
+                                    sampled=ex.sstate.sampled.at[live].set(1))
+    sp = host_batch_rows([None] * b)
+    limits = (np.full(b, 1 << 30, np.int32), np.zeros(b, np.int32), np.full((b, STOP_IDS), -1, np.int32))
     for i in range(iters + 2):
         if i == 2:
             jax.block_until_ready(ex.state)
             t0 = time.perf_counter()
-        out = ex.decode(rows, slots, None, pages, sp, limits=limits)
+        out = ex.decode(b, slots, None, pages, sp, limits=limits)
     jax.block_until_ready(out)
     return 1e3 * (time.perf_counter() - t0) / iters
 

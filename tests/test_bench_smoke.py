@@ -103,11 +103,12 @@ def test_mgpu_precision_bench_smoke():
 
 
 def test_profile_bench_smoke(tmp_path):
-    """bench/profile.py: `qwen35_jax.tools.profile`'s command line on the default model, the table recorded through
-    bench/results.py into $QWEN35_RUNS_DIR (a temporary directory: tests never write into bench/runs/)."""
+    """bench/profile.py: `qwen35_jax.tools.profile`'s command line on the default model, one request decoding in
+    the engine's bucket for it (two rows), the table recorded through bench/results.py into $QWEN35_RUNS_DIR (a
+    temporary directory: tests never write into bench/runs/)."""
     from conftest import XLA_CACHE
     runs = tmp_path / "runs"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "profile.py"), "--batch", "2", "--prompt-len", "16",
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "profile.py"), "--batch", "1", "--prompt-len", "16",
            "--decode-steps", "2", "--dtype", "float32", "--copy-mib", "16", "--out", str(tmp_path / "prof"),
            "--compilation-cache-dir", XLA_CACHE]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**server_env(), "QWEN35_RUNS_DIR": str(runs)},
@@ -117,8 +118,9 @@ def test_profile_bench_smoke(tmp_path):
     files = sorted(os.listdir(runs))
     assert len(files) == 2 and files[1] == "history.md" and files[0].endswith(".json"), files
     history = open(runs / "history.md").read()
-    assert history.count("\n## Profile: tiny-qwen3.5-pydoc: batch 2, prompt 16, 2 decode steps") == 1
-    assert "- command: `python bench/profile.py --batch 2 --prompt-len 16" in history
+    # one request decodes in the engine's smallest bucket, beside a padding row (KernelConfig.decode_min_rows)
+    assert history.count("\n## Profile: tiny-qwen3.5-pydoc: batch 1 (decode bucket 2), prompt 16, 2 decode steps") == 1
+    assert "- command: `python bench/profile.py --batch 1 --prompt-len 16" in history
 
 
 def test_moe_bench_smoke(tmp_path):

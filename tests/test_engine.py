@@ -15,6 +15,7 @@ from conftest import engine_args, fixture_dir, reference, settled
 from qwen35_jax.model.backends import KernelConfig
 from qwen35_jax.llm import LLM
 from qwen35_jax.engine.sampling_params import SamplingParams
+from qwen35_jax.engine.sampler import host_batch
 from qwen35_jax.engine.scheduler import Status
 
 CASE = "text_untied_r1_g6"   # untied head: a spread-out distribution for the sampling tests
@@ -425,7 +426,11 @@ def test_decode_min_rows_pads_one_row_steps():
     padding row on the null slot; its tokens (greedy, seeded) are those of an engine that decodes it alone (1)."""
     ps = prompts(2, seed=71)
     seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
-    assert llm(1).engine.executor.decode_buckets[0] == 2
+    ex = llm(1).engine.executor
+    assert ex.decode_buckets[0] == 2
+    one = np.zeros(1, np.int32)
+    with pytest.raises(ValueError, match=r"decode bucket 1 is not one of this engine's \[2, "):
+        ex.decode(1, one, one, np.zeros((1, ex.pages_per_seq), np.int32), host_batch([], 1))
     want = [llm(1).generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(ps, (GREEDY, seeded))]
     model = LLM(fixture_dir(CASE), skip_tokenizer_init=True,
                 **engine_args(precompile=False, kernel_config=KernelConfig(decode_min_rows=1)))

@@ -914,6 +914,8 @@ class Executor:
         if (limits is None or positions is not None) != (not self.spec_tokens):
             raise ValueError("speculative decoding takes limits and no positions (the device keeps each row's); "
                              "plain decoding takes positions and no limits")
+        if bucket not in self.decode_buckets:      # another row count would compile a step serving never runs
+            raise ValueError(f"decode bucket {bucket} is not one of this engine's {self.decode_buckets}")
         inputs = (slots, positions, pages, sp) if limits is None else (slots, pages, sp, limits)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)

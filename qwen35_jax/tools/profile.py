@@ -8,7 +8,8 @@ bench/runs/ with command, commit and machine):
     python -m qwen35_jax.tools.profile --batch 4 --out DIR                                     # the embedded tiny model
 
 It builds an engine sized for the run (`batch` slots, one prefill bucket of `batch` rows x `prompt_len` tokens,
-the decode bucket of `batch` rows), runs every step once to compile and warm up, then under `jax.profiler`: one
+the engine's decode bucket for `batch` rows: padding rows on the null slot past them, as the engine pads up to
+KernelConfig.decode_min_rows), runs every step once to compile and warm up, then under `jax.profiler`: one
 prefill, `decode_steps` decode steps of one token per row (the engine's compiled executables: model + on-device
 sampler, exactly what serving runs), and 5 runs of a large array copy that measure the device copy bandwidth in
 the same trace. Each step is a `StepTraceAnnotation` ("prefill", "decode", "copy_bandwidth") that blocks until
@@ -293,6 +294,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     from qwen35_jax.engine.engine import EngineArgs, build_engine
     from qwen35_jax.engine.sampler import sampler_mode
+    from qwen35_jax.engine.scheduler import next_bucket
     from qwen35_jax.model.backends import KernelConfig
     from qwen35_jax.model.hub import default_model_dir
 
@@ -329,6 +331,14 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     slots = np.arange(1, batch + 1, dtype=np.int32)
     pages = (1 + np.arange(batch * pages_per_seq, dtype=np.int32)).reshape(batch, pages_per_seq)
+    # decode in the bucket the engine runs `batch` rows in: its padding rows on the null slot 0
+    rows = next_bucket(batch, ex.decode_buckets)
+    dec_slots, dec_pages = np.zeros(rows, np.int32), np.zeros((rows, pages_per_seq), np.int32)
+    dec_slots[:batch], dec_pages[:batch] = slots, pages
+
+    def decode(k):
+        positions = np.where(dec_slots > 0, prompt_len + k, 0).astype(np.int32)
+        return ex.decode(rows, dec_slots, positions, dec_pages, _sampling_batch(rows, greedy, k + 1))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len), dtype=np.int32)
     zeros = np.zeros(batch, np.int32)
 
@@ -352,8 +362,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
                                              _sampling_batch(batch, greedy, 0)))
         for k in range(decode_steps if traced else 1):
             with ann("decode", step_num=k):
-                jax.block_until_ready(ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
-                                                _sampling_batch(batch, greedy, k + 1)))
+                jax.block_until_ready(decode(k))
         for k in range(COPY_RUNS if traced else 1):
             with ann("copy_bandwidth", step_num=k):
                 x = jax.block_until_ready(copy(x))
@@ -362,7 +371,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     run(traced=False)                 # compiles, and keeps first-execution costs out of the trace
     log(f"compiled and warmed up in {time.perf_counter() - t0:.1f}s")
     texts = {"prefill": ex.compiled[("prefill", batch, prompt_len)].as_text(),
-             "decode": ex.compiled[("decode", batch, sampler_mode(_sampling_batch(batch, greedy, 1)))].as_text(),
+             "decode": ex.compiled[("decode", rows, sampler_mode(_sampling_batch(rows, greedy, 1)))].as_text(),
              "copy_bandwidth": copy.as_text()}
     start_profile(out_dir, perfetto=True)
     try:
@@ -376,8 +385,7 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
         t0 = time.perf_counter()
         for _ in range(rounds):
             for k in range(decode_steps):
-                out = ex.decode(batch, slots, np.full(batch, prompt_len + k, np.int32), pages,
-                                _sampling_batch(batch, greedy, k + 1))
+                out = decode(k)
         jax.block_until_ready(out)
         return time.perf_counter() - t0
     r1 = -(-8 // decode_steps)          # at least 8 steps in the shorter burst
@@ -385,14 +393,15 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     name = os.path.basename(os.path.normpath(config or model)).removesuffix(".json")
     meta = dict(
-        title=(f"{name}: batch {batch}, prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
+        title=(f"{name}: batch {batch}" + (f" (decode bucket {rows})" if rows != batch else "")
+               + f", prompt {prompt_len}, {decode_steps} decode steps, tp {tp}, "
                f"{jnp.dtype(dt).name}, kernels {engine.kernel_config.backend}, "
                f"{'greedy' if greedy else 'T=0.7 top_p=0.8 top_k=20'}"
                + "".join(f", {c}" for c in engine.kernel_config.changes().split())     # variants in force
                + (f", XLA_FLAGS={env.read().xla_flags}" if env.read().xla_flags else "")),
         device=f"{dev0.device_kind} ({dev0.platform})", device_id=dev0.local_hardware_id,
-        layer_types=list(cfg.layer_types), batch=batch, prompt_len=prompt_len, decode_steps=decode_steps, tp=tp,
-        dtype=jnp.dtype(dt).name,
+        layer_types=list(cfg.layer_types), batch=batch, decode_rows=rows, prompt_len=prompt_len,
+        decode_steps=decode_steps, tp=tp, dtype=jnp.dtype(dt).name,
         kernel_backend=engine.kernel_config.backend, page_size=page_size, greedy=greedy, copy_bytes=2 * copy_bytes,
         decode_wall_ms=step_s / decode_steps * 1e3, decode_pass_ms=pass_s / decode_steps * 1e3,
         floor_bytes=decode_floor_bytes(cfg, engine.weights, ex.state, batch,    # mean tokens cached over the steps
