@@ -737,6 +737,8 @@ class Executor:
     def _exe(self, key):
         exe = self.compiled.get(key)
         if exe is None:
+            if key[0] == self.decode_kind and key[1] not in self.decode_buckets:   # a step serving never runs
+                raise ValueError(f"decode bucket {key[1]} is not one of this engine's {self.decode_buckets}")
             if key[0] == "prompt_logprobs":
                 if not self._logged_prompt_logprobs:
                     log.info("compiling the prompt-logprobs variant of prefill bucket %s on first use (these "
@@ -914,8 +916,6 @@ class Executor:
         if (limits is None or positions is not None) != (not self.spec_tokens):
             raise ValueError("speculative decoding takes limits and no positions (the device keeps each row's); "
                              "plain decoding takes positions and no limits")
-        if bucket not in self.decode_buckets:      # another row count would compile a step serving never runs
-            raise ValueError(f"decode bucket {bucket} is not one of this engine's {self.decode_buckets}")
         inputs = (slots, positions, pages, sp) if limits is None else (slots, pages, sp, limits)
         if self.on_dispatch is not None:
             self.on_dispatch("decode", (bucket,), inputs)
