@@ -32,9 +32,8 @@ from bench.moe import distinct_tokens  # noqa: E402
 from bench.throughput import Row  # noqa: E402
 from qwen35_jax.model.backends import KernelConfig  # noqa: E402
 from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
-from qwen35_jax.tools.profile import steady_step_seconds  # noqa: E402
+from qwen35_jax.tools.profile import decode_rows, steady_step_seconds  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch  # noqa: E402
-from qwen35_jax.engine.scheduler import next_bucket  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -51,12 +50,8 @@ def decode_call(engine: Engine, batch: int, ctx: int, temperature: float = 0.0):
     top_p 0.8), as bench/throughput.py dispatches it, in the engine's bucket for them (padding rows on the null
     slot past `batch`, as the engine pads; KernelConfig.decode_min_rows)."""
     ex = engine.executor
-    pps = engine.pages_per_seq
-    b = next_bucket(batch, ex.decode_buckets)
-    slots, positions, pages = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, pps), np.int32)
-    slots[:batch] = np.arange(1, batch + 1)
-    positions[:batch] = ctx
-    pages[:batch] = (1 + np.arange(batch * pps, dtype=np.int32)).reshape(batch, pps)
+    b, slots, pages = decode_rows(ex, batch, engine.pages_per_seq)
+    positions = np.where(slots > 0, ctx, 0).astype(np.int32)
     rows = [Row() for _ in range(batch)]
     if temperature > 0:
         for r in rows:

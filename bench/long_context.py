@@ -55,7 +55,7 @@ from qwen35_jax.engine.executor import pow2_buckets  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, host_batch_rows  # noqa: E402
 from qwen35_jax.model.forward import Batch  # noqa: E402
 from qwen35_jax.tools import profile_trace as pt  # noqa: E402
-from qwen35_jax.tools.profile import start_profile, steady_step_seconds, stop_profile  # noqa: E402
+from qwen35_jax.tools.profile import decode_rows, start_profile, steady_step_seconds, stop_profile  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from qwen35_jax.engine.engine import EngineArgs, Observer  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
@@ -339,12 +339,8 @@ def steps_part(args, kc) -> tuple[list[dict], dict]:
         max_prefill_rows=1, min_prefill_tokens=min(chunks), decode_prefill_budget=max(chunks), page_size=ps,
         num_kv_pages=1 + n * per_row + long_pages, precompile=False, enable_prefix_caching=False, kernel_config=kc))
     ex, pps = engine.executor, engine.pages_per_seq
-    b = min(x for x in ex.decode_buckets if x >= n)
-    slots, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    pages = np.zeros((b, pps), np.int32)
-    for i in range(n):
-        slots[i], positions[i] = i + 1, short
-        pages[i, :per_row] = 1 + i * per_row + np.arange(per_row)
+    b, slots, pages = decode_rows(ex, n, per_row)
+    positions = np.where(slots > 0, short, 0).astype(np.int32)
     sp = host_batch([Row() for _ in range(n)], b)
     chunk_pages = np.zeros((1, pps), np.int32)
     chunk_pages[0, :long_pages] = 1 + n * per_row + np.arange(long_pages)

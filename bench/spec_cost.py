@@ -107,14 +107,10 @@ def exe_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> float:
     import jax
     from qwen35_jax.engine.executor import STOP_IDS
     from qwen35_jax.engine.sampler import host_batch_rows
-    from qwen35_jax.engine.scheduler import next_bucket
+    from qwen35_jax.tools.profile import decode_rows
     ex = engine.executor
-    b = next_bucket(rows, ex.decode_buckets)          # the engine's bucket: padding rows on the null slot past them
-    slots = np.zeros(b, np.int32)
-    slots[:rows] = np.arange(1, rows + 1)
     per_row = -(-(context + (iters + 2) * (k + 1) + 2 * k) // engine.args.page_size)
-    pages = np.zeros((b, ex.pages_per_seq), np.int32)
-    pages[:rows, :per_row] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
+    b, slots, pages = decode_rows(ex, rows, per_row)      # the engine's bucket: padding rows on the null slot
     live = slots[:rows]
     ex.sstate = dataclasses.replace(ex.sstate, position=ex.sstate.position.at[live].set(context),
                                     sampled=ex.sstate.sampled.at[live].set(1))

@@ -25,7 +25,7 @@ from bench.common import add_kernel_args, kernel_config, random_engine  # noqa: 
 from bench.timing import slope_us  # noqa: E402
 from qwen35_jax.engine.engine import Engine, EngineArgs  # noqa: E402
 from qwen35_jax.engine.executor import pack_rows  # noqa: E402
-from qwen35_jax.tools.profile import decode_floor_bytes, steady_step_seconds  # noqa: E402
+from qwen35_jax.tools.profile import decode_floor_bytes, decode_rows, steady_step_seconds  # noqa: E402
 from qwen35_jax.engine.sampler import host_batch, sampler_mode  # noqa: E402
 from qwen35_jax.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -84,14 +84,8 @@ def time_decode(engine: Engine, batch: int, ctx: int, iters: int) -> dict[str, f
     the call's cost follows the input buffers' addresses (e.g. command buffers updated when they move), not the
     transfers' size (a few hundred bytes). "dispatches": the calls it made (warm-ups included), for traces of it."""
     ex = engine.executor
-    b = min(bk for bk in ex.decode_buckets if bk >= batch)
-    pps = engine.pages_per_seq
-    slots = np.zeros(b, np.int32)
-    slots[:batch] = np.arange(1, batch + 1)
-    positions = np.full(b, ctx, np.int32) * (slots > 0)
-    pages = np.zeros((b, pps), np.int32)
-    for i in range(batch):
-        pages[i] = 1 + i * pps + np.arange(pps)
+    b, slots, pages = decode_rows(ex, batch, engine.pages_per_seq)
+    positions = np.where(slots > 0, ctx, 0).astype(np.int32)
     sp = host_batch([Row() for _ in range(batch)], b)
     key = ("decode", b, sampler_mode(sp))
     resident = jax.device_put(pack_rows((slots, positions, pages, sp))[0], ex.rows)

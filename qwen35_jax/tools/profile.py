@@ -294,7 +294,6 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 
     from qwen35_jax.engine.engine import EngineArgs, build_engine
     from qwen35_jax.engine.sampler import sampler_mode
-    from qwen35_jax.engine.scheduler import next_bucket
     from qwen35_jax.model.backends import KernelConfig
     from qwen35_jax.model.hub import default_model_dir
 
@@ -329,12 +328,9 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
     if engine.pages_per_seq != pages_per_seq:
         raise RuntimeError(f"engine made {engine.pages_per_seq} pages per sequence, expected {pages_per_seq}")
 
-    slots = np.arange(1, batch + 1, dtype=np.int32)
-    pages = (1 + np.arange(batch * pages_per_seq, dtype=np.int32)).reshape(batch, pages_per_seq)
     # decode in the bucket the engine runs `batch` rows in: its padding rows on the null slot 0
-    rows = next_bucket(batch, ex.decode_buckets)
-    dec_slots, dec_pages = np.zeros(rows, np.int32), np.zeros((rows, pages_per_seq), np.int32)
-    dec_slots[:batch], dec_pages[:batch] = slots, pages
+    rows, dec_slots, dec_pages = decode_rows(ex, batch, pages_per_seq)
+    slots, pages = dec_slots[:batch], dec_pages[:batch]
 
     def decode(k):
         positions = np.where(dec_slots > 0, prompt_len + k, 0).astype(np.int32)
@@ -417,6 +413,22 @@ def run_profile(model: str | None = None, config: str | None = None, *, random_w
 def _shard_bytes(x) -> int:
     import numpy as np
     return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+
+def decode_rows(executor, batch: int, pages_per_row: int):
+    """(bucket, slots, pages) of a synthetic decode step as the engine lays one out: `batch` live rows on slots 1 ..
+    batch, each owning `pages_per_row` consecutive pages from page 1, in the smallest decode bucket that holds them
+    (KernelConfig.decode_min_rows: a lone row runs beside a padding row), padding rows on the null slot 0 and page 0.
+    Positions are the caller's (zero on padding rows: np.where(slots > 0, position, 0))."""
+    import numpy as np
+
+    from qwen35_jax.engine.scheduler import next_bucket
+    b = next_bucket(batch, executor.decode_buckets)
+    slots = np.zeros(b, np.int32)
+    slots[:batch] = np.arange(1, batch + 1)
+    pages = np.zeros((b, executor.pages_per_seq), np.int32)
+    pages[:batch, :pages_per_row] = 1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)
+    return b, slots, pages
 
 
 def steady_step_seconds(burst, n: int, reps: int = 3, tries: int = 4) -> tuple[float, float]:
