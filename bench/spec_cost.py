@@ -127,26 +127,31 @@ def exe_ms(engine, rows: int, k: int, context: int, iters: int = 20) -> float:
 
 def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20, profile: str | None = None) -> dict:
     """ms per call of each part of a speculative step and of the plain model step (see the module docstring), on a
-    fresh state of `rows` slots whose rows sit at position `context`. Each program donates the state it writes and
-    is called `iters` times back to back after a warm-up; tp = 1 (every array whole on the one device)."""
+    fresh state of `rows` slots whose rows sit at position `context`, in the engine's decode bucket for them. Each
+    program donates the state it writes and is called `iters` times back to back after a warm-up; tp = 1 (every
+    array whole on the one device)."""
     import jax
     from jax.sharding import PartitionSpec as P
     cfg, layout, mesh, kernels, dtype = engine.cfg, engine.layout, engine.mesh, engine.kernels, engine.dtype
     assert layout.tp == 1 and engine.dp == 1, "phase_ms runs on one device"
+    from qwen35_jax.tools.profile import decode_rows
     ps = engine.args.page_size
     per_row = -(-(context + 2 * k + 1) // ps)
+    # the engine's bucket for `rows` rows: padding rows on the null slot, at position 0, with no tokens
+    b, slots, pages = decode_rows(engine.executor, rows, per_row)
+    pages = pages[:, :per_row]
+    live = slots > 0
     abstract = abstract_state(cfg, layout, rows, 1 + rows * per_row, ps, dtype, mtp=True)
     state = init_state(abstract, mesh)
     w_specs, s_specs = weight_specs(abstract_weights(cfg, layout, dtype, mtp=True)), state_specs(abstract)
     rng = np.random.default_rng(0)
-    slots = 1 + np.arange(rows)
-    pages = 1 + np.arange(rows * per_row).reshape(rows, per_row)
 
     def batch(t):
-        return make_batch(rng.integers(0, cfg.vocab_size, (rows, t)), [context] * rows, [t] * rows, slots, pages)
+        return make_batch(rng.integers(0, cfg.vocab_size, (b, t)), np.where(live, context, 0), live * t, slots,
+                          pages)
 
     one, many = batch(1), batch(k + 1)
-    accepted = jax.numpy.full((rows,), k + 1, jax.numpy.int32)
+    accepted = jax.numpy.asarray(live * (k + 1), jax.numpy.int32)
     smap = lambda f, ins, outs: jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
     plain = jax.jit(smap(lambda w, s, b: fw.forward(cfg, layout, kernels, w, s, b, all_logits=False),
