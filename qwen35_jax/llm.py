@@ -95,6 +95,11 @@ class LLM:
                               dataclasses.replace(params, structured_outputs=spec))
         return self.generate(prompts, per_prompt, use_tqdm)
 
+    def state(self):
+        """The decoding state (GDN conv / recurrent pools, K / V pages) of an engine with no requests in flight, to
+        look at its shapes and shardings: Engine.state (valid until the next request's first step)."""
+        return self.engine.state()
+
     # ------------------------------------------------------------------------------------------------------------
     def logits(self, token_ids) -> np.ndarray:
         """fp32 logits [len, vocab] at every position of one prompt (a scratch state, not the engine's)."""

@@ -5,6 +5,7 @@ import functools
 import gc
 import os
 import threading
+import time
 import weakref
 
 import jax
@@ -119,6 +120,32 @@ def test_last_output_goes_out_before_the_slot_is_returned():
     assert len(sched.free_slots) == free_slots and sched.available_pages == free_pages and not sched.retired
     # the next request runs as usual in the returned slot
     assert len(model.generate([prompts(1, seed=42)[0]], GREEDY)[0].outputs[0].token_ids) == 12
+
+
+def test_state_of_an_idle_engine_stays_valid():
+    """LLM.state: the decoding state after the finished requests' bookkeeping, whose prefix snapshots are copies
+    that replace (donate) the state arrays a moment after a generate returns, so engine.executor.state read then is
+    deleted under the reader; LLM.state's arrays stay valid while no request runs. Refused while one is in
+    flight."""
+    model = llm(1)
+    eng = model.engine
+    settled(eng)
+    model.generate([prompts(1, seed=51, lo=50, hi=51)[0]], GREEDY)      # whole pages: a prefix snapshot to save
+    racy = eng.executor.state
+    deadline = time.monotonic() + 30
+    while not any(x.is_deleted() for x in jax.tree.leaves(racy)):     # what this guards against
+        assert time.monotonic() < deadline, "the finished request's snapshot was never saved"
+        threading.Event().wait(0.01)
+    model.generate([prompts(1, seed=52, lo=50, hi=51)[0]], GREEDY)
+    state = model.state()
+    assert not eng.scheduler.retired
+    threading.Event().wait(0.2)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    assert [x.shape for x in state.recurrent] == [x.shape for x in eng.executor.state.recurrent]
+    rid = eng.add_request(prompts(1, seed=53)[0], SamplingParams(max_tokens=200, ignore_eos=True), lambda out: None)
+    with pytest.raises(RuntimeError, match="in flight"):
+        model.state()
+    eng.abort(rid)
 
 
 def test_bad_requests_get_clear_errors():

@@ -398,6 +398,38 @@ class Engine:
         done.wait(timeout=30)
         return bool(result and result[0])
 
+    def state(self):
+        """The decoding state (model.state.State: GDN conv / recurrent pools, K / V pages) once the engine has no
+        requests, after the finished ones' bookkeeping, whose prefix snapshots are copies that replace these arrays
+        (read engine.executor.state just after a generate, and an idle engine may still be replacing it). The arrays
+        stay valid until the next request's first step (each step donates the state it replaces): read what you need
+        of them before sending more work. Refused while requests are in flight. Runs on the engine thread when it is
+        running."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._idle_state()
+        done, result = threading.Event(), []
+        self._inbox.put(("state", done, result))
+        if not done.wait(timeout=30):
+            raise TimeoutError("the engine thread did not answer within 30 s")
+        if isinstance(result[0], BaseException):
+            raise result[0]
+        return result[0]
+
+    def _idle_state(self):
+        if self._has_work():
+            raise RuntimeError(f"{len(self.scheduler.running) + len(self.scheduler.waiting)} requests are in flight: "
+                               "the state is replaced at every step; read it once they have finished")
+        self._retire()
+        return self.executor.state
+
+    def _retire(self):
+        """Give the finished requests' slots, pages and snapshots back, and run their snapshots' copies now rather
+        than on the next request's time to first token."""
+        self.scheduler.release()
+        saves = self.scheduler.take_finished_saves()
+        if saves:
+            self.executor.run_copies("save", saves)
+
     def start(self):
         if self._thread is None and not self._stopped:
             shutdown_at_exit(self)
@@ -632,6 +664,12 @@ class Engine:
             elif msg[0] == "reset_prefix_cache":
                 msg[2].append(self.scheduler.reset_prefix_cache())
                 msg[1].set()
+            elif msg[0] == "state":
+                try:
+                    msg[2].append(self._idle_state())
+                except Exception as e:          # the caller raises it
+                    msg[2].append(e)
+                msg[1].set()
             elif msg[0] == "abort":
                 group = self._groups.get(msg[1])
                 if group is not None:
@@ -651,10 +689,7 @@ class Engine:
                 # schedule() does it first thing): a short wait first lets the callers those outputs woke take the
                 # GIL, which this bookkeeping would otherwise hold for up to the 5 ms switch interval
                 self._drain_inbox(block=True, timeout=RELEASE_WAIT_S)
-                self.scheduler.release()
-                saves = self.scheduler.take_finished_saves()
-                if saves:         # their snapshots' copies now, not on the next request's time to first token
-                    self.executor.run_copies("save", saves)
+                self._retire()
                 continue
             self._drain_inbox(block=idle)
             if self._stopped:
