@@ -132,9 +132,10 @@ def phase_ms(engine, rows: int, k: int, context: int, iters: int = 20, profile: 
     array whole on the one device)."""
     import jax
     from jax.sharding import PartitionSpec as P
+
+    from qwen35_jax.tools.profile import decode_rows
     cfg, layout, mesh, kernels, dtype = engine.cfg, engine.layout, engine.mesh, engine.kernels, engine.dtype
     assert layout.tp == 1 and engine.dp == 1, "phase_ms runs on one device"
-    from qwen35_jax.tools.profile import decode_rows
     ps = engine.args.page_size
     per_row = -(-(context + 2 * k + 1) // ps)
     # the engine's bucket for `rows` rows: padding rows on the null slot, at position 0, with no tokens

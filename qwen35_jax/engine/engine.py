@@ -391,12 +391,10 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (vLLM's reset_prefix_cache); False if some were still being restored into a
         request (those stay). Runs on the engine thread when it is running."""
-        if self._thread is None or not self._thread.is_alive():
-            return self.scheduler.reset_prefix_cache()
-        done, result = threading.Event(), []
-        self._inbox.put(("reset_prefix_cache", done, result))
-        done.wait(timeout=30)
-        return bool(result and result[0])
+        try:
+            return bool(self._on_engine_thread(self.scheduler.reset_prefix_cache))
+        except TimeoutError:
+            return False
 
     def state(self):
         """The decoding state (model.state.State: GDN conv / recurrent pools, K / V pages) once the engine has no
@@ -405,10 +403,15 @@ class Engine:
         stay valid until the next request's first step (each step donates the state it replaces): read what you need
         of them before sending more work. Refused while requests are in flight. Runs on the engine thread when it is
         running."""
+        return self._on_engine_thread(self._idle_state)
+
+    def _on_engine_thread(self, fn):
+        """fn() between the engine thread's steps (here when the thread is not running): its result, or its
+        exception raised here."""
         if self._thread is None or not self._thread.is_alive():
-            return self._idle_state()
+            return fn()
         done, result = threading.Event(), []
-        self._inbox.put(("state", done, result))
+        self._inbox.put(("call", fn, done, result))
         if not done.wait(timeout=30):
             raise TimeoutError("the engine thread did not answer within 30 s")
         if isinstance(result[0], BaseException):
@@ -661,15 +664,13 @@ class Engine:
                 group.detok = [self._decoder(s.params) for s in group.seqs]
                 for s in group.seqs:
                     self.scheduler.add(s)
-            elif msg[0] == "reset_prefix_cache":
-                msg[2].append(self.scheduler.reset_prefix_cache())
-                msg[1].set()
-            elif msg[0] == "state":
+            elif msg[0] == "call":                 # _on_engine_thread
+                _, fn, done, result = msg
                 try:
-                    msg[2].append(self._idle_state())
+                    result.append(fn())
                 except Exception as e:          # the caller raises it
-                    msg[2].append(e)
-                msg[1].set()
+                    result.append(e)
+                done.set()
             elif msg[0] == "abort":
                 group = self._groups.get(msg[1])
                 if group is not None:
