@@ -106,12 +106,12 @@ def main():
         logits = jax.random.normal(jax.random.fold_in(ks[6], m), (m, e), f32).astype(bf)
         weights, experts = expert_gemm.router_top_k_reference(logits, k, jnp.ones(m, bool))
         experts = experts.at[0, -1].set(-1)                          # a copy of another rank's expert
-        want = np.asarray(jax.jit(expert_gemm.routed_experts_reference)(x, experts, weights, wg, wd, shared))
+        operands = (x, experts, weights, wg, wd, shared)
+        want = np.asarray(jax.jit(expert_gemm.routed_experts_reference)(*operands))
         for name, fn in (("per_copy", expert_gemm.routed_experts), ("sorted", expert_gemm.sorted_experts)):
             call = jax.jit(lambda *a, fn=fn: fn(*a, interpret=interpret))
-            got = np.asarray(call(x, experts, weights, wg, wd, shared))
-            differ = sum(not np.array_equal(np.asarray(call(x, experts, weights, wg, wd, shared)), got)
-                         for _ in range(args.repeats - 1))
+            got = np.asarray(call(*operands))
+            differ = sum(not np.array_equal(np.asarray(call(*operands)), got) for _ in range(args.repeats - 1))
             err = float(np.abs(got - want).max() / np.abs(want).max())
             row = {"batch": m, "kernels": name, "max abs diff / max abs ref": f"{err:.2e}",
                    "calls differing from the first": f"{differ} of {args.repeats - 1}",
